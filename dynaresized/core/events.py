@@ -1,0 +1,85 @@
+"""Inputs to the core. The daemon shell builds them from wire messages, timers and CLI
+requests; the simulator builds them from virtual time. `at` is the daemon's clock (seconds),
+never a client's: a client's timestamps are data, not time."""
+
+from __future__ import annotations
+
+import msgspec
+
+from dynaresized.domain import DeviceId, Pool, Split, StepTiming, WorkerId, WorkerKind
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True):
+    at: float
+
+
+class Configure(Event, frozen=True):
+    """The device inventory, given once when the log is empty."""
+
+    devices: tuple[DeviceId, ...]
+    pools: tuple[Pool, ...]  # initial pool of each device, aligned with `devices`
+    candidates: tuple[Split, ...] = ()
+
+
+class DaemonStarted(Event, frozen=True):
+    """The daemon (re)started on an existing log: a resize in flight must be reconciled."""
+
+
+class Tick(Event, frozen=True):
+    """Time passes: heartbeat and operation deadlines are checked."""
+
+
+class WorkerHello(Event, frozen=True):
+    worker_id: WorkerId
+    kind: WorkerKind
+    devices: tuple[DeviceId, ...]
+
+
+class Heartbeat(Event, frozen=True):
+    worker_id: WorkerId
+
+
+class WorkerBye(Event, frozen=True):
+    worker_id: WorkerId
+
+
+class StepReported(Event, frozen=True):
+    worker_id: WorkerId
+    timing: StepTiming
+
+
+class ProgressReported(Event, frozen=True):
+    worker_id: WorkerId
+    step: int
+    done: int
+    total: int
+    tokens: int = 0
+
+
+class OpReported(Event, frozen=True):
+    worker_id: WorkerId
+    op_id: str
+    ok: bool
+    detail: str = ""
+
+
+class ResizeRequested(Event, frozen=True):
+    """An operator forces a split (`dynaresized resize`); hysteresis guards are skipped,
+    safety checks are not."""
+
+    target: Split
+    requested_by: str = "operator"
+    reason: str = ""
+
+
+class PauseRequested(Event, frozen=True):
+    requested_by: str = "operator"
+    reason: str = ""
+
+
+class ResumeRequested(Event, frozen=True):
+    requested_by: str = "operator"
+
+
+class ShutdownRequested(Event, frozen=True):
+    """SIGTERM: start no new resize; the one in flight finishes or rolls back."""

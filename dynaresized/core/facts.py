@@ -1,0 +1,174 @@
+"""Facts: what happened, as recorded in the event log. State is the fold of these.
+
+Facts are appended to the store before the commands they imply leave the daemon. Fields are
+only ever appended, with defaults, so old logs stay readable.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from dynaresized.domain import DeviceId, OpSpec, Pool, ResizePlan, Split, StepTiming, Worker, WorkerId
+
+
+class Fact(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    at: float
+
+
+class ClusterConfigured(Fact, frozen=True, tag="cluster_configured"):
+    devices: tuple[DeviceId, ...]
+    pools: tuple[Pool, ...]
+    candidates: tuple[Split, ...] = ()
+
+
+class DaemonRestarted(Fact, frozen=True, tag="daemon_restarted"):
+    """The daemon started on this log; any operation in flight gets a fresh deadline."""
+
+    op_deadline: float | None = None
+
+
+class WorkerRegistered(Fact, frozen=True, tag="worker_registered"):
+    worker: Worker
+
+
+class WorkerLost(Fact, frozen=True, tag="worker_lost"):
+    worker_id: WorkerId
+    reason: str
+
+
+class WorkerLeft(Fact, frozen=True, tag="worker_left"):
+    worker_id: WorkerId
+
+
+class StepObserved(Fact, frozen=True, tag="step_observed"):
+    worker_id: WorkerId
+    timing: StepTiming
+
+
+class ProgressObserved(Fact, frozen=True, tag="progress_observed"):
+    worker_id: WorkerId
+    step: int
+    done: int
+    total: int
+    tokens: int = 0
+
+
+class ProposalRejected(Fact, frozen=True, tag="proposal_rejected"):
+    """A proposal that did not become a resize, and why (the operator's 'why nothing happened')."""
+
+    source: str  # policy name or "operator"
+    target: Split | None
+    guard: str
+    reason: str
+    step: int = -1
+
+
+class ResizeStarted(Fact, frozen=True, tag="resize_started"):
+    plan: ResizePlan
+    source: str
+    reason: str
+    op_deadline: float
+
+
+class OpAcked(Fact, frozen=True, tag="op_acked"):
+    op_id: str
+    worker_id: WorkerId
+    detail: str = ""
+
+
+class OpCompleted(Fact, frozen=True, tag="op_completed"):
+    op_id: str
+    duration_s: float
+    next_deadline: float | None = None  # deadline of the next op, when there is one
+
+
+class OpFailed(Fact, frozen=True, tag="op_failed"):
+    op_id: str
+    worker_id: WorkerId | None
+    reason: str
+
+
+class ResizeAborted(Fact, frozen=True, tag="resize_aborted"):
+    resize_id: str
+    reason: str
+    undo: tuple[OpSpec, ...]
+    op_deadline: float | None
+
+
+class ResizeCommitted(Fact, frozen=True, tag="resize_committed"):
+    resize_id: str
+    duration_s: float
+    step: int
+
+
+class ResizeRolledBack(Fact, frozen=True, tag="resize_rolled_back"):
+    resize_id: str
+    reason: str
+    step: int
+
+
+class Degraded(Fact, frozen=True, tag="degraded"):
+    """A resize could neither finish nor roll back cleanly; resizing waits for an operator."""
+
+    resize_id: str
+    reason: str
+    placed_in: Pool  # where the moving devices were put
+    step: int
+
+
+class ResizingPaused(Fact, frozen=True, tag="resizing_paused"):
+    requested_by: str
+    reason: str = ""
+
+
+class ResizingResumed(Fact, frozen=True, tag="resizing_resumed"):
+    requested_by: str
+
+
+class ShutdownStarted(Fact, frozen=True, tag="shutdown_started"):
+    pass
+
+
+AnyFact = (
+    ClusterConfigured
+    | DaemonRestarted
+    | WorkerRegistered
+    | WorkerLost
+    | WorkerLeft
+    | StepObserved
+    | ProgressObserved
+    | ProposalRejected
+    | ResizeStarted
+    | OpAcked
+    | OpCompleted
+    | OpFailed
+    | ResizeAborted
+    | ResizeCommitted
+    | ResizeRolledBack
+    | Degraded
+    | ResizingPaused
+    | ResizingResumed
+    | ShutdownStarted
+)
+
+FACT_TYPES: tuple[type[Fact], ...] = AnyFact.__args__  # type: ignore[attr-defined]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyFact)
+_json_encoder = msgspec.json.Encoder()
+
+
+def encode_fact(fact: Fact) -> bytes:
+    return _encoder.encode(fact)
+
+
+def decode_fact(data: bytes) -> Fact:
+    return _decoder.decode(data)
+
+
+def fact_type(fact: Fact) -> str:
+    return type(fact).__struct_config__.tag  # type: ignore[return-value]
+
+
+def fact_to_json(fact: Fact) -> bytes:
+    return _json_encoder.encode(fact)

@@ -1,0 +1,168 @@
+"""Hysteresis guards: pure checks that stand between a policy's proposal and a resize.
+
+Each guard returns None ("go") or a `Rejection` whose text an operator reads to learn why
+nothing happened. Defaults follow DynaResize (cooldown longer than 10 steps, payback in about
+11 steps) and are documented field by field in `GuardConfig`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from dynaresized.core.policy import ObservedView, Proposal
+from dynaresized.domain import Pool, Split, StepTiming
+
+
+class GuardConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    imbalance_threshold: float = 0.15
+    """Act only when |rollout - train| / max(rollout, train) of the last step is at least this."""
+    signal_run: int = 3
+    """...and the last `signal_run` steps all pointed the same way."""
+    min_dwell_s: float = 60.0
+    """Seconds that must pass after a resize ends before the next may start."""
+    cooldown_steps: int = 10
+    """RL steps that must complete after a resize ends before the next may start."""
+    min_rollout: int = 1
+    """Devices the rollout pool never goes below (enforced even for unguarded policies)."""
+    min_train: int = 1
+    """Devices the training pool never goes below (enforced even for unguarded policies)."""
+    payback_horizon_steps: int = 50
+    """Steps over which a resize must pay back when the job length is unknown."""
+    payback_safety: float = 1.5
+    """Predicted saving over the horizon must exceed predicted resize cost times this."""
+
+
+class Rejection(msgspec.Struct, frozen=True):
+    guard: str
+    reason: str
+
+
+class History(msgspec.Struct, frozen=True):
+    """What the guards need to know about past resizes."""
+
+    last_resize_end_at: float | None = None
+    last_resize_end_step: int | None = None
+
+
+def signal(timing: StepTiming, threshold: float) -> Pool | None:
+    """The pool a step asks to grow: the slower stage, if the imbalance reaches `threshold`."""
+    slow = max(timing.rollout_s, timing.train_s)
+    if slow <= 0:
+        return None
+    if abs(timing.rollout_s - timing.train_s) / slow < threshold:
+        return None
+    return Pool.ROLLOUT if timing.rollout_s > timing.train_s else Pool.TRAINING
+
+
+def grows(before: Split, after: Split) -> Pool | None:
+    if after.rollout > before.rollout:
+        return Pool.ROLLOUT
+    if after.train > before.train:
+        return Pool.TRAINING
+    return None
+
+
+def check_candidates(view: ObservedView, p: Proposal, cfg: GuardConfig, h: History) -> Rejection | None:
+    if p.target.total != view.split.total:
+        return Rejection("candidates", f"target {p.target} does not use all {view.split.total} devices")
+    if view.candidates and p.target not in view.candidates:
+        allowed = ", ".join(str(c) for c in view.candidates)
+        return Rejection("candidates", f"target {p.target} is not an allowed split ({allowed})")
+    if p.target == view.split:
+        return Rejection("candidates", f"target {p.target} is the current split")
+    return None
+
+
+def check_min_pools(view: ObservedView, p: Proposal, cfg: GuardConfig, h: History) -> Rejection | None:
+    if p.target.rollout < cfg.min_rollout:
+        return Rejection("min_pool", f"rollout pool would drop to {p.target.rollout} < min_rollout={cfg.min_rollout}")
+    if p.target.train < cfg.min_train:
+        return Rejection("min_pool", f"training pool would drop to {p.target.train} < min_train={cfg.min_train}")
+    return None
+
+
+def check_threshold(view: ObservedView, p: Proposal, cfg: GuardConfig, h: History) -> Rejection | None:
+    if not view.recent:
+        return Rejection("threshold", "no step observed yet")
+    last = view.recent[-1]
+    want = grows(view.split, p.target)
+    got = signal(last, cfg.imbalance_threshold)
+    if got is None:
+        slow = max(last.rollout_s, last.train_s) or 1.0
+        imb = abs(last.rollout_s - last.train_s) / slow
+        return Rejection(
+            "threshold",
+            f"step {last.step} imbalance {imb:.1%} below imbalance_threshold={cfg.imbalance_threshold:.0%}",
+        )
+    if got is not want:
+        return Rejection("threshold", f"step {last.step} asks to grow {got.value}, proposal grows {want and want.value}")
+    return None
+
+
+def check_signal_run(view: ObservedView, p: Proposal, cfg: GuardConfig, h: History) -> Rejection | None:
+    want = grows(view.split, p.target)
+    # Only steps observed on the current split count: older ones describe another topology.
+    run = 0
+    for timing in reversed(view.recent):
+        if signal(timing, cfg.imbalance_threshold) is not want:
+            break
+        run += 1
+    if run < cfg.signal_run:
+        return Rejection(
+            "signal_run",
+            f"{run} consecutive step(s) ask to grow {want and want.value}; signal_run={cfg.signal_run} needed",
+        )
+    return None
+
+
+def check_dwell(view: ObservedView, p: Proposal, cfg: GuardConfig, h: History) -> Rejection | None:
+    if h.last_resize_end_at is None:
+        return None
+    waited = view.now - h.last_resize_end_at
+    if waited < cfg.min_dwell_s:
+        return Rejection("dwell", f"{waited:.1f}s since the last resize; min_dwell_s={cfg.min_dwell_s:g}")
+    return None
+
+
+def check_cooldown(view: ObservedView, p: Proposal, cfg: GuardConfig, h: History) -> Rejection | None:
+    if h.last_resize_end_step is None:
+        return None
+    steps = view.step - h.last_resize_end_step
+    if steps < cfg.cooldown_steps:
+        return Rejection("cooldown", f"{steps} step(s) since the last resize; cooldown_steps={cfg.cooldown_steps}")
+    return None
+
+
+def check_payback(view: ObservedView, p: Proposal, cfg: GuardConfig, h: History) -> Rejection | None:
+    horizon = view.steps_remaining if view.steps_remaining is not None else cfg.payback_horizon_steps
+    cost = view.costs.for_move(view.split, p.target)
+    gain = p.saving_per_step_s * horizon
+    if gain <= cost * cfg.payback_safety:
+        return Rejection(
+            "payback",
+            f"saves {p.saving_per_step_s:.2f}s/step x {horizon} steps = {gain:.1f}s, "
+            f"not above cost {cost:.1f}s x payback_safety {cfg.payback_safety:g}",
+        )
+    return None
+
+
+Guard = Callable[[ObservedView, Proposal, GuardConfig, History], Rejection | None]
+
+SAFETY: tuple[Guard, ...] = (check_candidates, check_min_pools)
+"""Checked for every proposal, guarded policy or not."""
+
+HYSTERESIS: tuple[Guard, ...] = (check_threshold, check_signal_run, check_dwell, check_cooldown, check_payback)
+"""Checked for guarded policies (all built-ins but `greedy`)."""
+
+
+def evaluate(
+    view: ObservedView, proposal: Proposal, cfg: GuardConfig, history: History, *, hysteresis: bool = True
+) -> Rejection | None:
+    guards = SAFETY + HYSTERESIS if hysteresis else SAFETY
+    for guard in guards:
+        rejection = guard(view, proposal, cfg, history)
+        if rejection is not None:
+            return rejection
+    return None

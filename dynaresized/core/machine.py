@@ -1,0 +1,516 @@
+"""The resize state machine: `Core.step(state, event) -> (state, facts, commands)`.
+
+Which events a phase accepts is data (`TRANSITIONS`); a missing entry raises
+`IllegalTransition` naming the phase and the event, and the state is left unchanged. Input
+that a phase accepts but that is wrong (unknown device, stale operation) raises `Refused`,
+also with the state unchanged: both are the sender's problem, and the shell tells the sender.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import msgspec
+from msgspec.structs import replace
+
+from dynaresized.core import events as ev
+from dynaresized.core import facts as f
+from dynaresized.core import guards
+from dynaresized.core.policy import ObservedView, Policy, Proposal, ResizeCosts
+from dynaresized.core.state import ClusterState, Phase, mutate
+from dynaresized.domain import (
+    UNDO,
+    DeviceId,
+    OpKind,
+    OpSpec,
+    Pool,
+    ResizePlan,
+    Split,
+    Worker,
+    WorkerKind,
+    WorkerStatus,
+)
+
+
+class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    guards: guards.GuardConfig = guards.GuardConfig()
+    heartbeat_timeout_s: float = 10.0
+    """A worker silent for longer is declared lost."""
+    op_timeout_s: float = 120.0
+    """An operation not acknowledged by all its targets in this time fails the resize."""
+    steps_total: int | None = None
+    """Job length in RL steps, if known: bounds the payback horizon."""
+    costs: ResizeCosts = ResizeCosts()
+    """Resize cost per device before any resize has been measured."""
+
+
+class SendOp(msgspec.Struct, frozen=True):
+    """Command: ask `worker_id` to perform `op`. Workers deduplicate by `op.op_id`, so a
+    command re-sent after a crash is answered, not re-run."""
+
+    worker_id: str
+    resize_id: str
+    op: OpSpec
+    deadline: float
+    training: tuple[DeviceId, ...]  # the training pool once the resize commits
+    rollout: tuple[DeviceId, ...]  # the rollout pool once the resize commits
+
+
+Command = SendOp
+
+
+class IllegalTransition(Exception):
+    def __init__(self, phase: Phase, event: ev.Event) -> None:
+        self.phase = phase
+        self.event = event
+        super().__init__(f"event {type(event).__name__} is not accepted in phase {phase.value!r}")
+
+
+class Refused(Exception):
+    """The event was refused; `code` is stable for programs, `message` is for people."""
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        self.message = message
+        super().__init__(f"{code}: {message}")
+
+
+class _Tx:
+    """One step's accumulation: facts are folded as they are emitted."""
+
+    __slots__ = ("state", "facts", "commands")
+
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
+        self.facts: list[f.Fact] = []
+        self.commands: list[Command] = []
+
+    def emit(self, fact: f.Fact) -> None:
+        self.state = mutate(self.state, fact)
+        self.facts.append(fact)
+
+
+Handler = Callable[["Core", _Tx, ev.Event], None]
+
+
+class Core:
+    def __init__(self, config: CoreConfig, policy: Policy) -> None:
+        self.config = config
+        self.policy = policy
+
+    def step(self, state: ClusterState, event: ev.Event) -> tuple[ClusterState, list[f.Fact], list[Command]]:
+        handler = TRANSITIONS[state.phase].get(type(event))
+        if handler is None:
+            raise IllegalTransition(state.phase, event)
+        tx = _Tx(state)
+        handler(self, tx, event)
+        return tx.state, tx.facts, tx.commands
+
+    # -- views ---------------------------------------------------------------------
+    def view(self, state: ClusterState, now: float) -> ObservedView:
+        learned = state.cost_per_device_s
+        costs = ResizeCosts(
+            to_training_s=learned.get("rollout->training", self.config.costs.to_training_s),
+            to_rollout_s=learned.get("training->rollout", self.config.costs.to_rollout_s),
+        )
+        remaining = None
+        if self.config.steps_total is not None:
+            remaining = max(self.config.steps_total - state.last_step - 1, 0)
+        return ObservedView(
+            now=now,
+            step=state.last_step,
+            split=state.split,
+            candidates=state.candidates,
+            recent=state.recent,
+            costs=costs,
+            steps_remaining=remaining,
+        )
+
+
+# -- handlers ------------------------------------------------------------------------
+
+
+def _require_worker(state: ClusterState, worker_id: str) -> Worker:
+    w = state.workers.get(worker_id)
+    if w is None:
+        raise Refused("unknown_worker", f"worker {worker_id!r} is not registered; send hello first")
+    if w.status is not WorkerStatus.LIVE:
+        raise Refused("not_registered", f"worker {worker_id!r} is {w.status.value}; send hello again")
+    return w
+
+
+def on_configure(core: Core, tx: _Tx, e: ev.Configure) -> None:
+    if tx.state.configured:
+        raise Refused("already_configured", "the cluster inventory is already in the log")
+    if not e.devices or len(set(e.devices)) != len(e.devices):
+        raise Refused("bad_config", "devices must be a non-empty list of distinct ids")
+    if len(e.pools) != len(e.devices):
+        raise Refused("bad_config", "every device needs an initial pool")
+    for c in e.candidates:
+        if c.total != len(e.devices) or c.train < 0 or c.rollout < 0:
+            raise Refused("bad_config", f"candidate split {c} does not cover the {len(e.devices)} devices")
+    tx.emit(f.ClusterConfigured(at=e.at, devices=e.devices, pools=e.pools, candidates=e.candidates))
+
+
+def on_daemon_started(core: Core, tx: _Tx, e: ev.DaemonStarted) -> None:
+    deadline = e.at + core.config.op_timeout_s if tx.state.inflight is not None else None
+    tx.emit(f.DaemonRestarted(at=e.at, op_deadline=deadline))
+
+
+def on_hello(core: Core, tx: _Tx, e: ev.WorkerHello) -> None:
+    s = tx.state
+    if not e.devices or len(set(e.devices)) != len(e.devices):
+        raise Refused("bad_request", "hello must name one or more distinct devices")
+    unknown = [d for d in e.devices if d not in s.devices]
+    if unknown:
+        raise Refused(
+            "unknown_device",
+            f"device(s) {', '.join(unknown)} are not in this cluster's inventory "
+            f"({len(s.devices)} devices configured)",
+        )
+    for d in e.devices:
+        owner = s.live_worker(d, e.kind)
+        if owner is not None and owner.worker_id != e.worker_id:
+            raise Refused("device_owned", f"device {d} already has live {e.kind.value} worker {owner.worker_id!r}")
+    old = s.workers.get(e.worker_id)
+    if old is not None and old.status is WorkerStatus.LIVE and (old.kind, old.devices) != (e.kind, e.devices):
+        raise Refused(
+            "conflict",
+            f"worker {e.worker_id!r} is live as {old.kind.value} on {', '.join(old.devices)}; "
+            "use another worker id or stop the old worker",
+        )
+    incarnation = 1 if old is None else old.incarnation + 1
+    worker = Worker(e.worker_id, e.kind, e.devices, WorkerStatus.LIVE, e.at, incarnation)
+    tx.emit(f.WorkerRegistered(at=e.at, worker=worker))
+    fl = tx.state.inflight
+    if fl is not None and e.worker_id in fl.op.targets and e.worker_id not in fl.acked:
+        _send(tx, [e.worker_id])  # reconcile: the worker answers from its record or re-runs
+
+
+def on_heartbeat(core: Core, tx: _Tx, e: ev.Heartbeat) -> None:
+    _require_worker(tx.state, e.worker_id)
+    last_seen = dict(tx.state.last_seen)
+    last_seen[e.worker_id] = e.at
+    tx.state = replace(tx.state, last_seen=last_seen)
+
+
+def on_bye(core: Core, tx: _Tx, e: ev.WorkerBye) -> None:
+    _require_worker(tx.state, e.worker_id)
+    tx.emit(f.WorkerLeft(at=e.at, worker_id=e.worker_id))
+    _after_worker_gone(core, tx, e.worker_id, "said goodbye", e.at)
+
+
+def _observe_step(core: Core, tx: _Tx, e: ev.StepReported) -> None:
+    _require_worker(tx.state, e.worker_id)
+    t = e.timing
+    if t.step <= tx.state.last_step:
+        raise Refused("stale_step", f"step {t.step} is not after the last observed step {tx.state.last_step}")
+    for name in ("rollout_s", "train_s", "weight_sync_s"):
+        value = getattr(t, name)
+        if not math.isfinite(value) or value < 0:
+            raise Refused("bad_value", f"{name}={value!r} must be a finite number of seconds >= 0")
+    tx.emit(f.StepObserved(at=e.at, worker_id=e.worker_id, timing=t))
+
+
+def on_step_steady(core: Core, tx: _Tx, e: ev.StepReported) -> None:
+    _observe_step(core, tx, e)
+    s = tx.state
+    if s.paused or s.stopping:
+        return
+    view = core.view(s, e.at)
+    proposal = core.policy(view)
+    if proposal is None:
+        return
+    _decide(core, tx, view, proposal, core.policy.name, hysteresis=core.policy.guarded, at=e.at)
+
+
+def on_step_observe(core: Core, tx: _Tx, e: ev.StepReported) -> None:
+    _observe_step(core, tx, e)
+
+
+def on_progress(core: Core, tx: _Tx, e: ev.ProgressReported) -> None:
+    _require_worker(tx.state, e.worker_id)
+    if not (0 <= e.done <= e.total) or e.tokens < 0 or e.step < 0:
+        raise Refused("bad_value", f"progress done={e.done} total={e.total} tokens={e.tokens} is impossible")
+    tx.emit(
+        f.ProgressObserved(at=e.at, worker_id=e.worker_id, step=e.step, done=e.done, total=e.total, tokens=e.tokens)
+    )
+
+
+def on_resize_requested_steady(core: Core, tx: _Tx, e: ev.ResizeRequested) -> None:
+    if tx.state.stopping:
+        _reject(tx, e.at, e.requested_by, e.target, "stopping", "the daemon is shutting down")
+        return
+    view = core.view(tx.state, e.at)
+    current = view.split
+    proposal = Proposal(target=e.target, reason=e.reason or "requested by operator", predicted_step_s=0.0,
+                        predicted_step_s_after=0.0)
+    if current == e.target:
+        _reject(tx, e.at, e.requested_by, e.target, "candidates", f"the split is already {current}")
+        return
+    _decide(core, tx, view, proposal, e.requested_by, hysteresis=False, at=e.at)
+
+
+def on_resize_requested_busy(core: Core, tx: _Tx, e: ev.ResizeRequested) -> None:
+    s = tx.state
+    if s.phase is Phase.DEGRADED:
+        why = f"resizing is suspended ({s.degraded_reason}); run `dynaresized resume` first"
+        _reject(tx, e.at, e.requested_by, e.target, "degraded", why)
+        return
+    fl = s.inflight
+    assert fl is not None
+    _reject(tx, e.at, e.requested_by, e.target, "in_flight",
+            f"resize {fl.plan.resize_id} is in flight (phase {s.phase.value}); one resize at a time")
+
+
+def on_pause(core: Core, tx: _Tx, e: ev.PauseRequested) -> None:
+    if not tx.state.paused:
+        tx.emit(f.ResizingPaused(at=e.at, requested_by=e.requested_by, reason=e.reason))
+
+
+def on_resume(core: Core, tx: _Tx, e: ev.ResumeRequested) -> None:
+    if tx.state.paused or tx.state.phase is Phase.DEGRADED:
+        tx.emit(f.ResizingResumed(at=e.at, requested_by=e.requested_by))
+
+
+def on_shutdown(core: Core, tx: _Tx, e: ev.ShutdownRequested) -> None:
+    if not tx.state.stopping:
+        tx.emit(f.ShutdownStarted(at=e.at))
+
+
+def on_tick(core: Core, tx: _Tx, e: ev.Tick) -> None:
+    timeout = core.config.heartbeat_timeout_s
+    for worker_id, seen in sorted(tx.state.last_seen.items()):
+        silent = e.at - seen
+        if silent > timeout and tx.state.is_live(worker_id):
+            tx.emit(f.WorkerLost(at=e.at, worker_id=worker_id,
+                                 reason=f"no heartbeat for {silent:.1f}s (heartbeat_timeout_s={timeout:g})"))
+            _after_worker_gone(core, tx, worker_id, "lost", e.at)
+    fl = tx.state.inflight
+    if fl is not None and e.at > fl.op_deadline:
+        waiting = [w for w in fl.op.targets if w not in fl.acked and tx.state.is_live(w)]
+        reason = (f"{fl.op.kind.value} timed out after {e.at - fl.op_started_at:.1f}s "
+                  f"(op_timeout_s={core.config.op_timeout_s:g}); waiting for {', '.join(waiting) or 'nobody'}")
+        tx.emit(f.OpFailed(at=e.at, op_id=fl.op.op_id, worker_id=None, reason=reason))
+        _op_failed(core, tx, reason, e.at)
+
+
+def on_op_reported(core: Core, tx: _Tx, e: ev.OpReported) -> None:
+    _require_worker(tx.state, e.worker_id)
+    fl = tx.state.inflight
+    assert fl is not None
+    if e.op_id != fl.op.op_id:
+        raise Refused("stale_op", f"operation {e.op_id} is not in flight (current: {fl.op.op_id})")
+    if e.worker_id not in fl.op.targets:
+        raise Refused("not_a_target", f"operation {e.op_id} was not sent to {e.worker_id!r}")
+    if e.worker_id in fl.acked:
+        return  # a duplicate answer: the first one counted
+    if e.ok:
+        tx.emit(f.OpAcked(at=e.at, op_id=e.op_id, worker_id=e.worker_id, detail=e.detail))
+        _advance(core, tx, e.at)
+        return
+    reason = f"{fl.op.kind.value} failed on {e.worker_id}: {e.detail or 'no detail'}"
+    tx.emit(f.OpFailed(at=e.at, op_id=e.op_id, worker_id=e.worker_id, reason=reason))
+    _op_failed(core, tx, reason, e.at)
+
+
+# -- resize execution ----------------------------------------------------------------
+
+
+def _reject(tx: _Tx, at: float, source: str, target: Split | None, guard: str, reason: str) -> None:
+    tx.emit(f.ProposalRejected(at=at, source=source, target=target, guard=guard, reason=reason,
+                               step=tx.state.last_step))
+
+
+def _decide(core: Core, tx: _Tx, view: ObservedView, proposal: Proposal, source: str, *,
+            hysteresis: bool, at: float) -> None:
+    rejection = guards.evaluate(view, proposal, core.config.guards, tx.state.history, hysteresis=hysteresis)
+    if rejection is not None:
+        _reject(tx, at, source, proposal.target, rejection.guard, rejection.reason)
+        return
+    plan_or_reason = plan_resize(tx.state, proposal.target)
+    if isinstance(plan_or_reason, str):
+        _reject(tx, at, source, proposal.target, "capacity", plan_or_reason)
+        return
+    tx.emit(f.ResizeStarted(at=at, plan=plan_or_reason, source=source, reason=proposal.reason,
+                            op_deadline=at + core.config.op_timeout_s))
+    _advance(core, tx, at, fresh=True)
+
+
+def plan_resize(state: ClusterState, target: Split) -> ResizePlan | str:
+    """The ordered operations that take `state` to `target`, or why that is impossible now."""
+    before = state.split
+    delta = target.train - before.train
+    from_pool, to_pool = (Pool.ROLLOUT, Pool.TRAINING) if delta > 0 else (Pool.TRAINING, Pool.ROLLOUT)
+    count = abs(delta)
+    src_kind, dst_kind = WorkerKind.for_pool(from_pool), WorkerKind.for_pool(to_pool)
+    # Highest device ids first: deterministic, and keeps low ids (often the launch ranks) stable.
+    eligible = [d for d in sorted(state.pool_devices(from_pool), reverse=True) if state.live_worker(d, dst_kind)]
+    if len(eligible) < count:
+        return (f"only {len(eligible)} device(s) in the {from_pool.value} pool have a live "
+                f"{dst_kind.value} worker to take them over; {count} needed for {before} -> {target}")
+    devices = tuple(sorted(eligible[:count]))
+    src = _unique(state.live_worker(d, src_kind) for d in devices)
+    dst = _unique(state.live_worker(d, dst_kind) for d in devices)
+    after_pool = {d: (to_pool if d in devices else p.pool) for d, p in state.devices.items()}
+    committers = _unique(
+        state.live_worker(d, WorkerKind.for_pool(pool)) for d, pool in sorted(after_pool.items()) if pool is not None
+    )
+    resize_id = f"r{state.resizes_started + 1}"
+    targets = {OpKind.DRAIN: src, OpKind.RELEASE: src, OpKind.JOIN: dst, OpKind.RESTORE: dst,
+               OpKind.COMMIT: committers}
+    ops = tuple(
+        OpSpec(op_id=f"{resize_id}/{i}-{kind.value}", kind=kind, devices=devices, targets=ts,
+               from_pool=from_pool, to_pool=to_pool)
+        for i, (kind, ts) in enumerate(targets.items())
+    )
+    return ResizePlan(resize_id=resize_id, devices=devices, from_pool=from_pool, to_pool=to_pool, ops=ops,
+                      before=before, after=target)
+
+
+def _unique(workers: object) -> tuple[str, ...]:
+    seen: dict[str, None] = {}
+    for w in workers:  # type: ignore[attr-defined]
+        if w is not None:
+            seen[w.worker_id] = None
+    return tuple(seen)
+
+
+def _pending(state: ClusterState) -> list[str]:
+    fl = state.inflight
+    assert fl is not None
+    return [w for w in fl.op.targets if w not in fl.acked and state.is_live(w)]
+
+
+def _current_op_id(state: ClusterState) -> str | None:
+    fl = state.inflight
+    if fl is None or fl.index >= len(fl.ops):
+        return None
+    return fl.op.op_id
+
+
+def _advance(core: Core, tx: _Tx, at: float, *, fresh: bool = False) -> None:
+    """Complete every operation with nobody left to answer; end the resize after the last.
+    Whenever a new operation begins (or `fresh`: the current one just began), send it."""
+    entry = _current_op_id(tx.state)
+    while tx.state.inflight is not None:
+        fl = tx.state.inflight
+        if fl.index < len(fl.ops):
+            if _pending(tx.state):
+                break
+            last = fl.index + 1 >= len(fl.ops)
+            tx.emit(f.OpCompleted(at=at, op_id=fl.op.op_id, duration_s=at - fl.op_started_at,
+                                  next_deadline=None if last else at + core.config.op_timeout_s))
+            continue
+        step = tx.state.last_step
+        if fl.rolling_back:
+            tx.emit(f.ResizeRolledBack(at=at, resize_id=fl.plan.resize_id, reason=fl.abort_reason, step=step))
+        else:
+            tx.emit(f.ResizeCommitted(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at, step=step))
+        return
+    current = _current_op_id(tx.state)
+    if current is not None and (fresh or current != entry):
+        _send(tx, None)
+
+
+def _send(tx: _Tx, only: list[str] | None) -> None:
+    s = tx.state
+    fl = s.inflight
+    if fl is None or fl.index >= len(fl.ops):
+        return
+    plan = fl.plan
+    training = tuple(sorted(d for d, p in s.devices.items()
+                            if p.pool is Pool.TRAINING or (d in plan.devices and plan.to_pool is Pool.TRAINING
+                                                           and not fl.rolling_back)))
+    rollout = tuple(sorted(d for d in s.devices if d not in training))
+    for w in only if only is not None else _pending(s):
+        tx.commands.append(SendOp(worker_id=w, resize_id=plan.resize_id, op=fl.op, deadline=fl.op_deadline,
+                                  training=training, rollout=rollout))
+
+
+def _op_failed(core: Core, tx: _Tx, reason: str, at: float) -> None:
+    fl = tx.state.inflight
+    assert fl is not None
+    plan = fl.plan
+    if fl.rolling_back:
+        tx.emit(f.Degraded(at=at, resize_id=plan.resize_id, reason=f"rollback failed: {reason}",
+                           placed_in=plan.from_pool, step=tx.state.last_step))
+    elif fl.op.kind is OpKind.COMMIT:
+        tx.emit(f.Degraded(at=at, resize_id=plan.resize_id, reason=f"commit failed: {reason}",
+                           placed_in=plan.to_pool, step=tx.state.last_step))
+    else:
+        _abort(core, tx, reason, at)
+
+
+def _abort(core: Core, tx: _Tx, reason: str, at: float) -> None:
+    fl = tx.state.inflight
+    assert fl is not None and not fl.rolling_back
+    rid = fl.plan.resize_id
+    touched = fl.ops[: fl.index + 1]
+    undo = tuple(
+        OpSpec(op_id=f"{rid}/undo{i}-{UNDO[op.kind].value}", kind=UNDO[op.kind], devices=op.devices,
+               targets=tuple(w for w in op.targets if tx.state.is_live(w)),
+               from_pool=op.from_pool, to_pool=op.to_pool)
+        for i, op in enumerate(op for op in reversed(touched) if op.kind in UNDO)
+    )
+    tx.emit(f.ResizeAborted(at=at, resize_id=rid, reason=reason, undo=undo,
+                            op_deadline=at + core.config.op_timeout_s if undo else None))
+    _advance(core, tx, at, fresh=True)
+
+
+def _after_worker_gone(core: Core, tx: _Tx, worker_id: str, how: str, at: float) -> None:
+    fl = tx.state.inflight
+    if fl is None:
+        return
+    involved = any(worker_id in op.targets for op in fl.ops[fl.index:])
+    if not involved:
+        return
+    if fl.rolling_back or fl.op.kind is OpKind.COMMIT:
+        # Nothing to undo or commit on a dead process; the rest goes on without it.
+        _advance(core, tx, at)
+        return
+    reason = f"worker {worker_id} {how} during {fl.op.kind.value}"
+    tx.emit(f.OpFailed(at=at, op_id=fl.op.op_id, worker_id=worker_id, reason=reason))
+    _abort(core, tx, reason, at)
+
+
+_ALWAYS: dict[type, Handler] = {
+    ev.Tick: on_tick,
+    ev.DaemonStarted: on_daemon_started,
+    ev.WorkerHello: on_hello,
+    ev.Heartbeat: on_heartbeat,
+    ev.WorkerBye: on_bye,
+    ev.ProgressReported: on_progress,
+    ev.PauseRequested: on_pause,
+    ev.ResumeRequested: on_resume,
+    ev.ShutdownRequested: on_shutdown,
+}  # type: ignore[dict-item]
+
+_RESIZING: dict[type, Handler] = {
+    **_ALWAYS,
+    ev.StepReported: on_step_observe,
+    ev.OpReported: on_op_reported,
+    ev.ResizeRequested: on_resize_requested_busy,
+}  # type: ignore[dict-item]
+
+TRANSITIONS: dict[Phase, dict[type, Handler]] = {
+    Phase.STEADY: {
+        **_ALWAYS,
+        ev.Configure: on_configure,
+        ev.StepReported: on_step_steady,
+        ev.ResizeRequested: on_resize_requested_steady,
+    },  # type: ignore[dict-item]
+    Phase.DRAINING: _RESIZING,
+    Phase.RELEASING: _RESIZING,
+    Phase.JOINING: _RESIZING,
+    Phase.RESTORING: _RESIZING,
+    Phase.COMMITTING: _RESIZING,
+    Phase.ROLLING_BACK: _RESIZING,
+    Phase.DEGRADED: {
+        **_ALWAYS,
+        ev.StepReported: on_step_observe,
+        ev.ResizeRequested: on_resize_requested_busy,
+    },  # type: ignore[dict-item]
+}
+"""Phase x event type -> handler. Anything missing is an IllegalTransition."""

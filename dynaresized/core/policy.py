@@ -1,0 +1,102 @@
+"""The policy plug-in interface: a pure function of an observed view to a proposal or nothing.
+
+Policies never see the daemon, the clock or the network: everything they may use is in
+`ObservedView`. Built-in and third-party policies are found through the entry-point group
+`dynaresized.policies`; each entry point names a class taking keyword options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from importlib.metadata import entry_points
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from dynaresized.domain import Split, StepTiming
+
+ENTRY_POINT_GROUP = "dynaresized.policies"
+
+
+class ResizeCosts(msgspec.Struct, frozen=True):
+    """Estimated seconds on the critical path of moving one device, per direction."""
+
+    to_training_s: float = 30.0
+    to_rollout_s: float = 30.0
+
+    def for_move(self, before: Split, after: Split) -> float:
+        moved = abs(after.train - before.train)
+        per_device = self.to_training_s if after.train > before.train else self.to_rollout_s
+        return moved * per_device
+
+
+class ObservedView(msgspec.Struct, frozen=True):
+    """What a policy may look at when it decides."""
+
+    now: float
+    step: int  # the last completed step
+    split: Split  # current Train:Rollout split
+    candidates: tuple[Split, ...]  # the splits the operator allows
+    recent: tuple[StepTiming, ...]  # oldest first, bounded window
+    costs: ResizeCosts
+    steps_remaining: int | None = None  # None when the job length is unknown
+
+
+class Proposal(msgspec.Struct, frozen=True):
+    target: Split
+    reason: str
+    predicted_step_s: float  # predicted step time if nothing changes
+    predicted_step_s_after: float  # predicted step time on the target split
+
+    @property
+    def saving_per_step_s(self) -> float:
+        return self.predicted_step_s - self.predicted_step_s_after
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """`name` is the entry-point name; `guarded` False skips the hysteresis guards
+    (never the safety checks: candidate splits, minimum pool sizes, one resize at a time)."""
+
+    name: str
+    guarded: bool
+
+    def __call__(self, view: ObservedView) -> Proposal | None: ...
+
+
+class UnknownPolicyError(LookupError):
+    pass
+
+
+def available_policies() -> list[str]:
+    return sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+
+
+def load_policy(name: str, options: Mapping[str, Any] | None = None) -> Policy:
+    """Instantiate the policy registered under `name` with keyword `options`."""
+    matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not matches:
+        raise UnknownPolicyError(
+            f"unknown policy {name!r}; installed policies: {', '.join(available_policies()) or 'none'}"
+        )
+    cls = matches[0].load()
+    try:
+        policy = cls(**dict(options or {}))
+    except TypeError as exc:
+        raise ValueError(f"bad options for policy {name!r}: {exc}") from None
+    if not isinstance(policy, Policy):
+        raise TypeError(f"entry point {name!r} does not implement the Policy interface")
+    return policy
+
+
+def stage_split_estimate(timing: StepTiming, split: Split) -> tuple[float, float]:
+    """Device-seconds of rollout and training work in one step (time × devices)."""
+    return timing.rollout_s * max(split.rollout, 1), timing.train_s * max(split.train, 1)
+
+
+def predicted_step_s(rollout_work: float, train_work: float, split: Split, sync_s: float = 0.0) -> float:
+    """One-step off-policy pipeline: a step takes max(rollout, training) + weight sync,
+    each stage's time being its work spread over its pool (linear scaling)."""
+    if split.rollout <= 0 or split.train <= 0:
+        return float("inf")
+    return max(rollout_work / split.rollout, train_work / split.train) + sync_s

@@ -1,0 +1,360 @@
+"""The cluster state and the one function that folds facts into it.
+
+`mutate(state, fact)` is the only way state changes, live or on replay, so replaying the
+log always gives the live state. The single exception is `last_seen` (heartbeat times), which
+is soft: heartbeats are not facts, and after a restart every worker gets a fresh grace period.
+`ClusterState.durable()` is the part that replay must reproduce exactly.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+import msgspec
+from msgspec.structs import replace
+
+from dynaresized.core import facts as f
+from dynaresized.core.guards import History
+from dynaresized.domain import (
+    DeviceId,
+    OpKind,
+    OpSpec,
+    Placement,
+    Pool,
+    ResizePlan,
+    Split,
+    StepTiming,
+    Worker,
+    WorkerId,
+    WorkerKind,
+    WorkerStatus,
+    moving,
+    placed,
+)
+
+RECENT_WINDOW = 32
+
+
+class Phase(str, enum.Enum):
+    STEADY = "steady"
+    DRAINING = "draining"
+    RELEASING = "releasing"
+    JOINING = "joining"
+    RESTORING = "restoring"
+    COMMITTING = "committing"
+    ROLLING_BACK = "rolling_back"
+    DEGRADED = "degraded"
+
+
+PHASE_OF_OP: dict[OpKind, Phase] = {
+    OpKind.DRAIN: Phase.DRAINING,
+    OpKind.RELEASE: Phase.RELEASING,
+    OpKind.JOIN: Phase.JOINING,
+    OpKind.RESTORE: Phase.RESTORING,
+    OpKind.COMMIT: Phase.COMMITTING,
+}
+
+
+class InFlight(msgspec.Struct, frozen=True):
+    """The resize in flight: its plan and where its execution stands."""
+
+    plan: ResizePlan
+    source: str
+    reason: str
+    started_at: float
+    ops: tuple[OpSpec, ...]  # the plan's ops, or the undo ops once rolling back
+    index: int
+    op_started_at: float
+    op_deadline: float
+    acked: tuple[WorkerId, ...] = ()
+    rolling_back: bool = False
+    abort_reason: str = ""
+
+    @property
+    def op(self) -> OpSpec:
+        return self.ops[self.index]
+
+
+class Progress(msgspec.Struct, frozen=True, array_like=True):
+    step: int
+    done: int
+    total: int
+    tokens: int
+
+
+class ClusterState(msgspec.Struct, frozen=True):
+    version: int = 0  # facts folded so far
+    configured: bool = False
+    devices: dict[DeviceId, Placement] = {}
+    candidates: tuple[Split, ...] = ()
+    workers: dict[WorkerId, Worker] = {}
+    phase: Phase = Phase.STEADY
+    inflight: InFlight | None = None
+    last_step: int = -1
+    recent: tuple[StepTiming, ...] = ()
+    progress: dict[WorkerId, Progress] = {}
+    history: History = History()
+    paused: bool = False
+    stopping: bool = False
+    resizes_started: int = 0
+    resizes_committed: int = 0
+    resizes_rolled_back: int = 0
+    cost_per_device_s: dict[str, float] = {}  # learned, by direction "rollout->training"
+    degraded_reason: str = ""
+    last_seen: dict[WorkerId, float] = {}  # soft state, see module docstring
+
+    # -- derived views -------------------------------------------------------------
+    def pool_devices(self, pool: Pool) -> tuple[DeviceId, ...]:
+        return tuple(d for d, p in self.devices.items() if p.pool is pool)
+
+    @property
+    def split(self) -> Split:
+        train = rollout = 0
+        for p in self.devices.values():
+            if p.pool is Pool.TRAINING:
+                train += 1
+            elif p.pool is Pool.ROLLOUT:
+                rollout += 1
+        return Split(train=train, rollout=rollout)
+
+    def live_worker(self, device: DeviceId, kind: WorkerKind) -> Worker | None:
+        for w in self.workers.values():
+            if w.status is WorkerStatus.LIVE and w.kind is kind and device in w.devices:
+                return w
+        return None
+
+    def is_live(self, worker_id: WorkerId) -> bool:
+        w = self.workers.get(worker_id)
+        return w is not None and w.status is WorkerStatus.LIVE
+
+    def durable(self) -> ClusterState:
+        return replace(self, last_seen={})
+
+
+S = TypeVar("S", bound=f.Fact)
+_MUTATORS: dict[type, Callable[[ClusterState, f.Fact], ClusterState]] = {}
+
+
+def _on(fact_type: type[S]) -> Callable[[Callable[[ClusterState, S], ClusterState]], Callable]:
+    def register(fn: Callable[[ClusterState, S], ClusterState]) -> Callable:
+        _MUTATORS[fact_type] = fn  # type: ignore[assignment]
+        return fn
+
+    return register
+
+
+def mutate(state: ClusterState, fact: f.Fact) -> ClusterState:
+    new = _MUTATORS[type(fact)](state, fact)
+    return replace(new, version=state.version + 1)
+
+
+def fold(facts: Iterable[f.Fact], state: ClusterState | None = None) -> ClusterState:
+    state = state if state is not None else ClusterState()
+    for fact in facts:
+        state = mutate(state, fact)
+    return state
+
+
+def _set_worker(state: ClusterState, worker_id: WorkerId, status: WorkerStatus) -> ClusterState:
+    w = state.workers[worker_id]
+    workers = dict(state.workers)
+    workers[worker_id] = replace(w, status=status)
+    last_seen = dict(state.last_seen)
+    last_seen.pop(worker_id, None)
+    return replace(state, workers=workers, last_seen=last_seen)
+
+
+def _place(state: ClusterState, devices: Iterable[DeviceId], placement: Placement) -> ClusterState:
+    new = dict(state.devices)
+    for d in devices:
+        new[d] = placement
+    return replace(state, devices=new)
+
+
+def _end_resize(state: ClusterState, at: float, step: int) -> ClusterState:
+    return replace(
+        state,
+        inflight=None,
+        history=History(last_resize_end_at=at, last_resize_end_step=step),
+    )
+
+
+@_on(f.ClusterConfigured)
+def _(s: ClusterState, e: f.ClusterConfigured) -> ClusterState:
+    return replace(
+        s,
+        configured=True,
+        devices={d: placed(p) for d, p in zip(e.devices, e.pools, strict=True)},
+        candidates=e.candidates,
+    )
+
+
+@_on(f.DaemonRestarted)
+def _(s: ClusterState, e: f.DaemonRestarted) -> ClusterState:
+    inflight = s.inflight
+    if inflight is not None and e.op_deadline is not None:
+        inflight = replace(inflight, op_deadline=e.op_deadline)
+    grace = {w.worker_id: e.at for w in s.workers.values() if w.status is WorkerStatus.LIVE}
+    return replace(s, inflight=inflight, stopping=False, last_seen=grace)
+
+
+@_on(f.WorkerRegistered)
+def _(s: ClusterState, e: f.WorkerRegistered) -> ClusterState:
+    workers = dict(s.workers)
+    workers[e.worker.worker_id] = e.worker
+    last_seen = dict(s.last_seen)
+    last_seen[e.worker.worker_id] = e.at
+    return replace(s, workers=workers, last_seen=last_seen)
+
+
+@_on(f.WorkerLost)
+def _(s: ClusterState, e: f.WorkerLost) -> ClusterState:
+    return _set_worker(s, e.worker_id, WorkerStatus.LOST)
+
+
+@_on(f.WorkerLeft)
+def _(s: ClusterState, e: f.WorkerLeft) -> ClusterState:
+    return _set_worker(s, e.worker_id, WorkerStatus.GONE)
+
+
+@_on(f.StepObserved)
+def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
+    recent = (s.recent + (e.timing,))[-RECENT_WINDOW:]
+    return replace(s, last_step=e.timing.step, recent=recent)
+
+
+@_on(f.ProgressObserved)
+def _(s: ClusterState, e: f.ProgressObserved) -> ClusterState:
+    progress = dict(s.progress)
+    progress[e.worker_id] = Progress(e.step, e.done, e.total, e.tokens)
+    return replace(s, progress=progress)
+
+
+@_on(f.ProposalRejected)
+def _(s: ClusterState, e: f.ProposalRejected) -> ClusterState:
+    return s  # a record for operators; changes nothing
+
+
+@_on(f.ResizeStarted)
+def _(s: ClusterState, e: f.ResizeStarted) -> ClusterState:
+    plan = e.plan
+    s = _place(s, plan.devices, moving(plan.from_pool, plan.to_pool))
+    inflight = InFlight(
+        plan=plan,
+        source=e.source,
+        reason=e.reason,
+        started_at=e.at,
+        ops=plan.ops,
+        index=0,
+        op_started_at=e.at,
+        op_deadline=e.op_deadline,
+    )
+    return replace(
+        s,
+        inflight=inflight,
+        phase=PHASE_OF_OP[plan.ops[0].kind],
+        resizes_started=s.resizes_started + 1,
+    )
+
+
+@_on(f.OpAcked)
+def _(s: ClusterState, e: f.OpAcked) -> ClusterState:
+    assert s.inflight is not None
+    return replace(s, inflight=replace(s.inflight, acked=s.inflight.acked + (e.worker_id,)))
+
+
+@_on(f.OpCompleted)
+def _(s: ClusterState, e: f.OpCompleted) -> ClusterState:
+    fl = s.inflight
+    assert fl is not None
+    nxt = fl.index + 1
+    if nxt >= len(fl.ops):
+        return replace(s, inflight=replace(fl, index=nxt, acked=()))
+    inflight = replace(
+        fl, index=nxt, acked=(), op_started_at=e.at, op_deadline=e.next_deadline or e.at
+    )
+    phase = Phase.ROLLING_BACK if fl.rolling_back else PHASE_OF_OP[fl.ops[nxt].kind]
+    return replace(s, inflight=inflight, phase=phase)
+
+
+@_on(f.OpFailed)
+def _(s: ClusterState, e: f.OpFailed) -> ClusterState:
+    return s  # what follows (abort, degraded) is its own fact
+
+
+@_on(f.ResizeAborted)
+def _(s: ClusterState, e: f.ResizeAborted) -> ClusterState:
+    fl = s.inflight
+    assert fl is not None
+    inflight = replace(
+        fl,
+        ops=e.undo,
+        index=0,
+        acked=(),
+        rolling_back=True,
+        abort_reason=e.reason,
+        op_started_at=e.at,
+        op_deadline=e.op_deadline or e.at,
+    )
+    return replace(s, inflight=inflight, phase=Phase.ROLLING_BACK)
+
+
+@_on(f.ResizeCommitted)
+def _(s: ClusterState, e: f.ResizeCommitted) -> ClusterState:
+    plan = s.inflight.plan  # type: ignore[union-attr]
+    s = _place(s, plan.devices, placed(plan.to_pool))
+    costs = dict(s.cost_per_device_s)
+    per_device = e.duration_s / max(len(plan.devices), 1)
+    old = costs.get(plan.direction)
+    costs[plan.direction] = per_device if old is None else 0.5 * old + 0.5 * per_device
+    s = replace(s, phase=Phase.STEADY, recent=(), resizes_committed=s.resizes_committed + 1, cost_per_device_s=costs)
+    return _end_resize(s, e.at, e.step)
+
+
+@_on(f.ResizeRolledBack)
+def _(s: ClusterState, e: f.ResizeRolledBack) -> ClusterState:
+    plan = s.inflight.plan  # type: ignore[union-attr]
+    s = _place(s, plan.devices, placed(plan.from_pool))
+    s = replace(s, phase=Phase.STEADY, resizes_rolled_back=s.resizes_rolled_back + 1)
+    return _end_resize(s, e.at, e.step)
+
+
+@_on(f.Degraded)
+def _(s: ClusterState, e: f.Degraded) -> ClusterState:
+    plan = s.inflight.plan  # type: ignore[union-attr]
+    s = _place(s, plan.devices, placed(e.placed_in))
+    s = replace(s, phase=Phase.DEGRADED, degraded_reason=e.reason)
+    return _end_resize(s, e.at, e.step)
+
+
+@_on(f.ResizingPaused)
+def _(s: ClusterState, e: f.ResizingPaused) -> ClusterState:
+    return replace(s, paused=True)
+
+
+@_on(f.ResizingResumed)
+def _(s: ClusterState, e: f.ResizingResumed) -> ClusterState:
+    phase = Phase.STEADY if s.phase is Phase.DEGRADED else s.phase
+    return replace(s, paused=False, phase=phase, degraded_reason="")
+
+
+@_on(f.ShutdownStarted)
+def _(s: ClusterState, e: f.ShutdownStarted) -> ClusterState:
+    return replace(s, stopping=True)
+
+
+missing = set(f.FACT_TYPES) - set(_MUTATORS)
+assert not missing, f"facts without a mutator: {missing}"
+
+_state_encoder = msgspec.msgpack.Encoder()
+_state_decoder = msgspec.msgpack.Decoder(ClusterState)
+
+
+def encode_state(state: ClusterState) -> bytes:
+    return _state_encoder.encode(state.durable())
+
+
+def decode_state(data: bytes) -> ClusterState:
+    return _state_decoder.decode(data)

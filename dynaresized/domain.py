@@ -1,0 +1,161 @@
+"""The nouns of dynaresized: devices, pools, workers, RL steps and resize plans.
+
+Everything here is a frozen msgspec Struct or an Enum, shared by the core, the wire
+protocol, the store, the simulator and the backends. No behaviour beyond small derived
+properties lives here.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+DeviceId = str  # "node0:gpu3" (or "node0:cpu1" when a CPU slot stands in for a GPU)
+WorkerId = str  # chosen by the worker; authenticated by its CURVE key on non-loopback binds
+
+
+class Pool(str, enum.Enum):
+    ROLLOUT = "rollout"
+    TRAINING = "training"
+
+    @property
+    def other(self) -> Pool:
+        return Pool.TRAINING if self is Pool.ROLLOUT else Pool.ROLLOUT
+
+
+class WorkerKind(str, enum.Enum):
+    """What a worker process does on its device while its device is in the matching pool."""
+
+    ROLLOUT_ENGINE = "rollout-engine"
+    TRAINER_RANK = "trainer-rank"
+
+    @property
+    def pool(self) -> Pool:
+        return Pool.ROLLOUT if self is WorkerKind.ROLLOUT_ENGINE else Pool.TRAINING
+
+    @staticmethod
+    def for_pool(pool: Pool) -> WorkerKind:
+        return WorkerKind.ROLLOUT_ENGINE if pool is Pool.ROLLOUT else WorkerKind.TRAINER_RANK
+
+
+class WorkerStatus(str, enum.Enum):
+    LIVE = "live"
+    LOST = "lost"  # missed heartbeats past the deadline, or died; may come back
+    GONE = "gone"  # said goodbye
+
+
+class Placement(msgspec.Struct, frozen=True, array_like=True):
+    """Where one device is: in a pool, or moving between the two (`pool` is None)."""
+
+    pool: Pool | None
+    moving_from: Pool | None = None
+    moving_to: Pool | None = None
+
+    @property
+    def is_moving(self) -> bool:
+        return self.pool is None
+
+
+def placed(pool: Pool) -> Placement:
+    return Placement(pool=pool)
+
+
+def moving(from_pool: Pool, to_pool: Pool) -> Placement:
+    return Placement(pool=None, moving_from=from_pool, moving_to=to_pool)
+
+
+class Worker(msgspec.Struct, frozen=True):
+    worker_id: WorkerId
+    kind: WorkerKind
+    devices: tuple[DeviceId, ...]
+    status: WorkerStatus = WorkerStatus.LIVE
+    registered_at: float = 0.0
+    incarnation: int = 1  # bumped on every re-registration (worker or daemon restart)
+
+
+class StepTiming(msgspec.Struct, frozen=True):
+    """Observed stage times of one RL step, in seconds (wall clock of the reporting side).
+
+    In a one-step off-policy pipeline, step k's training overlaps step k+1's rollout;
+    `rollout_s` and `train_s` are each stage's own busy time for step k.
+    """
+
+    step: int
+    rollout_s: float
+    train_s: float
+    weight_sync_s: float = 0.0
+    rollout_devices: int = 0
+    train_devices: int = 0
+    samples: int = 0
+    response_tokens: int = 0
+
+
+class Split(msgspec.Struct, frozen=True, order=True):
+    """A Train:Rollout split, counted in devices."""
+
+    train: int
+    rollout: int
+
+    @property
+    def total(self) -> int:
+        return self.train + self.rollout
+
+    def __str__(self) -> str:
+        return f"{self.train}:{self.rollout}"
+
+
+class OpKind(str, enum.Enum):
+    """The fine-grained operations of a resize (DESIGN.md §5) and their undo operations."""
+
+    DRAIN = "drain"  # source stops admitting work; in-flight work finishes or is handed over
+    RELEASE = "release"  # source gives the device up (engine sleeps / trainer leaves its group)
+    JOIN = "join"  # destination takes the device (trainer enters group / engine wakes)
+    RESTORE = "restore"  # destination state brought up to date (weights, optimizer state)
+    COMMIT = "commit"  # the pools switch to the new topology at the next step boundary
+    # undo operations, issued in reverse order by a rollback
+    RESUME = "resume"  # undo DRAIN: source admits work again
+    RECLAIM = "reclaim"  # undo RELEASE: source takes its device back
+    EVICT = "evict"  # undo JOIN: destination gives the device back
+
+
+UNDO: dict[OpKind, OpKind] = {
+    OpKind.DRAIN: OpKind.RESUME,
+    OpKind.RELEASE: OpKind.RECLAIM,
+    OpKind.JOIN: OpKind.EVICT,
+}
+"""What undoes each op. RESTORE needs no undo (EVICT discards it); COMMIT is the point of
+no return: once it starts, a resize is rolled forward, never back."""
+
+FORWARD_ORDER: tuple[OpKind, ...] = (
+    OpKind.DRAIN,
+    OpKind.RELEASE,
+    OpKind.JOIN,
+    OpKind.RESTORE,
+    OpKind.COMMIT,
+)
+
+
+class OpSpec(msgspec.Struct, frozen=True):
+    """One operation of a resize plan, sent to every worker in `targets`."""
+
+    op_id: str  # "<resize_id>/<index>-<kind>", unique for the life of the log
+    kind: OpKind
+    devices: tuple[DeviceId, ...]
+    targets: tuple[WorkerId, ...]
+    from_pool: Pool
+    to_pool: Pool
+
+
+class ResizePlan(msgspec.Struct, frozen=True):
+    resize_id: str
+    devices: tuple[DeviceId, ...]
+    from_pool: Pool
+    to_pool: Pool
+    ops: tuple[OpSpec, ...]
+    before: Split
+    after: Split
+
+    @property
+    def direction(self) -> str:
+        return f"{self.from_pool.value}->{self.to_pool.value}"

@@ -1,0 +1,68 @@
+"""`hysteresis`: DynaResize-style. Move devices toward the slower stage, to the allowed split
+with the best predicted step time; the core's guards (threshold, run of signals, dwell,
+cooldown, payback) decide whether the proposal goes ahead."""
+
+from __future__ import annotations
+
+from dynaresized.core.policy import ObservedView, Proposal, predicted_step_s
+from dynaresized.domain import Split
+
+
+def candidate_splits(view: ObservedView) -> tuple[Split, ...]:
+    if view.candidates:
+        return view.candidates
+    n = view.split.total
+    return tuple(Split(train=t, rollout=n - t) for t in range(1, n))
+
+
+def mean_work(view: ObservedView, window: int) -> tuple[float, float, float]:
+    """Mean device-seconds of rollout and training work per step, and mean sync time, over the
+    last `window` steps; each step's work uses the pool sizes it ran on."""
+    steps = view.recent[-window:]
+    rollout = train = sync = 0.0
+    for t in steps:
+        r_dev = t.rollout_devices or view.split.rollout
+        t_dev = t.train_devices or view.split.train
+        rollout += t.rollout_s * r_dev
+        train += t.train_s * t_dev
+        sync += t.weight_sync_s
+    n = max(len(steps), 1)
+    return rollout / n, train / n, sync / n
+
+
+class HysteresisPolicy:
+    name = "hysteresis"
+    guarded = True
+
+    def __init__(self, window: int = 3, max_move: int | None = None) -> None:
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        self.window = window
+        self.max_move = max_move
+
+    def __call__(self, view: ObservedView) -> Proposal | None:
+        if not view.recent:
+            return None
+        rollout_work, train_work, sync = mean_work(view, self.window)
+        now = predicted_step_s(rollout_work, train_work, view.split, sync)
+        last = view.recent[-1]
+        grow_rollout = last.rollout_s > last.train_s
+        best: tuple[float, Split] | None = None
+        for split in candidate_splits(view):
+            moved = split.rollout - view.split.rollout
+            if moved == 0 or (moved > 0) != grow_rollout:
+                continue
+            if self.max_move is not None and abs(moved) > self.max_move:
+                continue
+            after = predicted_step_s(rollout_work, train_work, split, sync)
+            if best is None or (after, abs(moved)) < (best[0], abs(best[1].rollout - view.split.rollout)):
+                best = (after, split)
+        if best is None or best[0] >= now:
+            return None
+        after, target = best
+        slower = "rollout" if grow_rollout else "training"
+        reason = (
+            f"{slower} is the slower stage (rollout {last.rollout_s:.1f}s vs train {last.train_s:.1f}s at step "
+            f"{last.step}); {view.split} -> {target} predicts {now:.1f}s -> {after:.1f}s per step"
+        )
+        return Proposal(target=target, reason=reason, predicted_step_s=now, predicted_step_s_after=after)
