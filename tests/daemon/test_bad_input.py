@@ -14,7 +14,7 @@ from dynaresized import wire
 from dynaresized.client import WorkerClient
 from dynaresized.domain import WorkerKind
 
-from .conftest import read_facts
+from .conftest import read_facts, until
 
 
 class RawPeer:
@@ -103,8 +103,9 @@ async def test_bad_input_is_refused_clearly_and_changes_nothing(make_daemon) -> 
                 peer.close()
         # A stale op result from the registered owner is refused by the core, not by auth.
         await owner._send(wire.OpResult(worker_id="owner", op_id="r9/0-drain", ok=True))
-        time.sleep(0.2)
-        assert any(e.reason == "illegal_transition" for e in owner.errors), owner.errors
+        refused = await until(lambda: [e for e in owner.errors if e.reason == "illegal_transition"],
+                              what="refusal of a stale op result")
+        assert "not accepted in phase 'steady'" in refused[0].message
         after = daemon.status()
         assert after["workers"] == before["workers"] and after["devices"] == before["devices"]
         assert after["phase"] == "steady"
@@ -137,7 +138,7 @@ async def test_flood_of_garbage_does_not_stop_the_daemon(make_daemon) -> None:
     await c.start()
     await c.close()
     assert daemon.proc.poll() is None
-    assert metric(daemon, "dynaresized_decode_errors_total", 'kind="malformed"') >= 5000
+    assert metric(daemon, "dynaresized_decode_errors_total") >= 5000  # counted, by kind
 
 
 @pytest.mark.parametrize("problem,expected", [

@@ -93,10 +93,10 @@ async def test_forced_resize_runs_op_by_op_and_commits(make_daemon) -> None:
     kinds_run = [op_id.split("-", 1)[1] for _, op_id in rec.ran]
     # node0:cpu3 moves: its engine drains and releases, its trainer joins and restores, all commit.
     assert kinds_run[:4] == ["drain", "release", "join", "restore"]
-    assert ("engine2", "r1/0-drain") in rec.ran
-    assert ("trainer2", "r1/2-join") in rec.ran
+    assert ("engine3", "r1/0-drain") in rec.ran
+    assert ("trainer3", "r1/2-join") in rec.ran
     committers = {name for name, op in rec.ran if op.endswith("commit")}
-    assert committers == {"trainer0", "trainer1", "trainer2", "engine3"}
+    assert committers == {"trainer0", "trainer1", "trainer3", "engine2"}
     facts = read_facts(daemon.state_dir)
     assert [type(x) for x in facts if isinstance(x, f.ResizeStarted | f.ResizeCommitted)] == \
         [f.ResizeStarted, f.ResizeCommitted]
