@@ -420,9 +420,10 @@ def _send(tx: _Tx, only: list[str] | None) -> None:
     if fl is None or fl.index >= len(fl.ops):
         return
     plan = fl.plan
+    # Where the moving devices land: their destination, or back home once rolling back.
+    landing = plan.from_pool if fl.rolling_back else plan.to_pool
     training = tuple(sorted(d for d, p in s.devices.items()
-                            if p.pool is Pool.TRAINING or (d in plan.devices and plan.to_pool is Pool.TRAINING
-                                                           and not fl.rolling_back)))
+                            if p.pool is Pool.TRAINING or (d in plan.devices and landing is Pool.TRAINING)))
     rollout = tuple(sorted(d for d in s.devices if d not in training))
     for w in only if only is not None else _pending(s):
         tx.commands.append(SendOp(worker_id=w, resize_id=plan.resize_id, op=fl.op, deadline=fl.op_deadline,
