@@ -105,7 +105,11 @@ class Core:
             raise IllegalTransition(state.phase, event)
         tx = _Tx(state)
         handler(self, tx, event)
-        return tx.state, tx.facts, tx.commands
+        # A Tick can declare a worker lost after an earlier loss in the same Tick sent it an undo
+        # or commit op; such a command contradicts this step's own facts and nobody could answer it
+        # (a hello re-sends what is still pending), so only commands to live workers leave.
+        commands = [c for c in tx.commands if tx.state.is_live(c.worker_id)]
+        return tx.state, tx.facts, commands
 
     # -- views ---------------------------------------------------------------------
     def view(self, state: ClusterState, now: float) -> ObservedView:
