@@ -671,3 +671,30 @@ def test_send_op_is_a_command_not_a_fact() -> None:
     facts, commands = d.force(2, 2)
     assert all(isinstance(c, SendOp) for c in commands)
     assert not any(isinstance(x, SendOp) for x in facts)
+
+
+def test_a_tick_that_loses_everyone_ends_the_resize_and_sends_nothing() -> None:
+    d = start(TO_TRAINING, heartbeat_timeout_s=10.0)
+    facts, commands = d.send(ev.Tick(at=100.0))
+    # eng3's loss aborts the drain and sends resume to eng3's... nobody; no command may go to
+    # a worker that this very step declares lost
+    assert f.ResizeRolledBack in kinds(facts)
+    assert kinds(facts).count(f.WorkerLost) == 8
+    assert commands == []
+    assert d.state.inflight is None and d.state.split == Split(1, 3)
+
+
+def test_commands_go_only_to_workers_live_at_the_end_of_the_step() -> None:
+    d = start(TO_ROLLOUT, heartbeat_timeout_s=10.0)
+    advance_to(d, 2)  # join in flight on eng2; tr2 drained and released
+    t = 10.5
+    for w in sorted(d.state.workers):
+        if w not in (engine(2), trainer(2)):
+            d.send(ev.Heartbeat(at=t - 1, worker_id=w))
+    facts, commands = d.send(ev.Tick(at=t))
+    # eng2 lost -> abort, evict has nobody, reclaim goes to tr2 -- who is lost in the same tick
+    assert kinds(facts)[:3] == [f.WorkerLost, f.OpFailed, f.ResizeAborted]
+    assert [x.worker_id for x in facts if isinstance(x, f.WorkerLost)] == [engine(2), trainer(2)]
+    assert kinds(facts)[-1] is f.ResizeRolledBack
+    assert commands == []
+    assert d.replayed().durable() == d.state.durable()
