@@ -676,8 +676,8 @@ def test_send_op_is_a_command_not_a_fact() -> None:
 def test_a_tick_that_loses_everyone_ends_the_resize_and_sends_nothing() -> None:
     d = start(TO_TRAINING, heartbeat_timeout_s=10.0)
     facts, commands = d.send(ev.Tick(at=100.0))
-    # eng3's loss aborts the drain and sends resume to eng3's... nobody; no command may go to
-    # a worker that this very step declares lost
+    # eng1 (a committer) is lost first and aborts the drain, which sends resume to eng3; the same
+    # tick then declares eng3 lost, so that command must not leave
     assert f.ResizeRolledBack in kinds(facts)
     assert kinds(facts).count(f.WorkerLost) == 8
     assert commands == []
