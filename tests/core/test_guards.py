@@ -123,7 +123,8 @@ def test_cooldown() -> None:
 
 def test_min_pools() -> None:
     cfg = GuardConfig(min_rollout=2, min_train=3)
-    rejected(g.check_min_pools(view(), proposal(Split(7, 1)), cfg, NOBODY), "min_pool", "rollout pool", "drop to 1 < min_rollout=2")
+    rejected(g.check_min_pools(view(), proposal(Split(7, 1)), cfg, NOBODY), "min_pool", "rollout pool",
+             "drop to 1 < min_rollout=2")
     rejected(g.check_min_pools(view(), proposal(Split(2, 6)), cfg, NOBODY), "min_pool", "training pool",
              "min_train=3")
     assert g.check_min_pools(view(), proposal(Split(3, 5)), cfg, NOBODY) is None
