@@ -14,7 +14,7 @@ from dynaresized.core import ClusterState, Core, IllegalTransition, Phase, Refus
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.core.guards import GuardConfig
-from dynaresized.core.state import PHASE_OF_OP
+from dynaresized.core.state import PHASE_OF_OP, decode_state, encode_state
 from dynaresized.domain import Placement, Split, StepTiming, WorkerKind, WorkerStatus, moving, placed
 
 from .cluster import boot, device, engine, make_core, snapshot, trainer
@@ -303,7 +303,13 @@ class Run:
             self.apply(ev.Tick(at=self.now))
         assert self.state.inflight is None, "a resize is still in flight after every deadline passed"
         assert not any(p.is_moving for p in self.state.devices.values())
-        assert fold(f.decode_fact(b) for b in self.log).durable() == self.state.durable()
+        facts = [f.decode_fact(b) for b in self.log]
+        assert fold(facts).durable() == self.state.durable()
+        # a snapshot is the durable state, and folding the rest of the log onto it gives the same
+        assert decode_state(encode_state(self.state)) == self.state.durable()
+        half = len(facts) // 2
+        snap = decode_state(encode_state(fold(facts[:half])))
+        assert fold(facts[half:], snap).durable() == self.state.durable()
 
 
 CORE = make_core(GUARDS, "hysteresis", heartbeat_timeout_s=HEARTBEAT_S, op_timeout_s=OP_TIMEOUT_S)
