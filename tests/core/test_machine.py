@@ -112,6 +112,7 @@ SAMPLE_EVENTS: dict[type, ev.Event] = {
     ev.PauseRequested: ev.PauseRequested(at=50.0),
     ev.ResumeRequested: ev.ResumeRequested(at=50.0),
     ev.ShutdownRequested: ev.ShutdownRequested(at=50.0),
+    ev.AbortRequested: ev.AbortRequested(at=50.0),
 }
 
 
@@ -392,6 +393,34 @@ def test_commit_timeout_degrades_in_the_new_pool() -> None:
     facts, _ = d.send(ev.Tick(at=d.state.inflight.op_deadline + 1))
     assert kinds(facts) == [f.OpFailed, f.Degraded] and facts[1].placed_in is Pool.ROLLOUT
     assert d.state.split == Split(2, 2)
+
+
+@pytest.mark.parametrize("case", RESIZES)
+@pytest.mark.parametrize("abort_at", range(4), ids=[k.value for k in FORWARD_ORDER[:4]])
+def test_abort_requested_rolls_back_a_forward_op(case: tuple, abort_at: int) -> None:
+    d = start(case)
+    advance_to(d, abort_at)
+    op = d.state.inflight.op
+    facts, commands = d.send(ev.AbortRequested(at=d.at(), requested_by="alice", reason="drain is stuck"))
+    assert kinds(facts)[:2] == [f.OpFailed, f.ResizeAborted]
+    assert facts[0].op_id == op.op_id and facts[0].worker_id is None
+    assert facts[1].reason == "aborted by alice: drain is stuck"
+    expected = [UNDO[k] for k in reversed(FORWARD_ORDER[: abort_at + 1]) if k in UNDO]
+    assert [u.kind for u in facts[1].undo] == expected
+    assert {c.op.kind for c in commands} == {expected[0]}
+    d.finish()
+    assert d.state.split == Split(*case[0])
+    assert d.state.resizes_rolled_back == 1
+
+
+@pytest.mark.parametrize("phase", [Phase.STEADY, Phase.COMMITTING, Phase.ROLLING_BACK, Phase.DEGRADED],
+                         ids=lambda p: p.value)
+def test_abort_requested_is_a_no_op_past_the_point_of_no_return_or_without_a_resize(phase: Phase) -> None:
+    d = in_phase(phase)
+    before = d.state
+    facts, commands = d.send(ev.AbortRequested(at=d.at(), requested_by="alice"))
+    assert facts == [] and commands == []
+    assert d.state == before
 
 
 # -- lost workers -----------------------------------------------------------------------

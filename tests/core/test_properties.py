@@ -1,5 +1,5 @@
 """Property tests of the core: random event sequences (hellos, heartbeats, ticks, steps, op
-answers right and wrong, byes, forced resizes, pause/resume, shutdown, daemon restarts) and the
+answers right and wrong, byes, forced resizes, aborts, pause/resume, shutdown, daemon restarts) and the
 invariants of DESIGN.md §4 checked after every single event."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ step = st.tuples(st.just("step"), st.sampled_from(WORKERS), st.sampled_from([1, 
 hello = st.tuples(st.just("hello"), st.sampled_from(WORKERS),
                   st.sampled_from(["same", "same", "same", "other_device", "other_kind", "unknown_device"]),
                   st.integers(0, N - 1))
-operator = st.tuples(st.sampled_from(["pause", "resume", "resume", "shutdown", "restart", "restart"]))
+operator = st.tuples(st.sampled_from(["pause", "resume", "resume", "shutdown", "restart", "restart", "abort"]))
 
 
 def tick(dts: list[float], healthy_beat: bool = True) -> st.SearchStrategy:
@@ -174,6 +174,8 @@ class Run:
             return ev.ResumeRequested(at=now)
         if kind == "shutdown":
             return ev.ShutdownRequested(at=now)
+        if kind == "abort":
+            return ev.AbortRequested(at=now, requested_by="operator", reason="stuck")
         if kind == "restart":
             # A new daemon process: its state is the fold of the log, nothing else survives.
             self.now += 1.0
