@@ -105,7 +105,11 @@ class Core:
             raise IllegalTransition(state.phase, event)
         tx = _Tx(state)
         handler(self, tx, event)
-        return tx.state, tx.facts, tx.commands
+        # A Tick can declare a worker lost after an earlier loss in the same Tick sent it an undo
+        # or commit op; such a command contradicts this step's own facts and nobody could answer it
+        # (a hello re-sends what is still pending), so only commands to live workers leave.
+        commands = [c for c in tx.commands if tx.state.is_live(c.worker_id)]
+        return tx.state, tx.facts, commands
 
     # -- views ---------------------------------------------------------------------
     def view(self, state: ClusterState, now: float) -> ObservedView:
@@ -429,9 +433,10 @@ def _send(tx: _Tx, only: list[str] | None) -> None:
     if fl is None or fl.index >= len(fl.ops):
         return
     plan = fl.plan
+    # Where the moving devices land: their destination, or back home once rolling back.
+    landing = plan.from_pool if fl.rolling_back else plan.to_pool
     training = tuple(sorted(d for d, p in s.devices.items()
-                            if p.pool is Pool.TRAINING or (d in plan.devices and plan.to_pool is Pool.TRAINING
-                                                           and not fl.rolling_back)))
+                            if p.pool is Pool.TRAINING or (d in plan.devices and landing is Pool.TRAINING)))
     rollout = tuple(sorted(d for d in s.devices if d not in training))
     for w in only if only is not None else _pending(s):
         tx.commands.append(SendOp(worker_id=w, resize_id=plan.resize_id, op=fl.op, deadline=fl.op_deadline,
