@@ -372,7 +372,7 @@ class Daemon:
                                      f"protocol {msg.protocol} not supported; this daemon speaks "
                                      f"{wire.PROTOCOL_VERSION}")
                     self._step(ev.WorkerHello(at=now, worker_id=msg.worker_id, kind=msg.kind,
-                                              devices=tuple(msg.devices)), facts, commands, front=True)
+                                              devices=tuple(msg.devices), process=msg.process), facts, commands)
                     worker = self.state.workers[msg.worker_id]
                     outbox.append((sock, item.identity, wire.encode(wire.Welcome(
                         protocol=wire.PROTOCOL_VERSION, worker_id=msg.worker_id, incarnation=worker.incarnation,
@@ -402,7 +402,7 @@ class Daemon:
             outbox.append((sock, item.identity, wire.encode(wire.Error(
                 code=r.code, message=r.message, reason=r.reason, ref_type=type(msg).__struct_config__.tag))))
 
-    def _step(self, event: ev.Event, facts: list[f.Fact], commands: list[SendOp], *, front: bool = False) -> None:
+    def _step(self, event: ev.Event, facts: list[f.Fact], commands: list[SendOp]) -> None:
         """Step the core; a refusal becomes an error reply to the sender and changes nothing."""
         try:
             self.state, new_facts, new_commands = self.core.step(self.state, event)
