@@ -86,9 +86,25 @@ def event_crc(position: int, stream: str, version: int, type: str, data: bytes, 
     return zlib.crc32(data, zlib.crc32(head))
 
 
+def row_intact(row: Sequence[Any]) -> bool:
+    """Whether an events row (in _COLUMNS order) matches its CRC. A row whose columns have
+    the wrong types (damage SQLite did not notice) does not."""
+    try:
+        return event_crc(*row[:6]) == row[6]
+    except (TypeError, AttributeError, struct.error, UnicodeEncodeError):
+        return False
+
+
 def snapshot_crc(stream: str, version: int, data: bytes, recorded_at: float) -> int:
     head = _SNAPSHOT_HEAD.pack(version, recorded_at) + stream.encode() + b"\0"
     return zlib.crc32(data, zlib.crc32(head))
+
+
+def snapshot_intact(stream: Any, version: Any, data: Any, recorded_at: Any, crc: Any) -> bool:
+    try:
+        return snapshot_crc(stream, version, data, recorded_at) == crc
+    except (TypeError, AttributeError, struct.error, UnicodeEncodeError):
+        return False
 
 
 def is_corruption(error: BaseException) -> bool:
@@ -293,8 +309,8 @@ class SQLiteRecorder:
                 raise
 
     def _event(self, row: tuple[Any, ...]) -> StoredEvent:
-        position, stream, version, type_, data, recorded_at, crc = row
-        if event_crc(position, stream, version, type_, data, recorded_at) != crc:
+        if not row_intact(row):
+            position, stream, version = row[:3]
             raise CorruptLogError(
                 f"{self.path}: the event at position {position} (stream {stream!r}, version {version}) "
                 "fails its CRC32 check: its bytes were damaged after they were written. "
@@ -302,7 +318,7 @@ class SQLiteRecorder:
                 path=self.path,
                 position=position,
             )
-        return StoredEvent(position, stream, version, type_, data, recorded_at)
+        return StoredEvent(*row[:6])
 
     # -- the Recorder interface -------------------------------------------------------------
 
@@ -348,14 +364,16 @@ class SQLiteRecorder:
         check_stream(stream)
         check_count("after_version", after_version)
         stop = check_limit(limit)
-        self._check_open()
-        return self._read_stream(stream, after_version, stop)
+        # A read covers the stream as it is now; events appended while it is consumed are not
+        # part of it (the next read gets them).
+        end = self.last_version(stream)
+        return self._read_stream(stream, after_version, stop, end)
 
-    def _read_stream(self, stream: str, after: int, stop: int | None) -> Iterator[StoredEvent]:
-        sql = f"SELECT {_COLUMNS} FROM events WHERE stream = ? AND version > ? ORDER BY version LIMIT ?"
+    def _read_stream(self, stream: str, after: int, stop: int | None, end: int) -> Iterator[StoredEvent]:
+        sql = f"SELECT {_COLUMNS} FROM events WHERE stream = ? AND version > ? AND version <= ? ORDER BY version LIMIT ?"
         while stop is None or stop > 0:
             n = CHUNK if stop is None else min(CHUNK, stop)
-            rows = self._query(sql, (stream, after, n), f"reading stream {stream!r} after version {after}")
+            rows = self._query(sql, (stream, after, end, n), f"reading stream {stream!r} after version {after}")
             for row in rows:
                 event = self._event(row)
                 if event.version != after + 1:
@@ -378,18 +396,20 @@ class SQLiteRecorder:
         check_count("after_position", after_position)
         wanted = check_types(types)
         stop = check_limit(limit)
-        self._check_open()
-        return self._read_all(after_position, wanted, stop)
+        end = self.last_position()  # as in read(): the log as it is now
+        return self._read_all(after_position, wanted, stop, end)
 
-    def _read_all(self, after: int, wanted: frozenset[str] | None, stop: int | None) -> Iterator[StoredEvent]:
+    def _read_all(
+        self, after: int, wanted: frozenset[str] | None, stop: int | None, end: int
+    ) -> Iterator[StoredEvent]:
         if wanted is not None and not wanted:
             return
         type_filter = "" if wanted is None else f" AND type IN ({', '.join('?' * len(wanted))})"
-        sql = f"SELECT {_COLUMNS} FROM events WHERE position > ?{type_filter} ORDER BY position LIMIT ?"
+        sql = f"SELECT {_COLUMNS} FROM events WHERE position > ? AND position <= ?{type_filter} ORDER BY position LIMIT ?"
         extra = () if wanted is None else tuple(sorted(wanted))
         while stop is None or stop > 0:
             n = CHUNK if stop is None else min(CHUNK, stop)
-            rows = self._query(sql, (after, *extra, n), f"reading the log after position {after}")
+            rows = self._query(sql, (after, end, *extra, n), f"reading the log after position {after}")
             for row in rows:
                 event = self._event(row)
                 if wanted is None and event.position != after + 1:
@@ -458,7 +478,7 @@ class SQLiteRecorder:
                 log.warning("store.snapshot_ignored", file=self.path, stream=stream, version=version,
                             reason=f"the snapshot is ahead of the stream (at version {last})")
                 continue
-            if snapshot_crc(stream, version, data, recorded_at) != crc:
+            if not snapshot_intact(stream, version, data, recorded_at, crc):
                 # A snapshot is only a cache of the fold: fall back to an older one (or none).
                 log.warning("store.snapshot_damaged", file=self.path, stream=stream, version=version,
                             reason="fails its CRC32 check; using an older snapshot or a full replay")
@@ -503,7 +523,7 @@ class SQLiteRecorder:
             streams = dict(self._conn.execute("SELECT stream, max(version) FROM events GROUP BY stream").fetchall())
             events = self._conn.execute("SELECT count(*) FROM events").fetchone()[0]
             snaps = self._conn.execute("SELECT stream, version, data, recorded_at, crc FROM snapshots").fetchall()
-        damaged = sum(1 for s, v, d, r, c in snaps if snapshot_crc(s, v, d, r) != c)
+        damaged = sum(1 for row in snaps if not snapshot_intact(*row))
         return LogCheck(path=self.path, events=events, streams=streams, snapshots=len(snaps), damaged_snapshots=damaged)
 
 
@@ -512,10 +532,10 @@ class SQLiteRecorder:
 
 def _row_problem(row: tuple[Any, ...], position: int, versions: dict[str, int]) -> str | None:
     """Why `row` cannot be the event at `position` given each stream's last version, or None."""
-    pos, stream, version, type_, data, recorded_at, crc = row
+    pos, stream, version = row[:3]
     if pos != position:
         return f"the log jumps from position {position - 1} to {pos}"
-    if event_crc(pos, stream, version, type_, data, recorded_at) != crc:
+    if not row_intact(row):
         return f"the event at position {pos} (stream {stream!r}, version {version}) fails its CRC32 check"
     expected = versions.get(stream, 0) + 1
     if version != expected:
@@ -555,10 +575,10 @@ def verify_log(conn: sqlite3.Connection, *, full: bool) -> str | None:
     ).fetchall()
     newest: dict[str, int] = {}
     for expected, row in enumerate(rows):
-        pos, stream, version, type_, data, recorded_at, crc = row
+        pos, stream, version = row[:3]
         if pos != last - expected:
             return f"the log jumps from position {pos} to {last - expected + 1}"
-        if event_crc(pos, stream, version, type_, data, recorded_at) != crc:
+        if not row_intact(row):
             return f"the event at position {pos} (stream {stream!r}, version {version}) fails its CRC32 check"
         if stream in newest and version != newest[stream] - 1:
             return f"stream {stream!r} jumps from version {version} to {newest[stream]}"
@@ -568,6 +588,8 @@ def verify_log(conn: sqlite3.Connection, *, full: bool) -> str | None:
             if indexed != version:
                 return f"stream {stream!r} ends at version {version} but its index says {indexed}"
         newest[stream] = version
+    # Snapshots are few; reading them all (with their overflow pages) finds damaged pages there.
+    conn.execute("SELECT stream, version, data, crc FROM snapshots").fetchall()
     return None
 
 
@@ -696,7 +718,7 @@ def salvage(path: str | os.PathLike[str], *, reason: str, through: int | None = 
                         position=1,
                     )
             lost = _indexed_beyond(src, good)
-            kept_snapshots = _copy_snapshots(src, dst, versions)
+            kept_snapshots = _copy_snapshots(src, dst, versions, path)
             dst.execute("COMMIT")
         except BaseException:
             dst.close()
@@ -815,9 +837,8 @@ def _intact_beyond(src: sqlite3.Connection, good: int) -> int | None:
             if position > good + 1 + 256:
                 break  # past the end of the readable table
             continue
-        pos, stream, version, type_, data, recorded_at, crc = rows[0]
-        if event_crc(pos, stream, version, type_, data, recorded_at) == crc:
-            return pos
+        if row_intact(rows[0]):
+            return rows[0][0]
     return None
 
 
@@ -835,17 +856,17 @@ def _indexed_beyond(src: sqlite3.Connection, good: int) -> int | None:
     return row[0]
 
 
-def _copy_snapshots(src: sqlite3.Connection, dst: sqlite3.Connection, versions: dict[str, int]) -> int:
+def _copy_snapshots(src: sqlite3.Connection, dst: sqlite3.Connection, versions: dict[str, int], path: str) -> int:
     kept = 0
     try:
         rows = src.execute("SELECT stream, version, data, recorded_at, crc FROM snapshots").fetchall()
     except sqlite3.DatabaseError as e:
         if not is_corruption(e):
             raise
-        log.warning("store.snapshots_unreadable", reason=str(e))
+        log.warning("store.snapshots_unreadable", file=path, reason=f"{e}; the salvaged log starts without snapshots")
         return 0
     for stream, version, data, recorded_at, crc in rows:
-        if version <= versions.get(stream, 0) and snapshot_crc(stream, version, data, recorded_at) == crc:
+        if snapshot_intact(stream, version, data, recorded_at, crc) and version <= versions.get(stream, 0):
             dst.execute(
                 "INSERT INTO snapshots (stream, version, data, recorded_at, crc) VALUES (?, ?, ?, ?, ?)",
                 (stream, version, data, recorded_at, crc),
