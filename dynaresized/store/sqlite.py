@@ -45,7 +45,9 @@ log = structlog.get_logger("dynaresized.store")
 APPLICATION_ID = 0x44524C47  # "DRLG" in the SQLite header: marks the file as a dynaresized log
 SCHEMA_VERSION = 1
 CHUNK = 2048  # rows per query when reading: no statement stays open between chunks
-TAIL_ROWS = 256  # rows whose CRC is checked when a writer opens the log
+TAIL_WINDOW = 1000
+"""The last events of the log that count as its tail: a writer checks them when it opens the
+log, and damage among them is salvaged automatically (see `salvage`)."""
 
 Verify = Literal["tail", "full"]
 
@@ -81,30 +83,47 @@ _SQLITE_CORRUPT = 11
 _SQLITE_NOTADB = 26
 
 
-def event_crc(position: int, stream: str, version: int, type: str, data: bytes, recorded_at: float) -> int:
-    head = _EVENT_HEAD.pack(position, version, recorded_at) + stream.encode() + b"\0" + type.encode() + b"\0"
+def _event_crc(position: int, stream: bytes, version: int, type: bytes, data: bytes, recorded_at: float) -> int:
+    head = _EVENT_HEAD.pack(position, version, recorded_at) + stream + b"\0" + type + b"\0"
     return zlib.crc32(data, zlib.crc32(head))
+
+
+def event_crc(position: int, stream: str, version: int, type: str, data: bytes, recorded_at: float) -> int:
+    """The CRC32 stored with an event: over every other column, text as UTF-8."""
+    return _event_crc(position, stream.encode(), version, type.encode(), data, recorded_at)
 
 
 def row_intact(row: Sequence[Any]) -> bool:
-    """Whether an events row (in _COLUMNS order) matches its CRC. A row whose columns have
-    the wrong types (damage SQLite did not notice) does not."""
+    """Whether an events row as read (in _COLUMNS order, text as bytes) matches its CRC. A row
+    whose columns have the wrong types (damage SQLite did not notice) does not."""
     try:
-        return event_crc(*row[:6]) == row[6]
-    except (TypeError, AttributeError, struct.error, UnicodeEncodeError):
+        return _event_crc(*row[:6]) == row[6]
+    except (TypeError, struct.error):
         return False
 
 
-def snapshot_crc(stream: str, version: int, data: bytes, recorded_at: float) -> int:
-    head = _SNAPSHOT_HEAD.pack(version, recorded_at) + stream.encode() + b"\0"
+def _snapshot_crc(stream: bytes, version: int, data: bytes, recorded_at: float) -> int:
+    head = _SNAPSHOT_HEAD.pack(version, recorded_at) + stream + b"\0"
     return zlib.crc32(data, zlib.crc32(head))
 
 
+def snapshot_crc(stream: str, version: int, data: bytes, recorded_at: float) -> int:
+    """The CRC32 stored with a snapshot: over every other column, text as UTF-8."""
+    return _snapshot_crc(stream.encode(), version, data, recorded_at)
+
+
 def snapshot_intact(stream: Any, version: Any, data: Any, recorded_at: Any, crc: Any) -> bool:
+    """Whether a snapshots row as read (text as bytes) matches its CRC."""
     try:
-        return snapshot_crc(stream, version, data, recorded_at) == crc
-    except (TypeError, AttributeError, struct.error, UnicodeEncodeError):
+        return _snapshot_crc(stream, version, data, recorded_at) == crc
+    except (TypeError, struct.error):
         return False
+
+
+def _text(value: bytes) -> str:
+    """A text column read as bytes (our connections read text as bytes, so that damaged text
+    fails its CRC instead of failing the whole query), for messages and records."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def is_corruption(error: BaseException) -> bool:
@@ -154,18 +173,17 @@ class SQLiteRecorder:
         read_only: bool = False,
         clock: Clock = time.time,
         busy_timeout_s: float = 5.0,
-        keep_snapshots: int = 2,
         verify: Verify = "tail",
+        tail_window: int = TAIL_WINDOW,
     ) -> None:
         if verify not in ("tail", "full"):
             raise ValueError(f"verify must be 'tail' or 'full', got {verify!r}")
-        if keep_snapshots < 1:
-            raise ValueError(f"keep_snapshots must be >= 1, got {keep_snapshots}")
+        check_count("tail_window", tail_window)
+        self.tail_window = tail_window
         self.path = os.path.abspath(os.fspath(path))
         self.read_only = read_only
         self._clock = clock
         self._busy_ms = int(busy_timeout_s * 1000)
-        self._keep_snapshots = keep_snapshots
         self._lock = threading.RLock()
         self._closed = False
         self._lock_fd: int | None = None
@@ -195,6 +213,7 @@ class SQLiteRecorder:
             conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
         else:
             conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        conn.text_factory = bytes  # see _text
         conn.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
         conn.execute("PRAGMA cell_size_check = ON")  # find damaged b-tree pages early
         return conn
@@ -204,7 +223,7 @@ class SQLiteRecorder:
         Raises if it is some other application's database or a newer schema."""
         app_id = conn.execute("PRAGMA application_id").fetchone()[0]
         user_version = conn.execute("PRAGMA user_version").fetchone()[0]
-        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        tables = {_text(r[0]) for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if app_id == APPLICATION_ID:
             if user_version > SCHEMA_VERSION:
                 raise ValueError(
@@ -222,7 +241,7 @@ class SQLiteRecorder:
         return False
 
     def _prepare(self, conn: sqlite3.Connection) -> None:
-        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        mode = _text(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
         if mode != "wal":
             raise OSError(
                 f"SQLite could not put {self.path} in WAL mode (got {mode!r}); "
@@ -249,10 +268,14 @@ class SQLiteRecorder:
         problem: str | None = None
         wal_tail: dict[str, Any] | None = None
         try:
+            if existed:
+                # Before anything writes (which could restart the WAL): the first read makes
+                # SQLite recover the WAL; then compare what it kept with what is in the file.
+                conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+                wal_tail = inspect_wal_tail(self.path, conn)
             self._prepare(conn)
             if existed:
-                wal_tail = inspect_wal_tail(self.path, conn)
-                problem = verify_log(conn, full=verify == "full")
+                problem = verify_log(conn, full=verify == "full", tail=self.tail_window)
         except sqlite3.DatabaseError as e:
             if not is_corruption(e):
                 conn.close()
@@ -263,7 +286,8 @@ class SQLiteRecorder:
             raise
         if problem is not None:
             conn.close()
-            salvage(self.path, reason=problem)  # raises CorruptLogError unless only the tail is bad
+            # Raises CorruptLogError, leaving the file untouched, unless the damage is in the tail.
+            salvage(self.path, reason=problem, tail_window=self.tail_window)
             conn = self._connect()
             try:
                 self._prepare(conn)
@@ -310,7 +334,7 @@ class SQLiteRecorder:
 
     def _event(self, row: tuple[Any, ...]) -> StoredEvent:
         if not row_intact(row):
-            position, stream, version = row[:3]
+            position, stream, version = row[0], _text(row[1]), row[2]
             raise CorruptLogError(
                 f"{self.path}: the event at position {position} (stream {stream!r}, version {version}) "
                 "fails its CRC32 check: its bytes were damaged after they were written. "
@@ -318,7 +342,7 @@ class SQLiteRecorder:
                 path=self.path,
                 position=position,
             )
-        return StoredEvent(*row[:6])
+        return StoredEvent(row[0], row[1].decode(), row[2], row[3].decode(), row[4], row[5])
 
     # -- the Recorder interface -------------------------------------------------------------
 
@@ -445,15 +469,12 @@ class SQLiteRecorder:
                     last = conn.execute("SELECT max(version) FROM events WHERE stream = ?", (stream,)).fetchone()[0]
                     blob = check_snapshot(stream, version, data, last or 0)
                     now = float(self._clock())
+                    # Every snapshot is kept (they are small next to the events they stand for):
+                    # nothing in the file is ever deleted, so SQLite allocates pages in the order
+                    # things were written, and a file cut short loses only what was written last.
                     conn.execute(
                         "INSERT OR REPLACE INTO snapshots (stream, version, data, recorded_at, crc) VALUES (?, ?, ?, ?, ?)",
                         (stream, version, blob, now, snapshot_crc(stream, version, blob, now)),
-                    )
-                    # Snapshots are a cache of the fold: keep the newest few, not all of them.
-                    conn.execute(
-                        "DELETE FROM snapshots WHERE stream = ? AND version NOT IN "
-                        "(SELECT version FROM snapshots WHERE stream = ? ORDER BY version DESC LIMIT ?)",
-                        (stream, stream, self._keep_snapshots),
                     )
                     conn.execute("COMMIT")
                 except BaseException:
@@ -474,14 +495,14 @@ class SQLiteRecorder:
         )
         last = self.last_version(stream)
         for version, data, recorded_at, crc in rows:
-            if version > last:
-                log.warning("store.snapshot_ignored", file=self.path, stream=stream, version=version,
-                            reason=f"the snapshot is ahead of the stream (at version {last})")
-                continue
-            if not snapshot_intact(stream, version, data, recorded_at, crc):
+            if not snapshot_intact(stream.encode(), version, data, recorded_at, crc):
                 # A snapshot is only a cache of the fold: fall back to an older one (or none).
                 log.warning("store.snapshot_damaged", file=self.path, stream=stream, version=version,
                             reason="fails its CRC32 check; using an older snapshot or a full replay")
+                continue
+            if version > last:
+                log.warning("store.snapshot_ignored", file=self.path, stream=stream, version=version,
+                            reason=f"the snapshot is ahead of the stream (at version {last})")
                 continue
             return version, data
         return None
@@ -513,14 +534,17 @@ class SQLiteRecorder:
         with self._lock:
             self._check_open()
             try:
-                problem = verify_log(self._conn, full=True)
+                problem = verify_log(self._conn, full=True, tail=self.tail_window)
             except sqlite3.DatabaseError as e:
                 if not is_corruption(e):
                     raise
                 problem = f"SQLite reports: {e}"
             if problem is not None:
                 raise CorruptLogError(f"{self.path}: {problem}", path=self.path)
-            streams = dict(self._conn.execute("SELECT stream, max(version) FROM events GROUP BY stream").fetchall())
+            streams = {
+                _text(stream): version
+                for stream, version in self._conn.execute("SELECT stream, max(version) FROM events GROUP BY stream")
+            }
             events = self._conn.execute("SELECT count(*) FROM events").fetchone()[0]
             snaps = self._conn.execute("SELECT stream, version, data, recorded_at, crc FROM snapshots").fetchall()
         damaged = sum(1 for row in snaps if not snapshot_intact(*row))
@@ -530,29 +554,30 @@ class SQLiteRecorder:
 # -- verification ---------------------------------------------------------------------------
 
 
-def _row_problem(row: tuple[Any, ...], position: int, versions: dict[str, int]) -> str | None:
-    """Why `row` cannot be the event at `position` given each stream's last version, or None."""
+def _row_problem(row: tuple[Any, ...], position: int, versions: dict[bytes, int]) -> str | None:
+    """Why `row` (as read) cannot be the event at `position` given each stream's last
+    version, or None."""
     pos, stream, version = row[:3]
     if pos != position:
         return f"the log jumps from position {position - 1} to {pos}"
     if not row_intact(row):
-        return f"the event at position {pos} (stream {stream!r}, version {version}) fails its CRC32 check"
+        return f"the event at position {pos} (stream {_text(stream)!r}, version {version}) fails its CRC32 check"
     expected = versions.get(stream, 0) + 1
     if version != expected:
-        return f"the event at position {pos} has stream {stream!r} version {version}, expected {expected}"
+        return f"the event at position {pos} has stream {_text(stream)!r} version {version}, expected {expected}"
     return None
 
 
-def verify_log(conn: sqlite3.Connection, *, full: bool) -> str | None:
+def verify_log(conn: sqlite3.Connection, *, full: bool, tail: int = TAIL_WINDOW) -> str | None:
     """What is wrong with the log, or None. `full=False` checks what a crash or a damaged
     file end would break, cheaply: the row count against the last position, and the CRC and
-    versions of the last TAIL_ROWS rows. `full=True` reads everything. May raise
+    versions of the last `tail` rows, and the snapshots. `full=True` reads everything. May raise
     sqlite3.DatabaseError when SQLite itself finds the damage."""
     if full:
-        result = [r[0] for r in conn.execute("PRAGMA integrity_check(20)")]
+        result = [_text(r[0]) for r in conn.execute("PRAGMA integrity_check(20)")]
         if result != ["ok"]:
             return "SQLite's integrity check fails: " + "; ".join(result)
-        versions: dict[str, int] = {}
+        versions: dict[bytes, int] = {}
         position = 0
         while True:
             rows = conn.execute(
@@ -571,22 +596,23 @@ def verify_log(conn: sqlite3.Connection, *, full: bool) -> str | None:
     if count != last:
         return f"the log has {count} events but its last position is {last}: events are missing"
     rows = conn.execute(
-        f"SELECT {_COLUMNS} FROM events ORDER BY position DESC LIMIT ?", (TAIL_ROWS,)
+        f"SELECT {_COLUMNS} FROM events ORDER BY position DESC LIMIT ?", (tail,)
     ).fetchall()
-    newest: dict[str, int] = {}
+    newest: dict[bytes, int] = {}
     for expected, row in enumerate(rows):
         pos, stream, version = row[:3]
         if pos != last - expected:
             return f"the log jumps from position {pos} to {last - expected + 1}"
         if not row_intact(row):
-            return f"the event at position {pos} (stream {stream!r}, version {version}) fails its CRC32 check"
+            return f"the event at position {pos} (stream {_text(stream)!r}, version {version}) fails its CRC32 check"
         if stream in newest and version != newest[stream] - 1:
-            return f"stream {stream!r} jumps from version {version} to {newest[stream]}"
+            return f"stream {_text(stream)!r} jumps from version {version} to {newest[stream]}"
         if stream not in newest:
             # The newest row of the stream must be the one the (stream, version) index finds last.
-            indexed = conn.execute("SELECT max(version) FROM events WHERE stream = ?", (stream,)).fetchone()[0]
+            name = stream.decode()  # intact, so valid UTF-8; the column compares as text
+            indexed = conn.execute("SELECT max(version) FROM events WHERE stream = ?", (name,)).fetchone()[0]
             if indexed != version:
-                return f"stream {stream!r} ends at version {version} but its index says {indexed}"
+                return f"stream {name!r} ends at version {version} but its index says {indexed}"
         newest[stream] = version
     # Snapshots are few; reading them all (with their overflow pages) finds damaged pages there.
     conn.execute("SELECT stream, version, data, crc FROM snapshots").fetchall()
@@ -658,15 +684,20 @@ def inspect_wal_tail(path: str, conn: sqlite3.Connection) -> dict[str, Any] | No
 # -- salvage ----------------------------------------------------------------------------------
 
 
-def salvage(path: str | os.PathLike[str], *, reason: str, through: int | None = None) -> SalvageReport:
+def salvage(
+    path: str | os.PathLike[str], *, reason: str, through: int | None = None, tail_window: int = TAIL_WINDOW
+) -> SalvageReport:
     """Copy the readable, intact prefix of a damaged log into a fresh file at `path`, keeping
     the damaged file (and its WAL) beside it as `<name>.corrupt-<timestamp>`.
 
-    The prefix is events 1..k in position order with valid CRCs and no gaps. If an intact
-    event is readable after the damage, the damage is in the middle, and dropping the events
-    after it would lose data silently: CorruptLogError, the file untouched. An operator may
-    still cut the log there deliberately with `through=k`. The caller must hold the writer
-    lock (`take_writer_lock`) or otherwise know no writer has the file open.
+    The prefix is events 1..k in position order, each with a valid CRC, with no gaps: the
+    fold cannot skip an event, so nothing after the first damaged event is usable either.
+    If the damage is in the tail (no intact event `tail_window` or more positions after the
+    first damaged one), the log is cut there: the events after it stay in the damaged copy
+    and the warning says how many. Otherwise the damage is in the middle of the log: dropping
+    everything after it is an operator's decision, so CorruptLogError, the file untouched;
+    the operator can still cut the log there with `through=k`. The caller must hold the
+    writer lock (`take_writer_lock`) or otherwise know no writer has the file open.
     """
     path = os.path.abspath(os.fspath(path))
     if through is not None:
@@ -676,6 +707,7 @@ def salvage(path: str | os.PathLike[str], *, reason: str, through: int | None = 
         if os.path.exists(leftover):
             os.remove(leftover)
     src = sqlite3.connect(path, isolation_level=None)
+    src.text_factory = bytes  # see _text
     try:
         src.execute("PRAGMA query_only = ON")
         # Lets SQLite read a file shorter than its header says (a truncated tail) instead of
@@ -700,13 +732,14 @@ def salvage(path: str | os.PathLike[str], *, reason: str, through: int | None = 
                         path=path,
                         position=good + 1,
                     )
-                beyond = _intact_beyond(src, good)
+                beyond = _intact_from(src, good + 1 + tail_window)
                 if beyond is not None:
                     raise CorruptLogError(
-                        f"{path}: {stop}, but the event at position {beyond} after it is intact: the damage is "
-                        "in the middle of the log, and the store will not drop the events after it silently. "
-                        f"The file is untouched. Restore it from a backup, or keep events 1..{good} and set the "
-                        f"rest aside with: python -m dynaresized.store salvage {path} --through {good}",
+                        f"{path}: {stop}, but the event at position {beyond}, more than {tail_window} events "
+                        "later, is intact: the damage is in the middle of the log, and the store will not drop "
+                        f"the events after it on its own. The file is untouched. Restore it from a backup, or "
+                        f"keep events 1..{good} and set the rest aside with: "
+                        f"python -m dynaresized.store salvage {path} --through {good}",
                         path=path,
                         position=good + 1,
                     )
@@ -719,6 +752,7 @@ def salvage(path: str | os.PathLike[str], *, reason: str, through: int | None = 
                     )
             lost = _indexed_beyond(src, good)
             kept_snapshots = _copy_snapshots(src, dst, versions, path)
+            streams = {_text(stream): version for stream, version in versions.items()}
             dst.execute("COMMIT")
         except BaseException:
             dst.close()
@@ -738,7 +772,7 @@ def salvage(path: str | os.PathLike[str], *, reason: str, through: int | None = 
         damaged_copy=damaged,
         reason=reason if through is None else f"operator cut the log after position {through}: {reason}",
         last_good_position=good,
-        streams=versions,
+        streams=streams,
         lost_events=lost,
         snapshots_kept=kept_snapshots,
     )
@@ -747,7 +781,7 @@ def salvage(path: str | os.PathLike[str], *, reason: str, through: int | None = 
         file=path,
         reason=report.reason,
         last_good_position=good,
-        streams=versions,
+        streams=streams,
         lost_events=lost,
         damaged_copy=damaged,
         snapshots_kept=kept_snapshots,
@@ -757,12 +791,12 @@ def salvage(path: str | os.PathLike[str], *, reason: str, through: int | None = 
 
 def _copy_prefix(
     src: sqlite3.Connection, dst: sqlite3.Connection, through: int | None
-) -> tuple[int, dict[str, int], str | None]:
+) -> tuple[int, dict[bytes, int], str | None]:
     """Copy events 1..k from src to dst for the largest intact k (at most `through`).
     Returns k, each stream's last version, and why the copy stopped before the end (None if
     it reached the end of the readable log)."""
     good = 0
-    versions: dict[str, int] = {}
+    versions: dict[bytes, int] = {}
     insert = f"INSERT INTO events ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
     scan = f"SELECT {_COLUMNS} FROM events WHERE position > ? ORDER BY position"
     point = f"SELECT {_COLUMNS} FROM events WHERE position = ?"
@@ -771,7 +805,8 @@ def _copy_prefix(
         nonlocal good
         problem = _row_problem(row, good + 1, versions)
         if problem is None:
-            dst.execute(insert, row)
+            # Intact, so its text is valid UTF-8: store it as text again.
+            dst.execute(insert, (row[0], row[1].decode(), row[2], row[3].decode(), *row[4:]))
             good, versions[row[1]] = row[0], row[2]
         return problem
 
@@ -809,21 +844,28 @@ def _copy_prefix(
             return good, versions, None
 
 
-def _intact_beyond(src: sqlite3.Connection, good: int) -> int | None:
-    """The position of a readable event with a valid CRC after position good + 1, or None.
-    Looks where the (stream, version) index says events were, then next to the damage, then
-    at doubling distances from it."""
+def _intact_from(src: sqlite3.Connection, start: int) -> int | None:
+    """The position of some readable event with a valid CRC at or after `start`, or None.
+    Looks where the (stream, version) index says events are, at the end of the table, and at
+    doubling distances from `start`: a damaged page hides the rows on it, not the others."""
     candidates: list[int] = []
     try:
         for (position,) in src.execute(
-            f"SELECT position FROM events INDEXED BY {_STREAM_INDEX} WHERE position > ? LIMIT 10000", (good + 1,)
+            f"SELECT position FROM events INDEXED BY {_STREAM_INDEX} WHERE position >= ? LIMIT 10000", (start,)
         ):
             candidates.append(position)
     except sqlite3.DatabaseError as e:
         if not is_corruption(e):
             raise
-    candidates.extend(range(good + 2, good + 2 + 256))
-    candidates.extend(good + 1 + (1 << i) for i in range(8, 63))
+    try:
+        for row in src.execute(f"SELECT {_COLUMNS} FROM events WHERE position >= ? ORDER BY position DESC", (start,)):
+            if row_intact(row):
+                return row[0]
+    except sqlite3.DatabaseError as e:
+        if not is_corruption(e):
+            raise
+    candidates.extend(range(start, start + 256))
+    candidates.extend(start + (1 << i) for i in range(8, 63))
     for position in sorted(set(candidates)):
         try:
             rows = src.execute(
@@ -834,7 +876,7 @@ def _intact_beyond(src: sqlite3.Connection, good: int) -> int | None:
                 raise
             continue
         if not rows:
-            if position > good + 1 + 256:
+            if position > start + 256:
                 break  # past the end of the readable table
             continue
         if row_intact(rows[0]):
@@ -856,7 +898,7 @@ def _indexed_beyond(src: sqlite3.Connection, good: int) -> int | None:
     return row[0]
 
 
-def _copy_snapshots(src: sqlite3.Connection, dst: sqlite3.Connection, versions: dict[str, int], path: str) -> int:
+def _copy_snapshots(src: sqlite3.Connection, dst: sqlite3.Connection, versions: dict[bytes, int], path: str) -> int:
     kept = 0
     try:
         rows = src.execute("SELECT stream, version, data, recorded_at, crc FROM snapshots").fetchall()
@@ -869,7 +911,7 @@ def _copy_snapshots(src: sqlite3.Connection, dst: sqlite3.Connection, versions: 
         if snapshot_intact(stream, version, data, recorded_at, crc) and version <= versions.get(stream, 0):
             dst.execute(
                 "INSERT INTO snapshots (stream, version, data, recorded_at, crc) VALUES (?, ?, ?, ?, ?)",
-                (stream, version, data, recorded_at, crc),
+                (stream.decode(), version, data, recorded_at, crc),
             )
             kept += 1
     return kept
