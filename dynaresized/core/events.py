@@ -83,3 +83,11 @@ class ResumeRequested(Event, frozen=True):
 
 class ShutdownRequested(Event, frozen=True):
     """SIGTERM: start no new resize; the one in flight finishes or rolls back."""
+
+
+class AbortRequested(Event, frozen=True):
+    """Roll back the resize in flight now (drain timeout, operator). A resize already
+    committing is finished instead: commit is the point of no return."""
+
+    requested_by: str = "operator"
+    reason: str = ""

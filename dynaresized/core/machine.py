@@ -279,6 +279,15 @@ def on_shutdown(core: Core, tx: _Tx, e: ev.ShutdownRequested) -> None:
         tx.emit(f.ShutdownStarted(at=e.at))
 
 
+def on_abort_requested(core: Core, tx: _Tx, e: ev.AbortRequested) -> None:
+    fl = tx.state.inflight
+    if fl is None or fl.rolling_back or fl.op.kind is OpKind.COMMIT:
+        return  # nothing to abort, or past the point of no return
+    reason = f"aborted by {e.requested_by}: {e.reason or 'no reason given'}"
+    tx.emit(f.OpFailed(at=e.at, op_id=fl.op.op_id, worker_id=None, reason=reason))
+    _abort(core, tx, reason, e.at)
+
+
 def on_tick(core: Core, tx: _Tx, e: ev.Tick) -> None:
     timeout = core.config.heartbeat_timeout_s
     for worker_id, seen in sorted(tx.state.last_seen.items()):
@@ -485,6 +494,7 @@ _ALWAYS: dict[type, Handler] = {
     ev.PauseRequested: on_pause,
     ev.ResumeRequested: on_resume,
     ev.ShutdownRequested: on_shutdown,
+    ev.AbortRequested: on_abort_requested,
 }  # type: ignore[dict-item]
 
 _RESIZING: dict[type, Handler] = {
