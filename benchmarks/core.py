@@ -147,7 +147,7 @@ def bench_step(events: list[ev.Event], expected: ClusterState, profile: bool) ->
         commands += len(cs)
     elapsed = time.perf_counter() - started
     if state.durable() != expected.durable():
-        raise AssertionError("the timed pass did not reach the state of the generating pass: the core is not deterministic")
+        raise AssertionError("the timed pass did not reach the generating pass's state: the core is not deterministic")
 
     # Per event type, one more pass timing each call (adds timer overhead to every number).
     state = ClusterState()
@@ -228,7 +228,9 @@ def bench_append(directory: str, per_step_appends: int) -> dict[str, object]:
     }
 
 
-def build_log(path: str, facts_wanted: int, snapshot_every: int | None, batch: int) -> tuple[ClusterState, dict[str, object]]:
+def build_log(
+    path: str, facts_wanted: int, snapshot_every: int | None, batch: int
+) -> tuple[ClusterState, dict[str, object]]:
     """A log of `facts_wanted` facts from the heartbeat-free workload, appended in batches of
     about `batch`, with snapshots where the daemon would take them."""
     workload = Workload(heartbeats=False, devices=16, heartbeat_every_s=5, progress_every_s=5, flip_every=40,

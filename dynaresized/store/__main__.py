@@ -19,13 +19,8 @@ import msgspec
 import structlog
 
 from dynaresized.store.recorder import CorruptLogError
-from dynaresized.store.sqlite import (
-    SQLiteRecorder,
-    StoreLockedError,
-    release_writer_lock,
-    salvage,
-    take_writer_lock,
-)
+from dynaresized.store.recovery import salvage
+from dynaresized.store.sqlite import SQLiteRecorder, StoreLockedError, release_writer_lock, take_writer_lock
 
 
 def main(argv: list[str] | None = None) -> int:

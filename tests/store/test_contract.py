@@ -15,8 +15,8 @@ from dynaresized.store import (
     StoredEvent,
     open_recorder,
 )
-from dynaresized.store.sqlite import CHUNK
-from tests.store.conftest import FakeClock, RecorderFactory
+from dynaresized.store.layout import CHUNK
+from tests.store.conftest import FakeClock
 
 
 def test_is_a_recorder(recorder: Recorder) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from dynaresized.store import CorruptLogError, SQLiteRecorder, StoreLockedError, salvage
-from dynaresized.store.sqlite import APPLICATION_ID
+from dynaresized.store.layout import APPLICATION_ID
 
 
 def fill(path: Path, n: int, *, stream: str = "cluster") -> None:
@@ -125,7 +126,8 @@ def test_a_rotten_event_in_the_middle_is_reported_never_dropped(tmp_path: Path) 
         events = r.read("cluster")
         for _ in range(19):
             next(events)
-        with pytest.raises(CorruptLogError, match=r"position 20 \(stream 'cluster', version 20\) fails its CRC32") as info:
+        damaged = r"position 20 \(stream 'cluster', version 20\) fails its CRC32"
+        with pytest.raises(CorruptLogError, match=damaged) as info:
             next(events)
         assert info.value.position == 20 and info.value.path == str(path)
         with pytest.raises(CorruptLogError, match="position 20"):
@@ -225,3 +227,30 @@ def test_operator_commands_check_and_salvage(tmp_path: Path) -> None:
     with SQLiteRecorder(path):
         locked = run_store_command("salvage", str(path), "--through", "5")
     assert locked.returncode == 1 and "already open for writing" in locked.stderr
+
+
+def test_salvage_reads_the_wal_and_keeps_it_with_the_damaged_copy(tmp_path: Path) -> None:
+    """A crash image: the last events are only in the WAL, and the last one is damaged."""
+    live = tmp_path / "live.sqlite"
+    fill(live, 20)
+    writer = SQLiteRecorder(live)
+    writer.append("cluster", 20, [("fact", f"event {i}".encode()) for i in range(21, 31)])
+    raw = sqlite3.connect(live)  # damage event 30 behind the store's back, still in the WAL
+    raw.execute("UPDATE events SET data = ? WHERE position = 30", (b"EVENT 30",))
+    raw.commit()
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    for suffix in ("", "-wal"):  # the files as a crash would leave them: nothing checkpointed
+        shutil.copyfile(f"{live}{suffix}", crashed / f"events.sqlite{suffix}")
+    raw.close()
+    writer.close()
+    path = crashed / "events.sqlite"
+    with capture_logs() as logs, SQLiteRecorder(path) as r:
+        assert [e.data for e in r.read("cluster")] == [f"event {i}".encode() for i in range(1, 30)]
+    (salvaged,) = [e for e in logs if e["event"] == "store.salvaged"]
+    assert salvaged["last_good_position"] == 29 and "position 30" in salvaged["prefix_ends"]
+    damaged = Path(salvaged["damaged_copy"])
+    assert Path(f"{damaged}-wal").stat().st_size > 0
+    forensics = sqlite3.connect(f"file:{damaged}?mode=ro", uri=True)  # the copy still opens, WAL and all
+    assert forensics.execute("SELECT count(*) FROM events").fetchone()[0] == 30
+    forensics.close()
