@@ -98,22 +98,32 @@ def verify_log(conn: sqlite3.Connection, *, full: bool, tail: int = TAIL_WINDOW)
     rows = conn.execute(
         f"SELECT {COLUMNS} FROM events ORDER BY position DESC LIMIT ?", (tail,)
     ).fetchall()
-    newest: dict[bytes, int] = {}
+    top: dict[bytes, int] = {}  # each stream's highest version in the tail (seen first)
+    lowest: dict[bytes, int] = {}  # and its lowest so far (walking down)
     for expected, row in enumerate(rows):
         pos, stream, version = row[:3]
         if pos != last - expected:
             return f"the log jumps from position {pos} to {last - expected + 1}"
         if not row_intact(row):
             return f"the event at position {pos} (stream {as_text(stream)!r}, version {version}) fails its CRC32 check"
-        if stream in newest and version != newest[stream] - 1:
-            return f"stream {as_text(stream)!r} jumps from version {version} to {newest[stream]}"
-        if stream not in newest:
-            # The newest row of the stream must be the one the (stream, version) index finds last.
-            name = stream.decode()  # intact, so valid UTF-8; the column compares as text
-            indexed = conn.execute("SELECT max(version) FROM events WHERE stream = ?", (name,)).fetchone()[0]
-            if indexed != version:
-                return f"stream {name!r} ends at version {version} but its index says {indexed}"
-        newest[stream] = version
+        if stream in lowest and version != lowest[stream] - 1:
+            return f"stream {as_text(stream)!r} jumps from version {version} to {lowest[stream]}"
+        top.setdefault(stream, version)
+        lowest[stream] = version
+    # The (stream, version) index must hold exactly the tail's events, up to the same last
+    # version: reads by stream use it, and a damaged index page can hide events from them
+    # without SQLite noticing.
+    for stream, first in lowest.items():
+        name = stream.decode()  # intact, so valid UTF-8; the column compares as text
+        indexed, indexed_last = conn.execute(
+            f"SELECT count(*), max(version) FROM events INDEXED BY {STREAM_INDEX} WHERE stream = ? AND version >= ?",
+            (name, first),
+        ).fetchone()
+        if (indexed, indexed_last) != (top[stream] - first + 1, top[stream]):
+            return (
+                f"the (stream, version) index holds {indexed} entries up to version {indexed_last} for stream "
+                f"{name!r} from version {first}, but the log holds versions {first}..{top[stream]}"
+            )
     # Snapshots are few; reading them all (with their overflow pages) finds damaged pages there.
     conn.execute("SELECT stream, version, data, crc FROM snapshots").fetchall()
     return None

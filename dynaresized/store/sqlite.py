@@ -312,6 +312,14 @@ class SQLiteRecorder:
             if stop is not None:
                 stop -= len(rows)
             if len(rows) < n:
+                if after < end:
+                    # A damaged index page can end a scan early without an error from SQLite.
+                    raise CorruptLogError(
+                        f"{self.path}: reading stream {stream!r} stops at version {after}, but the stream "
+                        f"reaches version {end}: events are missing; `python -m dynaresized.store check "
+                        f"{self.path}` says where",
+                        path=self.path,
+                    )
                 return
 
     def read_all(
@@ -351,6 +359,12 @@ class SQLiteRecorder:
             if stop is not None:
                 stop -= len(rows)
             if len(rows) < n:
+                if wanted is None and after < end:
+                    raise CorruptLogError(
+                        f"{self.path}: reading the log stops at position {after}, but it reaches position "
+                        f"{end}: events are missing; `python -m dynaresized.store check {self.path}` says where",
+                        path=self.path,
+                    )
                 return
 
     def last_version(self, stream: str) -> int:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,25 @@ class FakeClock:
         return self.now
 
 
-RecorderFactory = Callable[..., Recorder]
+class RecorderFactory:
+    """Opens recorders of one kind on one store: the same object for "memory", the same file
+    for "sqlite" (so opening again is what a restarted daemon does)."""
+
+    def __init__(self, kind: str, path: Path, clock: FakeClock) -> None:
+        self.kind = kind
+        self.path = path
+        self.clock = clock
+        self.opened: list[Recorder] = []
+        self._memory = InMemoryRecorder(clock=clock)
+
+    def __call__(self, **kw: Any) -> Recorder:
+        recorder: Recorder
+        if self.kind == "memory":
+            recorder = self._memory
+        else:
+            recorder = SQLiteRecorder(self.path, clock=self.clock, **kw)
+        self.opened.append(recorder)
+        return recorder
 
 
 @pytest.fixture
@@ -30,22 +49,9 @@ def clock() -> FakeClock:
 
 @pytest.fixture(params=["memory", "sqlite"])
 def make_recorder(request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock) -> Iterator[RecorderFactory]:
-    """Opens a recorder of the parametrized kind; "reopen" means the same store again
-    (the same object for memory, the same file for SQLite)."""
-    opened: list[Recorder] = []
-    memory = InMemoryRecorder(clock=clock)
-
-    def make(**kw: object) -> Recorder:
-        if request.param == "memory":
-            recorder: Recorder = memory
-        else:
-            recorder = SQLiteRecorder(tmp_path / "events.sqlite", clock=clock, **kw)  # type: ignore[arg-type]
-        opened.append(recorder)
-        return recorder
-
-    make.kind = request.param  # type: ignore[attr-defined]
-    yield make
-    for r in opened:
+    factory = RecorderFactory(request.param, tmp_path / "events.sqlite", clock)
+    yield factory
+    for r in factory.opened:
         r.close()
 
 

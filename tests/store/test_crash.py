@@ -36,12 +36,12 @@ def payload(version: int) -> bytes:
     return (seed * (size // 32 + 1))[:size]
 
 
-def append_batches(recorder: SQLiteRecorder, rng: random.Random, batches: int) -> list[int]:
-    """Append `batches` batches of 1-3 events; the stream version after each."""
+def append_batches(recorder: SQLiteRecorder, rng: random.Random, batches: int, largest: int = 3) -> list[int]:
+    """Append `batches` batches of 1..`largest` events; the stream version after each."""
     versions = []
     v = recorder.last_version(STREAM)
     for _ in range(batches):
-        size = rng.randint(1, 3)
+        size = rng.randint(1, largest)
         v = recorder.append(STREAM, v, [("fact", payload(v + i)) for i in range(1, size + 1)])
         versions.append(v)
     return versions
@@ -210,7 +210,7 @@ def closed_log(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     rng = random.Random(3)
     with SQLiteRecorder(path, clock=lambda: 1_700_000_000.0) as r:
         for _ in range(6):
-            v = append_batches(r, rng, 150)[-1]
+            v = append_batches(r, rng, 50, largest=8)[-1]
             r.save_snapshot(STREAM, v, payload(v) * 3)
         total = r.last_version(STREAM)
     assert not Path(str(path) + "-wal").exists()
@@ -275,9 +275,10 @@ def test_a_damaged_file_tail_is_salvaged_to_an_intact_prefix(closed_log: tuple[P
     source, total = closed_log
     original = source.read_bytes()
     rng = random.Random(11)
-    # The last quarter of the file holds about the last 450 events: the default tail window.
+    # The last quarter of the file holds about the last quarter of the events, well inside
+    # the tail window of 1,000.
     cases = [original[: len(original) - 4096]]  # the last page lost
-    cases += [damage(original, rng, len(original) * 3 // 4, len(original)) for _ in range(40)]
+    cases += [damage(original, rng, len(original) * 3 // 4, len(original)) for _ in range(24)]
     outcomes: Counter[str] = Counter()
     shortest = total
     for i, damaged in enumerate(cases):
@@ -287,7 +288,7 @@ def test_a_damaged_file_tail_is_salvaged_to_an_intact_prefix(closed_log: tuple[P
             assert k > total - 1000
             shortest = min(shortest, k)
     assert set(outcomes) <= {"salvaged", "unharmed"}, outcomes
-    assert outcomes["salvaged"] >= 30 and shortest < total - 100, (outcomes, shortest)
+    assert outcomes["salvaged"] >= 18 and shortest < total - 100, (outcomes, shortest)
 
 
 def test_damage_in_the_middle_is_reported_never_cut_away(closed_log: tuple[Path, int], tmp_path: Path) -> None:
@@ -295,11 +296,11 @@ def test_damage_in_the_middle_is_reported_never_cut_away(closed_log: tuple[Path,
     original = source.read_bytes()
     rng = random.Random(13)
     outcomes: Counter[str] = Counter()
-    for i in range(30):
-        # Events 200..900 of 1831 lie here; the last 200 events are the tail. (Cutting the
+    for i in range(20):
+        # Events 10-50% into the log lie here; the last 200 events are the tail. (Cutting the
         # file here would make this the tail: nothing after it would be left to read.)
         damaged = damage(original, rng, len(original) // 10, len(original) // 2, kinds=("zeros", "garbage"))
         outcome, k = reopen_damaged(tmp_path / f"case{i}" / "events.sqlite", damaged, total, tail_window=200)
         assert outcome != "salvaged" or k == total, f"case {i}: the log was cut to {k} of {total} events"
         outcomes[outcome] += 1
-    assert outcomes["refused"] + outcomes["found_on_read"] >= 10, outcomes
+    assert outcomes["refused"] + outcomes["found_on_read"] >= 8, outcomes

@@ -84,7 +84,7 @@ def test_a_restarted_daemon_continues_the_log(make_recorder: RecorderFactory) ->
     first = Cluster(FactLog(recorder, snapshot_every=5))
     first.start()
     first.run_steps(4, rollout_s=255, train_s=100)
-    if make_recorder.kind == "sqlite":  # type: ignore[attr-defined]
+    if make_recorder.kind == "sqlite":
         first.factlog.close()
         recorder = make_recorder()  # the same file, as a restarted daemon opens it
     factlog = FactLog(recorder, snapshot_every=5)

@@ -254,3 +254,34 @@ def test_salvage_reads_the_wal_and_keeps_it_with_the_damaged_copy(tmp_path: Path
     forensics = sqlite3.connect(f"file:{damaged}?mode=ro", uri=True)  # the copy still opens, WAL and all
     assert forensics.execute("SELECT count(*) FROM events").fetchone()[0] == 30
     forensics.close()
+
+
+def test_a_damaged_index_page_never_hides_events_from_a_read(tmp_path: Path) -> None:
+    """Cut the cell count of a page in the middle of the (stream, version) index: SQLite reads
+    it without complaint, but a read by stream must notice the events it no longer sees."""
+    path = tmp_path / "events.sqlite"
+    fill(path, 3000)
+    conn = sqlite3.connect(path)
+    page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+    (root,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'sqlite_autoindex_events_1'").fetchone()
+    conn.close()
+    data = bytearray(path.read_bytes())
+    page = data[(root - 1) * page_size : root * page_size]
+    assert page[0] == 0x02, "the index root is an interior page"
+    cells = int.from_bytes(page[3:5], "big")
+    middle = int.from_bytes(page[8 + 4 + 2 * (cells // 2) : 8 + 4 + 2 * (cells // 2) + 2], "big")
+    child = int.from_bytes(page[middle : middle + 4], "big")  # a leaf in the middle of the index
+    leaf = (child - 1) * page_size
+    assert data[leaf] == 0x0A, "an index leaf page"
+    data[leaf + 3 : leaf + 5] = (3).to_bytes(2, "big")  # the leaf now "holds" 3 entries
+    path.write_bytes(bytes(data))
+    # A reader does not check the file when it opens it; it finds out when it reads.
+    with SQLiteRecorder(path, read_only=True) as reader:
+        with pytest.raises(CorruptLogError, match=r"jumps from version \d+ to \d+|stops at version"):
+            list(reader.read("cluster"))
+        assert [e.position for e in reader.read_all()] == list(range(1, 3001))  # the table itself is whole
+    # A writer checks the index when it opens the log, and rebuilds it: no event is lost.
+    with capture_logs() as logs, SQLiteRecorder(path) as writer:
+        assert [e.data for e in writer.read("cluster")] == [f"event {i}".encode() for i in range(1, 3001)]
+    (salvaged,) = [e for e in logs if e["event"] == "store.salvaged"]
+    assert salvaged["last_good_position"] == 3000 and salvaged["lost_events"] == 0
