@@ -113,6 +113,8 @@ class SQLiteRecorder:
                 self._conn.close()
                 raise
             return
+        if not os.path.isdir(os.path.dirname(self.path)):
+            raise FileNotFoundError(f"no directory {os.path.dirname(self.path)} for the event log {self.path}")
         self._lock_fd = take_writer_lock(self.path)
         try:
             self._conn = self._open_writer(verify)

@@ -77,10 +77,12 @@ def test_a_reader_follows_a_live_writer_and_cannot_write(tmp_path: Path) -> None
             reader.save_snapshot("s", 1, b"")
 
 
-def test_a_reader_needs_a_log(tmp_path: Path) -> None:
+def test_a_reader_needs_a_log_and_a_writer_its_directory(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no event log at"):
         SQLiteRecorder(tmp_path / "missing.sqlite", read_only=True)
     assert not (tmp_path / "missing.sqlite").exists()
+    with pytest.raises(FileNotFoundError, match=r"no directory .*/nowhere for the event log"):
+        SQLiteRecorder(tmp_path / "nowhere" / "events.sqlite")
 
 
 def test_another_applications_database_is_refused(tmp_path: Path) -> None:
