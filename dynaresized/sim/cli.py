@@ -15,6 +15,7 @@ from typing import Any, TextIO
 import msgspec
 
 from dynaresized.core.policy import UnknownPolicyError, available_policies
+from dynaresized.sim.plot import PlotUnavailable
 from dynaresized.sim.profile import ProfileError, builtin_profiles, load_profile
 from dynaresized.sim.run import BENCH_POLICIES, SimReport, bench, scenario_shape, simulate
 from dynaresized.sim.workload import DYNAMIC_SCENARIOS, SCENARIOS, TraceError, UnknownScenarioError, load_trace, \
@@ -109,7 +110,7 @@ def run_cli(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if args.sim_command == "simulate":
             return _simulate(args, out)
         return _bench(args, out)
-    except (ProfileError, TraceError, UnknownScenarioError, UnknownPolicyError, ValueError) as exc:
+    except (ProfileError, TraceError, UnknownScenarioError, UnknownPolicyError, ValueError, PlotUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

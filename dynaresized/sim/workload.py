@@ -8,7 +8,6 @@ trace, bit for bit.
 
 from __future__ import annotations
 
-import enum
 import math
 import zlib
 from collections.abc import Callable, Iterator
@@ -273,8 +272,3 @@ def scenario_trace(name: str, shape: Shape, *, seed: int = 0, steps: int | None 
     # One stream per (scenario, seed): adding a scenario never changes another's trace.
     rng = np.random.default_rng([zlib.crc32(name.encode()), seed])
     return Trace(name, tuple(scenario.draw(rng, k, count, shape) for k in range(count)))
-
-
-class TraceSource(enum.Enum):
-    FILE = "file"
-    SCENARIO = "scenario"
