@@ -33,6 +33,7 @@ class WorkerHello(Event, frozen=True):
     worker_id: WorkerId
     kind: WorkerKind
     devices: tuple[DeviceId, ...]
+    process: str = ""  # a new value for a live worker means its process restarted
 
 
 class Heartbeat(Event, frozen=True):
@@ -83,3 +84,11 @@ class ResumeRequested(Event, frozen=True):
 
 class ShutdownRequested(Event, frozen=True):
     """SIGTERM: start no new resize; the one in flight finishes or rolls back."""
+
+
+class AbortRequested(Event, frozen=True):
+    """Roll back the resize in flight now (drain timeout, operator). A resize already
+    committing is finished instead: commit is the point of no return."""
+
+    requested_by: str = "operator"
+    reason: str = ""

@@ -1,0 +1,302 @@
+"""`dynaresized`: the command line for the daemon and its operators.
+
+Exit codes follow the LSB/systemd conventions: 0 success, 1 failure, 2 bad usage,
+3 the daemon is not running (status), 6 not configured (bad or missing configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from dynaresized import __version__, wire
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NOT_CONFIGURED = 0, 1, 2, 3, 6
+DEFAULT_CONFIG = "/etc/dynaresized/config.toml"
+
+
+def _config_for_client(path: str | None):  # type: ignore[no-untyped-def]
+    """The config a client command reads endpoints from: the named file, else the default file
+    if it exists, else built-in defaults."""
+    from dynaresized.daemon.config import Config, load_config
+
+    if path:
+        return load_config(path)
+    if Path(DEFAULT_CONFIG).exists():
+        return load_config(DEFAULT_CONFIG)
+    return Config()
+
+
+def control_request(endpoint: str, request: msgspec.Struct, timeout_s: float = 5.0) -> wire.ControlReply:
+    """Send one request to the daemon's control endpoint and wait for its reply."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(wire.encode(request))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no answer from the daemon's control endpoint {endpoint} within {timeout_s:g}s "
+                               "(is it running? `systemctl status dynaresized`)")
+        reply = wire.reply_decoder().decode(sock.recv())
+    finally:
+        sock.close()
+        ctx.term()
+    if isinstance(reply, wire.Error):
+        raise RuntimeError(f"daemon refused the request: {reply.message}")
+    return reply
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from dynaresized.daemon.config import ConfigError, load_config
+    from dynaresized.daemon.logs import configure_logging
+    from dynaresized.daemon.service import StartupError, run_daemon
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"dynaresized: {exc}", file=sys.stderr)
+        return EXIT_NOT_CONFIGURED
+    configure_logging(config.daemon.log_format, config.daemon.log_level)
+    try:
+        return run_daemon(config)
+    except StartupError as exc:
+        print(f"dynaresized: cannot start: {exc}", file=sys.stderr)
+        return EXIT_NOT_CONFIGURED
+
+
+def _control(args: argparse.Namespace, request: msgspec.Struct) -> wire.ControlReply | int:
+    from dynaresized.daemon.config import ConfigError
+
+    try:
+        endpoint = args.control or _config_for_client(args.config).daemon.control_endpoint
+    except ConfigError as exc:
+        print(f"dynaresized: {exc}", file=sys.stderr)
+        return EXIT_NOT_CONFIGURED
+    try:
+        return control_request(endpoint, request, args.timeout)
+    except TimeoutError as exc:
+        print(f"dynaresized: {exc}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    except RuntimeError as exc:
+        print(f"dynaresized: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+
+
+def render_status(data: dict[str, Any]) -> str:
+    split = data["split"]
+    lines = [
+        f"phase       {data['phase']}" + (" (paused)" if data["paused"] else "") +
+        (" (stopping)" if data["stopping"] else ""),
+        f"split       train {split['train']} : rollout {split['rollout']}",
+        f"policy      {data['policy']}",
+        f"last step   {data['last_step']}",
+        f"resizes     {data['resizes']['committed']} committed, {data['resizes']['rolled_back']} rolled back, "
+        f"{data['resizes']['started']} started",
+    ]
+    if data["degraded_reason"]:
+        lines.append(f"DEGRADED    {data['degraded_reason']}")
+    fl = data["in_flight"]
+    if fl:
+        lines.append(f"in flight   {fl['resize_id']} {fl['from']} -> {fl['to']} on {', '.join(fl['devices'])}; "
+                     f"op {fl['op']}{' (rolling back)' if fl['rolling_back'] else ''}")
+    lines.append("")
+    lines.append(f"{'DEVICE':<20} {'POOL':<28} WORKERS")
+    by_device: dict[str, list[str]] = {}
+    for w in data["workers"]:
+        for d in w["devices"]:
+            by_device.setdefault(d, []).append(f"{w['id']}({w['kind']},{w['status']})")
+    for device, pool in data["devices"].items():
+        lines.append(f"{device:<20} {pool:<28} {' '.join(by_device.get(device, [])) or '-'}")
+    return "\n".join(lines)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    reply = _control(args, wire.StatusRequest())
+    if isinstance(reply, int):
+        return reply
+    if args.json:
+        print(json.dumps(reply.data, indent=2, sort_keys=True))
+    else:
+        print(render_status(reply.data))
+    return EXIT_OK
+
+
+def _simple(request_of) -> Any:  # type: ignore[no-untyped-def]
+    def run(args: argparse.Namespace) -> int:
+        reply = _control(args, request_of(args))
+        if isinstance(reply, int):
+            return reply
+        print(reply.message)
+        return EXIT_OK if reply.ok else EXIT_FAIL
+
+    return run
+
+
+def _cmd_events(args: argparse.Namespace) -> int:
+    from dynaresized.core.facts import decode_fact, fact_to_json
+    from dynaresized.daemon.config import ConfigError
+    from dynaresized.daemon.service import EVENTS_FILE
+    from dynaresized.explain import explain
+    from dynaresized.store import open_recorder
+
+    try:
+        state_dir = args.state_dir or _config_for_client(args.config).daemon.state_dir
+    except ConfigError as exc:
+        print(f"dynaresized: {exc}", file=sys.stderr)
+        return EXIT_NOT_CONFIGURED
+    path = Path(state_dir) / EVENTS_FILE
+    if not path.exists():
+        print(f"dynaresized: no event log at {path} (has the daemon run with this state_dir?)", file=sys.stderr)
+        return EXIT_NOT_CONFIGURED
+    as_json = args.json or not sys.stdout.isatty()
+    recorder = open_recorder(path, read_only=True)
+    position = args.since
+    types = set(args.type) if args.type else None
+    try:
+        while True:
+            for stored in recorder.read_all(after_position=position, types=types):
+                position = stored.position
+                fact = decode_fact(stored.data)
+                if as_json:
+                    body = json.loads(fact_to_json(fact))
+                    body = {"position": stored.position, "recorded_at": stored.recorded_at, **body}
+                    sys.stdout.write(json.dumps(body) + "\n")
+                else:
+                    stamp = time.strftime("%H:%M:%S", time.localtime(fact.at))
+                    sys.stdout.write(f"{stored.position:>8} {stamp} {stored.type:<20} {explain(fact)}\n")
+            sys.stdout.flush()
+            if not args.follow:
+                return EXIT_OK
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    except BrokenPipeError:
+        return EXIT_OK
+    finally:
+        recorder.close()
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from dynaresized.daemon.security import keygen
+
+    public, secret = keygen(args.dir, args.name)
+    print(f"public key: {public}\nsecret key: {secret} (keep it private; mode 0600)")
+    return EXIT_OK
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    from dynaresized.daemon.config import ConfigError, load_config
+
+    try:
+        load_config(args.config)
+    except ConfigError as exc:
+        print(f"dynaresized: {exc}", file=sys.stderr)
+        return EXIT_NOT_CONFIGURED
+    print(f"{args.config}: ok")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dynaresized",
+        description="Move GPUs between the rollout and training stages of RL post-training at run time.",
+        epilog="Start with `dynaresized demo`. Docs: README.md and docs/.",
+    )
+    parser.add_argument("--version", action="version", version=f"dynaresized {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("serve", help="run the daemon (what systemd starts)")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"TOML configuration (default {DEFAULT_CONFIG})")
+    p.set_defaults(run=_cmd_serve)
+
+    p = sub.add_parser("check-config", help="validate a configuration file and exit")
+    p.add_argument("--config", default=DEFAULT_CONFIG)
+    p.set_defaults(run=_cmd_check_config)
+
+    def client_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", help=f"read endpoints from this config (default {DEFAULT_CONFIG} if present)")
+        p.add_argument("--control", help="the daemon's control endpoint, e.g. tcp://127.0.0.1:5556")
+        p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default 5)")
+
+    p = sub.add_parser("status", help="pools, devices, workers and the resize in flight")
+    client_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=_cmd_status)
+
+    p = sub.add_parser("events", help="print the event log (JSON lines when piped, text on a terminal)")
+    p.add_argument("--config", help="read state_dir from this config")
+    p.add_argument("--state-dir", help="directory holding events.sqlite")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    p.add_argument("--json", action="store_true", help="JSON lines even on a terminal")
+    p.add_argument("--since", type=int, default=0, metavar="N", help="only events after log position N")
+    p.add_argument("--type", action="append", metavar="T",
+                   help="only events of this type, e.g. resize_started (repeatable)")
+    p.set_defaults(run=_cmd_events)
+
+    p = sub.add_parser("pause", help="stop starting resizes (the one in flight finishes)")
+    client_args(p)
+    p.add_argument("--reason", default="")
+    p.set_defaults(run=_simple(lambda a: wire.PauseRequest(reason=a.reason)))
+
+    p = sub.add_parser("resume", help="start resizing again (also clears 'degraded')")
+    client_args(p)
+    p.set_defaults(run=_simple(lambda a: wire.ResumeRequest()))
+
+    p = sub.add_parser("resize", help="force a split now, e.g. `dynaresized resize 4:4` (skips hysteresis)")
+    client_args(p)
+    p.add_argument("split", help="train:rollout")
+    p.add_argument("--reason", default="")
+
+    def resize_request(a: argparse.Namespace) -> wire.ResizeRequest:
+        from dynaresized.daemon.config import parse_split
+
+        split = parse_split(a.split)
+        return wire.ResizeRequest(train=split.train, rollout=split.rollout, reason=a.reason)
+
+    p.set_defaults(run=_simple(resize_request))
+
+    p = sub.add_parser("drain", help="stop the daemon gracefully, like SIGTERM")
+    client_args(p)
+    p.set_defaults(run=_simple(lambda a: wire.DrainRequest()))
+
+    p = sub.add_parser("keygen", help="write a CurveZMQ key pair (for the daemon or a worker)")
+    p.add_argument("name", help="key name; for a worker, its worker id")
+    p.add_argument("--dir", default=".", help="output directory (default .)")
+    p.set_defaults(run=_cmd_keygen)
+
+    try:
+        from dynaresized.demo import add_parser as add_demo
+
+        add_demo(sub)
+    except ImportError:  # pragma: no cover - part of the package
+        pass
+    try:
+        from dynaresized.sim.cli import add_parsers as add_sim
+
+        add_sim(sub)
+    except ImportError:
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except ValueError as exc:
+        print(f"dynaresized: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

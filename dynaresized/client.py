@@ -1,0 +1,344 @@
+"""The worker client: what a vLLM engine wrapper or a trainer rank imports to attach.
+
+    client = WorkerClient("tcp://127.0.0.1:5555", "trainer-0", WorkerKind.TRAINER_RANK, ("node0:gpu0",))
+    client.on(OpKind.JOIN, handle_join)          # async def handle_join(op: OpRequest) -> str
+    await client.start()                          # registers; heartbeats and ops run in the background
+    await client.report_step(StepTiming(...))
+    await client.close()
+
+Operations are deduplicated by op id: a command the daemon re-sends after a restart is
+answered from the record of its first run, never run twice. If the daemon restarts (a new
+boot id) or forgets the worker, the client registers again by itself, with backoff.
+`BlockingWorkerClient` offers the same for code without an event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from dynaresized import wire
+from dynaresized.domain import OpKind, Pool, StepTiming, WorkerKind
+
+log = structlog.get_logger("dynaresized.client")
+
+_PERMANENT = {"unknown_device", "device_owned", "conflict", "bad_request"}
+
+
+OpRequest = wire.OpCommand
+"""An operation as a handler sees it."""
+
+
+OpHandler = Callable[[OpRequest], Awaitable[str]]
+
+
+class DaemonRejected(Exception):
+    """The daemon refused this worker for good (wrong version, bad key, unknown or taken device)."""
+
+    def __init__(self, error: wire.Error) -> None:
+        self.error = error
+        self.code = error.code
+        self.reason = error.reason
+        super().__init__(f"daemon refused {error.ref_type or 'message'}: {error.message}"
+                         + (f" ({error.reason})" if error.reason else ""))
+
+
+class DaemonUnavailable(TimeoutError):
+    pass
+
+
+class CurveKeys:
+    """Client-side CURVE keys: this worker's key pair and the daemon's public key."""
+
+    def __init__(self, secret_key_file: str | Path, server_public_key_file: str | Path) -> None:
+        import zmq.auth
+
+        self.public, self.secret = zmq.auth.load_certificate(str(secret_key_file))
+        self.server_public, _ = zmq.auth.load_certificate(str(server_public_key_file))
+        if self.secret is None:
+            raise ValueError(f"{secret_key_file} holds no secret key")
+
+
+class WorkerClient:
+    def __init__(self, endpoint: str, worker_id: str, kind: WorkerKind, devices: tuple[str, ...], *,
+                 curve: CurveKeys | None = None, hello_timeout_s: float = 5.0,
+                 max_backoff_s: float = 5.0, op_records: int = 1024) -> None:
+        self.endpoint = endpoint
+        self.worker_id = worker_id
+        self.kind = kind
+        self.devices = tuple(devices)
+        self.curve = curve
+        self.hello_timeout_s = hello_timeout_s
+        self.max_backoff_s = max_backoff_s
+        self.handlers: dict[OpKind, OpHandler] = {}
+        self.incarnation = 0
+        self.process = uuid.uuid4().hex  # tells the daemon a restarted worker from a reconnecting one
+        self.boot_id = ""
+        self.heartbeat_interval_s = 1.0
+        self.heartbeat_timeout_s = 10.0
+        self.errors: list[wire.Error] = []  # errors the daemon sent back (for callers and tests)
+        self.ops_run: list[str] = []  # op ids actually executed, in order
+        self._records: OrderedDict[str, wire.OpResult] = OrderedDict()
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._op_records = op_records
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._welcome: asyncio.Future[wire.Welcome] | None = None
+        self._registered = asyncio.Event()
+        self._last_ack = 0.0
+        self._seq = 0
+        self._closed = False
+        self._fatal: DaemonRejected | None = None
+        self._decoder = wire.daemon_decoder(16 * 1024 * 1024)
+        self._send_lock = asyncio.Lock()
+
+    def on(self, kind: OpKind, handler: OpHandler) -> None:
+        self.handlers[kind] = handler
+
+    def on_all(self, handlers: dict[OpKind, OpHandler]) -> None:
+        self.handlers.update(handlers)
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> wire.Welcome:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        self._sock.setsockopt(zmq.LINGER, 1000)  # a goodbye leaves before exit
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if self.curve is not None:
+            self._sock.curve_secretkey = self.curve.secret
+            self._sock.curve_publickey = self.curve.public
+            self._sock.curve_serverkey = self.curve.server_public
+        self._sock.connect(self.endpoint)
+        self._tasks.append(asyncio.create_task(self._receive(), name=f"{self.worker_id}-receive"))
+        try:
+            welcome = await self._hello(self.hello_timeout_s)
+        except BaseException:
+            await self.close(say_bye=False)
+            raise
+        self._tasks.append(asyncio.create_task(self._heartbeat(), name=f"{self.worker_id}-heartbeat"))
+        return welcome
+
+    async def close(self, *, say_bye: bool = True, reason: str = "") -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if say_bye and self._sock is not None and self._registered.is_set():
+            with contextlib.suppress(zmq.ZMQError):
+                await self._send(wire.Bye(worker_id=self.worker_id, reason=reason))
+        for task in [*self._tasks, *self._running.values()]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._running.values(), return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close(linger=1000)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    async def __aenter__(self) -> WorkerClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- reporting -------------------------------------------------------------------
+    async def report_step(self, timing: StepTiming) -> None:
+        await self._send(wire.StepReport(worker_id=self.worker_id, timing=timing, sent_at=time.time()))
+
+    async def report_progress(self, step: int, done: int, total: int, tokens: int = 0) -> None:
+        await self._send(wire.Progress(worker_id=self.worker_id, step=step, done=done, total=total, tokens=tokens,
+                                       sent_at=time.time()))
+
+    # -- internals -------------------------------------------------------------------
+    async def _send(self, msg: Any) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+        assert self._sock is not None, "start() first"
+        async with self._send_lock:
+            await self._sock.send(wire.encode(msg))
+
+    async def _hello(self, timeout: float) -> wire.Welcome:
+        loop = asyncio.get_running_loop()
+        self._welcome = loop.create_future()
+        await self._send(wire.Hello(protocol=wire.PROTOCOL_VERSION, worker_id=self.worker_id, kind=self.kind,
+                                    devices=self.devices, pid=os.getpid(), host=socket.gethostname(),
+                                    sent_at=time.time(), process=self.process))
+        try:
+            welcome = await asyncio.wait_for(self._welcome, timeout)
+        except TimeoutError:
+            raise DaemonUnavailable(f"no answer from the daemon at {self.endpoint} within {timeout:g}s") from None
+        self.incarnation = welcome.incarnation
+        self.boot_id = welcome.boot_id
+        self.heartbeat_interval_s = welcome.heartbeat_interval_s
+        self.heartbeat_timeout_s = welcome.heartbeat_timeout_s
+        self._last_ack = time.monotonic()
+        self._registered.set()
+        log.info("registered", worker=self.worker_id, incarnation=welcome.incarnation, boot_id=welcome.boot_id)
+        return welcome
+
+    async def _reregister(self, why: str) -> None:
+        """Say hello again until the daemon answers (it restarted, or forgot us)."""
+        if not self._registered.is_set():
+            return  # already re-registering
+        self._registered.clear()
+        log.warning("re-registering", worker=self.worker_id, why=why)
+        backoff = 0.1
+        while not self._closed:
+            try:
+                await self._hello(max(self.heartbeat_interval_s * 2, 1.0))
+                return
+            except DaemonUnavailable:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff_s)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            if not self._registered.is_set():
+                continue
+            self._seq += 1
+            await self._send(wire.Heartbeat(worker_id=self.worker_id, seq=self._seq, sent_at=time.time()))
+            if time.monotonic() - self._last_ack > self.heartbeat_timeout_s:
+                asyncio.create_task(self._reregister("no heartbeat answer from the daemon"))
+
+    async def _receive(self) -> None:
+        assert self._sock is not None
+        while True:
+            data = await self._sock.recv()
+            try:
+                msg = self._decoder.decode(data)
+            except wire.WireError as exc:
+                log.error("undecodable message from the daemon", error=str(exc))
+                continue
+            match msg:
+                case wire.Welcome():
+                    if self._welcome is not None and not self._welcome.done():
+                        self._welcome.set_result(msg)
+                case wire.HeartbeatAck():
+                    self._last_ack = time.monotonic()
+                    if msg.boot_id != self.boot_id:
+                        asyncio.create_task(self._reregister(f"daemon restarted (boot {msg.boot_id})"))
+                case wire.OpCommand():
+                    self._dispatch(msg)
+                case wire.Error():
+                    self._on_error(msg)
+
+    def _on_error(self, err: wire.Error) -> None:
+        self.errors.append(err)
+        log.warning("daemon error", worker=self.worker_id, code=err.code.value, reason=err.reason,
+                    error=err.message)
+        fatal = (err.code in (wire.ErrorCode.BAD_VERSION, wire.ErrorCode.UNAUTHORIZED)
+                 or (err.ref_type == "hello" and err.reason in _PERMANENT))
+        if fatal:
+            self._fatal = DaemonRejected(err)
+            if self._welcome is not None and not self._welcome.done():
+                self._welcome.set_exception(self._fatal)
+        elif err.reason in ("unknown_worker", "not_registered"):
+            asyncio.create_task(self._reregister(err.message))
+
+    def _dispatch(self, cmd: wire.OpCommand) -> None:
+        record = self._records.get(cmd.op_id)
+        if record is not None:  # re-sent after a daemon restart: answer, do not re-run
+            asyncio.create_task(self._send(record))
+            return
+        if cmd.op_id in self._running:
+            return  # still running: its result goes out when it ends
+        self._running[cmd.op_id] = asyncio.create_task(self._run_op(cmd), name=f"op-{cmd.op_id}")
+
+    async def _run_op(self, op: OpRequest) -> None:
+        started = time.monotonic()
+        handler = self.handlers.get(op.kind)
+        self.ops_run.append(op.op_id)
+        with structlog.contextvars.bound_contextvars(resize_id=op.resize_id, op=op.kind.value,
+                                                     worker=self.worker_id):
+            if handler is None:
+                ok, detail = False, f"worker {self.worker_id} has no handler for {op.kind.value}"
+            else:
+                try:
+                    detail = await asyncio.wait_for(handler(op), timeout=max(op.timeout_s, 0.001))
+                    ok = True
+                except TimeoutError:
+                    ok, detail = False, f"{op.kind.value} did not finish within {op.timeout_s:.1f}s"
+                except Exception as exc:  # the handler's failure is the op's result, reported to the daemon
+                    ok, detail = False, f"{type(exc).__name__}: {exc}"
+                    log.warning("op failed", error=detail, exc_info=exc)
+        result = wire.OpResult(worker_id=self.worker_id, op_id=op.op_id, ok=ok, detail=str(detail)[:4000],
+                               duration_s=time.monotonic() - started, sent_at=time.time())
+        self._records[op.op_id] = result
+        while len(self._records) > self._op_records:
+            self._records.popitem(last=False)
+        self._running.pop(op.op_id, None)
+        await self._send(result)
+
+
+class BlockingWorkerClient:
+    """WorkerClient for code without an event loop: runs one in a background thread.
+    Handlers are plain functions `(OpRequest) -> str`, run in a worker thread."""
+
+    def __init__(self, endpoint: str, worker_id: str, kind: WorkerKind, devices: tuple[str, ...],
+                 **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"dynaresized-{worker_id}", daemon=True)
+        self._thread.start()
+        self._client = self._call(self._make(endpoint, worker_id, kind, devices, kwargs))
+
+    async def _make(self, *args: Any) -> WorkerClient:
+        endpoint, worker_id, kind, devices, kwargs = args
+        return WorkerClient(endpoint, worker_id, kind, devices, **kwargs)
+
+    def _call(self, coro: Awaitable[Any], timeout: float | None = None) -> Any:
+        fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        return fut.result(timeout)
+
+    @property
+    def client(self) -> WorkerClient:
+        return self._client
+
+    def on(self, kind: OpKind, handler: Callable[[OpRequest], str]) -> None:
+        async def run(op: OpRequest) -> str:
+            return await asyncio.to_thread(handler, op)
+
+        self._client.on(kind, run)
+
+    def start(self) -> wire.Welcome:
+        return self._call(self._client.start())
+
+    def report_step(self, timing: StepTiming) -> None:
+        self._call(self._client.report_step(timing))
+
+    def report_progress(self, step: int, done: int, total: int, tokens: int = 0) -> None:
+        self._call(self._client.report_progress(step, done, total, tokens))
+
+    def close(self, reason: str = "") -> None:
+        try:
+            self._call(self._client.close(reason=reason), timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> BlockingWorkerClient:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["BlockingWorkerClient", "CurveKeys", "DaemonRejected", "DaemonUnavailable", "OpHandler", "OpRequest",
+           "Pool", "WorkerClient"]

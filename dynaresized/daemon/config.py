@@ -1,0 +1,198 @@
+"""Daemon configuration: one TOML file decoded into typed structs.
+
+Unknown keys, wrong types and impossible values are refused at start with a message that
+names the file and the key. Every key, with its default, is documented in
+docs/configuration.md (checked against `Config` by tests/daemon/test_config.py).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import msgspec
+
+from dynaresized.core.guards import GuardConfig
+from dynaresized.core.machine import CoreConfig
+from dynaresized.core.policy import ResizeCosts
+from dynaresized.domain import Pool, Split
+
+
+class ConfigError(Exception):
+    """A configuration problem; the message names the file and the key."""
+
+
+class DaemonSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    state_dir: str = "/var/lib/dynaresized"
+    worker_endpoint: str = "tcp://127.0.0.1:5555"
+    control_endpoint: str = "tcp://127.0.0.1:5556"
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9464  # 0 disables the Prometheus endpoint
+    tick_interval_s: float = 0.5
+    heartbeat_interval_s: float = 1.0
+    drain_timeout_s: float = 60.0
+    snapshot_every: int = 10_000
+    max_message_bytes: int = 64 * 1024
+    log_format: str = "auto"  # auto | json | console
+    log_level: str = "info"
+
+
+class SecuritySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    server_secret_key: str = ""  # path of the daemon's CURVE secret key file (from `dynaresized keygen`)
+    authorized_keys_dir: str = ""  # directory of worker public keys; a key's file stem is its worker id
+
+
+class ClusterSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    devices: list[str] = []
+    training: list[str] = []  # devices that start in the training pool; the rest start in rollout
+    candidates: list[str] = []  # allowed "train:rollout" splits; empty = any split
+
+
+class PolicySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str = "hysteresis"
+    options: dict[str, Any] = {}
+
+
+class CoreSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    heartbeat_timeout_s: float = 10.0
+    op_timeout_s: float = 120.0
+    steps_total: int | None = None
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    daemon: DaemonSection = DaemonSection()
+    security: SecuritySection = SecuritySection()
+    cluster: ClusterSection = ClusterSection()
+    policy: PolicySection = PolicySection()
+    core: CoreSection = CoreSection()
+    guards: GuardConfig = GuardConfig()
+    costs: ResizeCosts = ResizeCosts()
+
+    def core_config(self) -> CoreConfig:
+        return CoreConfig(
+            guards=self.guards,
+            heartbeat_timeout_s=self.core.heartbeat_timeout_s,
+            op_timeout_s=self.core.op_timeout_s,
+            steps_total=self.core.steps_total,
+            costs=self.costs,
+        )
+
+    def initial_pools(self) -> tuple[tuple[str, ...], tuple[Pool, ...]]:
+        devices = tuple(self.cluster.devices)
+        training = set(self.cluster.training)
+        return devices, tuple(Pool.TRAINING if d in training else Pool.ROLLOUT for d in devices)
+
+    def candidate_splits(self) -> tuple[Split, ...]:
+        return tuple(parse_split(c) for c in self.cluster.candidates)
+
+
+def parse_split(text: str) -> Split:
+    try:
+        train, rollout = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a 'train:rollout' split such as '4:4'") from None
+    return Split(train=train, rollout=rollout)
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """True for ipc:// and inproc:// endpoints and tcp:// on a loopback address."""
+    url = urlparse(endpoint)
+    if url.scheme in ("ipc", "inproc"):
+        return True
+    if url.scheme != "tcp" or url.hostname is None:
+        return False
+    if url.hostname == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(url.hostname).is_loopback
+    except ValueError:
+        return False  # an interface name or a host name: treat as exposed
+
+
+def _check(cfg: Config) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            problems.append((key, why))
+
+    d, g, c = cfg.daemon, cfg.guards, cfg.core
+    for key, value in (("daemon.tick_interval_s", d.tick_interval_s),
+                       ("daemon.heartbeat_interval_s", d.heartbeat_interval_s),
+                       ("core.heartbeat_timeout_s", c.heartbeat_timeout_s),
+                       ("core.op_timeout_s", c.op_timeout_s)):
+        need(math.isfinite(value) and value > 0, key, f"must be a positive number of seconds, got {value}")
+    need(math.isfinite(d.drain_timeout_s) and d.drain_timeout_s >= 0, "daemon.drain_timeout_s", "must be >= 0")
+    need(c.heartbeat_timeout_s > d.heartbeat_interval_s, "core.heartbeat_timeout_s",
+         f"must exceed daemon.heartbeat_interval_s ({d.heartbeat_interval_s})")
+    need(d.snapshot_every > 0, "daemon.snapshot_every", "must be > 0")
+    need(1024 <= d.max_message_bytes <= 64 * 1024 * 1024, "daemon.max_message_bytes", "must be in [1 KiB, 64 MiB]")
+    need(0 <= d.metrics_port <= 65535, "daemon.metrics_port", "must be a TCP port or 0 to disable")
+    need(d.log_format in ("auto", "json", "console"), "daemon.log_format", "must be auto, json or console")
+    need(d.log_level in ("debug", "info", "warning", "error"), "daemon.log_level",
+         "must be debug, info, warning or error")
+    for key in ("worker_endpoint", "control_endpoint"):
+        ep = getattr(d, key)
+        need(urlparse(ep).scheme in ("tcp", "ipc", "inproc"), f"daemon.{key}",
+             f"{ep!r} is not a ZeroMQ endpoint (tcp://host:port or ipc:///path)")
+    need(is_loopback_endpoint(d.control_endpoint), "daemon.control_endpoint",
+         f"{d.control_endpoint!r} must be loopback (tcp://127.0.0.1:PORT) or ipc://: run the CLI on the daemon's host")
+    need(g.cooldown_steps >= 0, "guards.cooldown_steps", f"must be >= 0, got {g.cooldown_steps}")
+    need(g.min_dwell_s >= 0, "guards.min_dwell_s", f"must be >= 0, got {g.min_dwell_s}")
+    need(g.signal_run >= 1, "guards.signal_run", f"must be >= 1, got {g.signal_run}")
+    need(0 <= g.imbalance_threshold < 1, "guards.imbalance_threshold", "must be in [0, 1)")
+    need(g.payback_horizon_steps >= 1, "guards.payback_horizon_steps", "must be >= 1")
+    need(g.payback_safety >= 0, "guards.payback_safety", "must be >= 0")
+    need(g.min_rollout >= 0 and g.min_train >= 0, "guards.min_rollout", "pool minimums must be >= 0")
+    need(c.steps_total is None or c.steps_total > 0, "core.steps_total", "must be > 0 when set")
+    need(cfg.costs.to_training_s >= 0 and cfg.costs.to_rollout_s >= 0, "costs", "costs must be >= 0")
+
+    devices = cfg.cluster.devices
+    need(len(devices) > 0, "cluster.devices", "list the devices this daemon manages, e.g. [\"node0:gpu0\", ...]")
+    need(len(set(devices)) == len(devices), "cluster.devices", "device ids must be distinct")
+    unknown = sorted(set(cfg.cluster.training) - set(devices))
+    need(not unknown, "cluster.training", f"{', '.join(unknown)} not in cluster.devices")
+    n = len(devices)
+    need(g.min_rollout + g.min_train <= n, "guards.min_rollout",
+         f"min_rollout ({g.min_rollout}) + min_train ({g.min_train}) exceeds the {n} devices in cluster.devices")
+    for text in cfg.cluster.candidates:
+        try:
+            split = parse_split(text)
+        except ValueError as exc:
+            problems.append(("cluster.candidates", str(exc)))
+            continue
+        need(split.total == n and split.train >= 0 and split.rollout >= 0, "cluster.candidates",
+             f"{text!r} must add up to the {n} devices")
+    sec = cfg.security
+    need(bool(sec.server_secret_key) == bool(sec.authorized_keys_dir), "security",
+         "set both server_secret_key and authorized_keys_dir, or neither")
+    return problems
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return config_from_dict(raw, source=str(path))
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<config>") -> Config:
+    try:
+        cfg = msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        # msgspec names the key as `$.section.key`; say it in the TOML's terms.
+        text = str(exc).replace("`$.", "`").replace("`$`", "the top level")
+        raise ConfigError(f"{source}: {text}") from None
+    problems = _check(cfg)
+    if problems:
+        lines = "\n".join(f"  {key}: {why}" for key, why in problems)
+        raise ConfigError(f"{source}: invalid configuration\n{lines}")
+    return cfg

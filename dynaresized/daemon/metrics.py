@@ -1,0 +1,75 @@
+"""Prometheus metrics of the daemon, on their own registry (tests start many daemons)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from dynaresized.core import facts as f
+from dynaresized.core.state import ClusterState
+from dynaresized.domain import Pool, WorkerStatus
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.pool_devices = Gauge("dynaresized_pool_devices", "Devices per pool", ["pool"], registry=r)
+        self.moving_devices = Gauge("dynaresized_moving_devices", "Devices moving between pools", registry=r)
+        self.workers = Gauge("dynaresized_workers", "Workers by kind and status", ["kind", "status"], registry=r)
+        self.resizes = Counter("dynaresized_resizes_total", "Resizes by outcome", ["outcome"], registry=r)
+        self.op_seconds = Histogram("dynaresized_op_seconds", "Duration of resize operations", ["op"],
+                                    buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300), registry=r)
+        self.rejections = Counter("dynaresized_guard_rejections_total", "Proposals rejected, by guard",
+                                  ["guard"], registry=r)
+        self.heartbeats = Counter("dynaresized_heartbeats_total", "Heartbeats received", registry=r)
+        self.messages = Counter("dynaresized_messages_total", "Valid messages received, by type", ["type"],
+                                registry=r)
+        self.decode_errors = Counter("dynaresized_decode_errors_total", "Refused frames, by kind", ["kind"],
+                                     registry=r)
+        self.refusals = Counter("dynaresized_refusals_total", "Messages the core refused, by reason", ["reason"],
+                                registry=r)
+        self.stage_seconds = Gauge("dynaresized_stage_seconds", "Last observed stage time", ["stage"], registry=r)
+        self.facts = Counter("dynaresized_facts_total", "Facts appended to the log", registry=r)
+
+        self._message_children: dict[str, Counter] = {}
+
+    def message(self, kind: str) -> None:
+        """Count one valid message; label children are cached (a lookup costs more than the count)."""
+        child = self._message_children.get(kind)
+        if child is None:
+            child = self._message_children[kind] = self.messages.labels(kind)
+        child.inc()
+
+    def serve(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def observe(self, state: ClusterState, facts: list[f.Fact]) -> None:
+        self.facts.inc(len(facts))
+        for fact in facts:
+            if isinstance(fact, f.ResizeCommitted):
+                self.resizes.labels("committed").inc()
+            elif isinstance(fact, f.ResizeRolledBack):
+                self.resizes.labels("rolled_back").inc()
+            elif isinstance(fact, f.Degraded):
+                self.resizes.labels("degraded").inc()
+            elif isinstance(fact, f.ProposalRejected):
+                self.rejections.labels(fact.guard).inc()
+            elif isinstance(fact, f.OpCompleted):
+                self.op_seconds.labels(fact.op_id.rsplit("-", 1)[-1]).observe(fact.duration_s)
+            elif isinstance(fact, f.StepObserved):
+                self.stage_seconds.labels("rollout").set(fact.timing.rollout_s)
+                self.stage_seconds.labels("train").set(fact.timing.train_s)
+                self.stage_seconds.labels("weight_sync").set(fact.timing.weight_sync_s)
+        if facts:
+            self.update_gauges(state)
+
+    def update_gauges(self, state: ClusterState) -> None:
+        split = state.split
+        self.pool_devices.labels(Pool.TRAINING.value).set(split.train)
+        self.pool_devices.labels(Pool.ROLLOUT.value).set(split.rollout)
+        self.moving_devices.set(sum(1 for p in state.devices.values() if p.is_moving))
+        counts: dict[tuple[str, str], int] = {}
+        for w in state.workers.values():
+            counts[(w.kind.value, w.status.value)] = counts.get((w.kind.value, w.status.value), 0) + 1
+        for kind in ("rollout-engine", "trainer-rank"):
+            for status in WorkerStatus:
+                self.workers.labels(kind, status.value).set(counts.get((kind, status.value), 0))

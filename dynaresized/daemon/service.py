@@ -1,0 +1,548 @@
+"""The daemon: one reactor task owns the cluster state and reads one queue.
+
+Ingress tasks (workers, control) decode frames and put events on the queue; the ticker puts
+ticks; nothing else touches the state. For each batch the reactor steps the core, appends the
+facts to the store (durable), and only then sends the commands and replies they imply. Root
+tasks are guarded: one that ends unexpectedly stops the daemon with a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from dynaresized import wire
+from dynaresized.core import Core, IllegalTransition, Refused, SendOp
+from dynaresized.core import events as ev
+from dynaresized.core import facts as f
+from dynaresized.core.policy import Policy, UnknownPolicyError, load_policy
+from dynaresized.core.state import ClusterState, Phase
+from dynaresized.daemon.config import Config, is_loopback_endpoint
+from dynaresized.daemon.metrics import Metrics
+from dynaresized.daemon.notify import Notifier
+from dynaresized.daemon.security import CurveServer, SecurityError
+from dynaresized.domain import Split
+from dynaresized.explain import explain
+from dynaresized.store import FactLog, open_recorder
+
+log = structlog.get_logger("dynaresized")
+
+EVENTS_FILE = "events.sqlite"
+_BATCH = 512
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message says why and what to change."""
+
+
+class _WorkerIn(msgspec.Struct):
+    identity: bytes
+    msg: Any  # a wire.WorkerMessage
+
+
+class _ControlIn(msgspec.Struct):
+    identity: bytes
+    msg: Any  # a wire.ControlRequest
+
+
+class _TickIn(msgspec.Struct):
+    pass
+
+
+class Daemon:
+    def __init__(self, config: Config, *, policy: Policy | None = None, clock: Callable[[], float] = time.time,
+                 notifier: Notifier | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        try:
+            self.policy = policy or load_policy(config.policy.name, config.policy.options)
+        except (UnknownPolicyError, ValueError, TypeError) as exc:
+            raise StartupError(f"policy.name/policy.options: {exc}") from None
+        self.core = Core(config.core_config(), self.policy)
+        self.notifier = notifier or Notifier()
+        self.metrics = Metrics()
+        self.boot_id = uuid.uuid4().hex[:12]
+        self.state = ClusterState()
+        self.queue: asyncio.Queue[list[_WorkerIn | _ControlIn | _TickIn]] = asyncio.Queue()
+        self.ctx: zmq.asyncio.Context | None = None
+        self.workers_sock: zmq.asyncio.Socket | None = None
+        self.control_sock: zmq.asyncio.Socket | None = None
+        self.curve: CurveServer | None = None
+        self.factlog: FactLog | None = None
+        self.worker_endpoint = ""  # as bound (a tcp port 0 becomes the real port)
+        self.control_endpoint = ""
+        self._ready = asyncio.Event()
+        self._stop_deadline: float | None = None
+        self._abort_sent = False
+        self._last_watchdog = 0.0
+        self._worker_decoder = wire.worker_decoder(config.daemon.max_message_bytes)
+        self._control_decoder = wire.control_decoder(config.daemon.max_message_bytes)
+
+    # -- start-up --------------------------------------------------------------------
+    def _open_log(self) -> None:
+        state_dir = Path(self.config.daemon.state_dir)
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(f"cannot create state_dir {state_dir}: {exc}") from None
+        recorder = open_recorder(state_dir / EVENTS_FILE)
+        self.factlog = FactLog(recorder, snapshot_every=self.config.daemon.snapshot_every)
+        self.state = self.factlog.replay()
+        devices, pools = self.config.initial_pools()
+        now = self.clock()
+        if not self.state.configured:
+            self._apply(ev.Configure(at=now, devices=devices, pools=pools,
+                                     candidates=self.config.candidate_splits()))
+        else:
+            if set(self.state.devices) != set(devices):
+                raise StartupError(
+                    f"cluster.devices in the configuration ({len(devices)} devices) differ from the inventory in "
+                    f"{state_dir / EVENTS_FILE} ({len(self.state.devices)} devices); restore the old list, or move "
+                    "the state directory aside to start a new log")
+            self._apply(ev.DaemonStarted(at=now))
+        log.info("replayed", facts=self.state.version, phase=self.state.phase.value, split=str(self.state.split))
+
+    def _apply(self, event: ev.Event) -> list[SendOp]:
+        """Step the core outside the reactor (start-up only) and record the facts."""
+        self.state, facts, commands = self.core.step(self.state, event)
+        self._record(facts)
+        return commands
+
+    def _bind(self) -> None:
+        d = self.config.daemon
+        sec = self.config.security
+        self.ctx = zmq.asyncio.Context()
+        if not is_loopback_endpoint(d.worker_endpoint) and not sec.server_secret_key:
+            raise StartupError(
+                f"refusing to bind {d.worker_endpoint} without CurveZMQ: set security.server_secret_key and "
+                "security.authorized_keys_dir (create keys with `dynaresized keygen`), or bind 127.0.0.1/ipc://")
+        if sec.server_secret_key:
+            try:
+                self.curve = CurveServer(self.ctx, sec.server_secret_key, sec.authorized_keys_dir)
+            except SecurityError as exc:
+                raise StartupError(str(exc)) from None
+        self.workers_sock = self._router(d.worker_endpoint, curve=True)
+        self.control_sock = self._router(d.control_endpoint, curve=False)  # loopback only, see config
+        self.worker_endpoint = self.workers_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.control_endpoint = self.control_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _router(self, endpoint: str, *, curve: bool) -> zmq.asyncio.Socket:
+        assert self.ctx is not None
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its identity back
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.daemon.max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        if curve and self.curve is not None:
+            self.curve.apply(sock)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise StartupError(f"cannot bind {endpoint}: {exc}") from None
+        return sock
+
+    # -- run -------------------------------------------------------------------------
+    async def run(self) -> int:
+        """Serve until drained. Returns the process exit code."""
+        try:
+            self._open_log()
+            self._bind()
+        except Exception:
+            self._close()
+            raise
+        d = self.config.daemon
+        if d.metrics_port:
+            self.metrics.serve(d.metrics_host, d.metrics_port)
+        self.metrics.update_gauges(self.state)
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGTERM, self.request_stop)
+            loop.add_signal_handler(signal.SIGINT, self.request_stop)
+        tasks = {
+            asyncio.create_task(self._reactor(), name="reactor"),
+            asyncio.create_task(self._ingress_workers(), name="ingress-workers"),
+            asyncio.create_task(self._ingress_control(), name="ingress-control"),
+            asyncio.create_task(self._ticker(), name="ticker"),
+        }
+        reactor = next(t for t in tasks if t.get_name() == "reactor")
+        self.notifier.ready(f"serving {self.worker_endpoint}; split {self.state.split}")
+        log.info("serving", workers=self.worker_endpoint, control=self.control_endpoint, boot_id=self.boot_id,
+                 policy=self.policy.name)
+        self._ready.set()
+        code = 0
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is reactor and not task.cancelled() and task.exception() is None:
+                    continue  # a clean drain
+                exc = None if task.cancelled() else task.exception()
+                log.error("root task ended unexpectedly", task=task.get_name(), error=repr(exc),
+                          exc_info=exc)
+                code = 1
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.notifier.stopping("stopped")
+            self._close()
+        log.info("stopped", exit_code=code, phase=self.state.phase.value)
+        return code
+
+    async def wait_ready(self) -> None:
+        await self._ready.wait()
+
+    def request_stop(self) -> None:
+        self.queue.put_nowait([_ControlIn(identity=b"", msg=wire.DrainRequest())])
+
+    def _close(self) -> None:
+        for sock in (self.workers_sock, self.control_sock):
+            if sock is not None:
+                sock.close(linger=500)
+        if self.curve is not None:
+            self.curve.stop()
+        if self.ctx is not None:
+            self.ctx.term()
+        if self.factlog is not None:
+            self.factlog.close()
+
+    # -- ingress: frames in, events out (never touches the state) ---------------------
+    async def _ingress_workers(self) -> None:
+        """Wait for readability once, then drain what is there without blocking: per-message
+        awaits through zmq.asyncio cost more than decoding and recording the message."""
+        assert self.workers_sock is not None
+        sock = self.workers_sock
+        raw = zmq.Socket.shadow(sock.underlying)
+        copy = self.curve is None  # CURVE needs the frame object for its User-Id property
+        while True:
+            await sock.poll(flags=zmq.POLLIN)
+            batch: list[_WorkerIn] = []
+            for _ in range(_BATCH):
+                try:
+                    frames = raw.recv_multipart(zmq.NOBLOCK, copy=copy)
+                except zmq.Again:
+                    break
+                item = self._admit(raw, frames)
+                if item is not None:
+                    batch.append(item)
+            if batch:
+                self.queue.put_nowait(batch)
+
+    def _admit(self, raw: zmq.Socket, frames: list) -> _WorkerIn | None:  # type: ignore[type-arg]
+        """Decode and authenticate one frame set; bad ones are answered here and go no further."""
+        identity = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+        if len(frames) != 2:
+            self._count_decode_error(wire.ErrorCode.MALFORMED)
+            self._send_error(raw, identity, wire.ErrorCode.MALFORMED,
+                             f"expected exactly one payload frame, got {len(frames) - 1}")
+            return None
+        payload = frames[1]
+        try:
+            msg = self._worker_decoder.decode(payload if isinstance(payload, bytes) else payload.buffer)
+        except wire.WireError as exc:
+            self._count_decode_error(exc.kind)
+            log.warning("refused frame", peer=identity.hex()[:16], kind=exc.kind.value, error=exc.message)
+            self._send_error(raw, identity, exc.kind, exc.message)
+            return None
+        problem = self._authenticate(identity, payload, msg)
+        if problem:
+            self._count_decode_error(wire.ErrorCode.UNAUTHORIZED)
+            log.warning("unauthorized message", peer=identity.hex()[:16], worker=msg.worker_id, error=problem)
+            self._send_error(raw, identity, wire.ErrorCode.UNAUTHORIZED, problem, ref=msg)
+            return None
+        return _WorkerIn(identity, msg)
+
+    def _count_decode_error(self, kind: wire.ErrorCode) -> None:
+        self.metrics.decode_errors.labels(kind.value).inc()
+
+    def _authenticate(self, identity: bytes, frame: zmq.Frame, msg: Any) -> str:
+        """A worker is who its CURVE key says, or on loopback the routing identity it registered with."""
+        if self.curve is not None:
+            owner = self.curve.worker_of(frame)
+            if owner != msg.worker_id:
+                return f"this key may act as worker {owner!r}, not {msg.worker_id!r}"
+        if identity != msg.worker_id.encode():
+            return (f"messages for worker {msg.worker_id!r} must come from a connection whose ZeroMQ identity is "
+                    f"{msg.worker_id!r} (the client sets it)")
+        return ""
+
+    async def _ingress_control(self) -> None:
+        assert self.control_sock is not None
+        sock = self.control_sock
+        raw = zmq.Socket.shadow(sock.underlying)
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) != 2:
+                continue
+            identity, payload = frames
+            try:
+                msg = self._control_decoder.decode(payload)
+            except wire.WireError as exc:
+                self._count_decode_error(exc.kind)
+                self._send_error(raw, identity, exc.kind, exc.message)
+                continue
+            if msg.protocol != wire.PROTOCOL_VERSION:
+                self._send_error(raw, identity, wire.ErrorCode.BAD_VERSION,
+                                 f"protocol {msg.protocol} not supported; this daemon speaks {wire.PROTOCOL_VERSION}")
+                continue
+            self.queue.put_nowait([_ControlIn(identity, msg)])
+
+    async def _ticker(self) -> None:
+        interval = self.config.daemon.tick_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            self.queue.put_nowait([_TickIn()])
+
+    def _send_error(self, raw: zmq.Socket, identity: bytes, code: wire.ErrorCode, message: str,
+                    *, reason: str = "", ref: Any = None) -> None:
+        ref_type = type(ref).__struct_config__.tag if ref is not None else ""
+        err = wire.Error(code=code, message=message, reason=reason, ref_type=ref_type)
+        with contextlib.suppress(zmq.ZMQError):  # a peer gone or over its high-water mark
+            raw.send_multipart([identity, wire.encode(err)], zmq.NOBLOCK)
+
+    # -- the reactor -----------------------------------------------------------------
+    async def _reactor(self) -> None:
+        outbox: list[tuple[zmq.Socket, bytes, bytes]] = []
+        assert self.workers_sock is not None and self.control_sock is not None
+        raw = {id(self.workers_sock): zmq.Socket.shadow(self.workers_sock.underlying),
+               id(self.control_sock): zmq.Socket.shadow(self.control_sock.underlying)}
+        while True:
+            items = await self.queue.get()
+            while len(items) < _BATCH:
+                try:
+                    items.extend(self.queue.get_nowait())
+                except asyncio.QueueEmpty:
+                    break
+            facts: list[f.Fact] = []
+            commands: list[SendOp] = []
+            for item in items:
+                self._handle(item, facts, commands, outbox)
+            self._record(facts)  # durable before anything it implies leaves the daemon
+            for command in commands:
+                self._queue_op(command, outbox)
+            for sock, identity, data in outbox:
+                with contextlib.suppress(zmq.ZMQError):  # a peer gone or over its high-water mark
+                    raw[id(sock)].send_multipart([identity, data], zmq.NOBLOCK)
+            outbox.clear()
+            if self._stop_deadline is not None and self._drained():
+                return
+
+    def _drained(self) -> bool:
+        if self.state.inflight is None:
+            log.info("drained", phase=self.state.phase.value)
+            return True
+        now = self.clock()
+        assert self._stop_deadline is not None
+        if now >= self._stop_deadline + self.config.core.op_timeout_s:
+            log.error("drain gave up: the resize in flight is recorded and will be reconciled at next start",
+                      resize_id=self.state.inflight.plan.resize_id, phase=self.state.phase.value)
+            return True
+        return False
+
+    def _handle(self, item: Any, facts: list[f.Fact], commands: list[SendOp],
+                outbox: list[tuple[zmq.asyncio.Socket, bytes, bytes]]) -> None:
+        now = self.clock()
+        if isinstance(item, _TickIn):
+            self._step(ev.Tick(at=now), facts, commands)
+            self._on_tick(now, facts, commands)
+            return
+        if isinstance(item, _ControlIn):
+            self._control(item, now, facts, commands, outbox)
+            return
+        assert self.workers_sock is not None
+        msg = item.msg
+        sock = self.workers_sock
+        self.metrics.message(type(msg).__struct_config__.tag)
+        try:
+            match msg:
+                case wire.Hello():
+                    if msg.protocol != wire.PROTOCOL_VERSION:
+                        raise _Reply(wire.ErrorCode.BAD_VERSION,
+                                     f"protocol {msg.protocol} not supported; this daemon speaks "
+                                     f"{wire.PROTOCOL_VERSION}")
+                    self._step(ev.WorkerHello(at=now, worker_id=msg.worker_id, kind=msg.kind,
+                                              devices=tuple(msg.devices), process=msg.process), facts, commands)
+                    worker = self.state.workers[msg.worker_id]
+                    outbox.append((sock, item.identity, wire.encode(wire.Welcome(
+                        protocol=wire.PROTOCOL_VERSION, worker_id=msg.worker_id, incarnation=worker.incarnation,
+                        boot_id=self.boot_id, heartbeat_interval_s=self.config.daemon.heartbeat_interval_s,
+                        heartbeat_timeout_s=self.config.core.heartbeat_timeout_s,
+                        candidates=self.state.candidates))))
+                    # The op re-sent to a re-registered worker must follow its Welcome.
+                case wire.Heartbeat():
+                    self._step(ev.Heartbeat(at=now, worker_id=msg.worker_id), facts, commands)
+                    self.metrics.heartbeats.inc()
+                    outbox.append((sock, item.identity, wire.encode(
+                        wire.HeartbeatAck(seq=msg.seq, boot_id=self.boot_id))))
+                case wire.StepReport():
+                    self._step(ev.StepReported(at=now, worker_id=msg.worker_id, timing=msg.timing), facts, commands)
+                case wire.Progress():
+                    self._step(ev.ProgressReported(at=now, worker_id=msg.worker_id, step=msg.step, done=msg.done,
+                                                   total=msg.total, tokens=msg.tokens), facts, commands)
+                case wire.OpResult():
+                    self._step(ev.OpReported(at=now, worker_id=msg.worker_id, op_id=msg.op_id, ok=msg.ok,
+                                             detail=msg.detail), facts, commands)
+                case wire.Bye():
+                    self._step(ev.WorkerBye(at=now, worker_id=msg.worker_id), facts, commands)
+        except _Reply as r:
+            self.metrics.refusals.labels(r.reason or r.code.value).inc()
+            log.warning("refused", worker=getattr(msg, "worker_id", ""), type=type(msg).__struct_config__.tag,
+                        code=r.code.value, reason=r.reason, error=r.message)
+            outbox.append((sock, item.identity, wire.encode(wire.Error(
+                code=r.code, message=r.message, reason=r.reason, ref_type=type(msg).__struct_config__.tag))))
+
+    def _step(self, event: ev.Event, facts: list[f.Fact], commands: list[SendOp]) -> None:
+        """Step the core; a refusal becomes an error reply to the sender and changes nothing."""
+        try:
+            self.state, new_facts, new_commands = self.core.step(self.state, event)
+        except Refused as exc:
+            raise _Reply(wire.ErrorCode.REFUSED, exc.message, exc.code) from None
+        except IllegalTransition as exc:
+            raise _Reply(wire.ErrorCode.REFUSED, str(exc), "illegal_transition") from None
+        facts.extend(new_facts)
+        commands.extend(new_commands)
+
+    def _on_tick(self, now: float, facts: list[f.Fact], commands: list[SendOp]) -> None:
+        if self.notifier.watchdog_interval_s is not None and now - self._last_watchdog >= \
+                self.notifier.watchdog_interval_s:
+            self.notifier.watchdog()  # sent by the reactor itself: a stuck reactor gets restarted
+            self._last_watchdog = now
+        if self._stop_deadline is not None and not self._abort_sent and now >= self._stop_deadline \
+                and self.state.inflight is not None:
+            self._abort_sent = True
+            log.warning("drain timeout: rolling back the resize in flight",
+                        resize_id=self.state.inflight.plan.resize_id)
+            self._step_quiet(ev.AbortRequested(at=now, requested_by="shutdown",
+                                               reason=f"drain_timeout_s={self.config.daemon.drain_timeout_s:g} "
+                                                      "passed"), facts, commands)
+
+    def _step_quiet(self, event: ev.Event, facts: list[f.Fact], commands: list[SendOp]) -> None:
+        try:
+            self._step(event, facts, commands)
+        except _Reply as r:  # operator/daemon events are accepted in every phase; log if not
+            log.error("daemon event refused", event=type(event).__name__, error=r.message)
+
+    def _control(self, item: _ControlIn, now: float, facts: list[f.Fact], commands: list[SendOp],
+                 outbox: list[tuple[zmq.asyncio.Socket, bytes, bytes]]) -> None:
+        msg = item.msg
+        before = len(facts)
+        match msg:
+            case wire.StatusRequest():
+                reply = wire.ControlReply(ok=True, message="status", data=status_of(self.state, self))
+            case wire.PauseRequest():
+                self._step_quiet(ev.PauseRequested(at=now, requested_by="operator", reason=msg.reason), facts,
+                                 commands)
+                reply = wire.ControlReply(ok=True, message="resizing paused")
+            case wire.ResumeRequest():
+                self._step_quiet(ev.ResumeRequested(at=now, requested_by="operator"), facts, commands)
+                reply = wire.ControlReply(ok=True, message="resizing resumed")
+            case wire.ResizeRequest():
+                self._step_quiet(ev.ResizeRequested(at=now, target=Split(train=msg.train, rollout=msg.rollout),
+                                                    requested_by="operator", reason=msg.reason), facts, commands)
+                new = facts[before:]
+                started = [x for x in new if isinstance(x, f.ResizeStarted)]
+                text = "; ".join(explain(x) for x in new if isinstance(x, f.ResizeStarted | f.ProposalRejected))
+                reply = wire.ControlReply(ok=bool(started), message=text or "nothing to do")
+            case wire.DrainRequest():
+                self._begin_stop(now, facts, commands)
+                reply = wire.ControlReply(ok=True, message="draining: no new resize; the daemon exits when the "
+                                                           "resize in flight has finished or rolled back")
+            case _:  # pragma: no cover - the decoder admits only the types above
+                return
+        if item.identity:
+            assert self.control_sock is not None
+            outbox.append((self.control_sock, item.identity, wire.encode(reply)))
+
+    def _begin_stop(self, now: float, facts: list[f.Fact], commands: list[SendOp]) -> None:
+        if self._stop_deadline is None:
+            self._stop_deadline = now + self.config.daemon.drain_timeout_s
+            self.notifier.stopping("draining")
+            log.info("draining", resize_in_flight=self.state.inflight is not None,
+                     drain_timeout_s=self.config.daemon.drain_timeout_s)
+            self._step_quiet(ev.ShutdownRequested(at=now), facts, commands)
+
+    def _queue_op(self, command: SendOp, outbox: list[tuple[zmq.asyncio.Socket, bytes, bytes]]) -> None:
+        assert self.workers_sock is not None
+        op = command.op
+        msg = wire.OpCommand(op_id=op.op_id, resize_id=command.resize_id, kind=op.kind, devices=op.devices,
+                             from_pool=op.from_pool, to_pool=op.to_pool,
+                             timeout_s=max(command.deadline - self.clock(), 0.0),
+                             training=command.training, rollout=command.rollout)
+        outbox.append((self.workers_sock, command.worker_id.encode(), wire.encode(msg)))
+        log.info("op sent", op_id=op.op_id, op=op.kind.value, worker=command.worker_id,
+                 resize_id=command.resize_id)
+
+    def _record(self, facts: list[f.Fact]) -> None:
+        if not facts:
+            return
+        assert self.factlog is not None
+        self.factlog.append(facts)
+        self.factlog.maybe_snapshot(self.state)
+        self.metrics.observe(self.state, facts)
+        for fact in facts:
+            if isinstance(fact, f.ProgressObserved):
+                continue  # too chatty for the log; it is in the event store
+            level = "warning" if isinstance(fact, f.OpFailed | f.WorkerLost | f.ResizeAborted) else "info"
+            if isinstance(fact, f.Degraded):
+                level = "error"
+            resize = self.state.inflight.plan.resize_id if self.state.inflight else None
+            with structlog.contextvars.bound_contextvars(resize_id=resize, phase=self.state.phase.value):
+                getattr(log, level)(explain(fact), fact=f.fact_type(fact))
+
+
+class _Reply(Exception):
+    def __init__(self, code: wire.ErrorCode, message: str, reason: str = "") -> None:
+        self.code, self.message, self.reason = code, message, reason
+        super().__init__(message)
+
+
+def status_of(state: ClusterState, daemon: Daemon | None = None) -> dict[str, Any]:
+    """The status the CLI shows, as plain data."""
+    fl = state.inflight
+    return {
+        "phase": state.phase.value,
+        "split": {"train": state.split.train, "rollout": state.split.rollout},
+        "paused": state.paused,
+        "stopping": state.stopping,
+        "degraded_reason": state.degraded_reason,
+        "last_step": state.last_step,
+        "facts": state.version,
+        "resizes": {"started": state.resizes_started, "committed": state.resizes_committed,
+                    "rolled_back": state.resizes_rolled_back},
+        "devices": {d: (p.pool.value if p.pool else f"moving {p.moving_from.value}->{p.moving_to.value}")  # type: ignore[union-attr]
+                    for d, p in sorted(state.devices.items())},
+        "workers": [{"id": w.worker_id, "kind": w.kind.value, "status": w.status.value, "devices": list(w.devices),
+                     "incarnation": w.incarnation} for w in sorted(state.workers.values(), key=lambda w: w.worker_id)],
+        "in_flight": None if fl is None else {
+            "resize_id": fl.plan.resize_id, "from": str(fl.plan.before), "to": str(fl.plan.after),
+            "devices": list(fl.plan.devices), "op": fl.op.op_id if fl.index < len(fl.ops) else "",
+            "rolling_back": fl.rolling_back, "reason": fl.reason, "acked": list(fl.acked)},
+        "policy": daemon.policy.name if daemon else "",
+        "boot_id": daemon.boot_id if daemon else "",
+    }
+
+
+def run_daemon(config: Config) -> int:
+    """Run the daemon on uvloop until it drains; returns the exit code."""
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        runner = asyncio.run
+    daemon = Daemon(config)
+    return runner(daemon.run())
+
+
+__all__ = ["Daemon", "StartupError", "run_daemon", "status_of", "Phase"]

@@ -1,0 +1,59 @@
+"""One readable line per fact: what changed, from, to, why. Used by the daemon's log and by
+`dynaresized events` on a terminal, so operators read the same words in both."""
+
+from __future__ import annotations
+
+from dynaresized.core import facts as f
+
+
+def explain(fact: f.Fact) -> str:
+    match fact:
+        case f.ClusterConfigured():
+            return f"cluster configured: {len(fact.devices)} devices, candidates " + (
+                ", ".join(str(c) for c in fact.candidates) or "any split")
+        case f.DaemonRestarted():
+            return "daemon started on the existing log" + (
+                "; the resize in flight gets a fresh deadline" if fact.op_deadline else "")
+        case f.WorkerRegistered():
+            w = fact.worker
+            return f"worker {w.worker_id} registered as {w.kind.value} on {', '.join(w.devices)} " \
+                   f"(incarnation {w.incarnation})"
+        case f.WorkerLost():
+            return f"worker {fact.worker_id} lost: {fact.reason}"
+        case f.WorkerLeft():
+            return f"worker {fact.worker_id} left"
+        case f.StepObserved():
+            t = fact.timing
+            return f"step {t.step}: rollout {t.rollout_s:.2f}s, train {t.train_s:.2f}s, sync {t.weight_sync_s:.2f}s"
+        case f.ProgressObserved():
+            return f"{fact.worker_id} step {fact.step}: {fact.done}/{fact.total} samples, {fact.tokens} tokens"
+        case f.ProposalRejected():
+            target = f" to {fact.target}" if fact.target else ""
+            return f"no resize{target} (from {fact.source}), guard {fact.guard}: {fact.reason}"
+        case f.ResizeStarted():
+            p = fact.plan
+            return f"resize {p.resize_id} started: {p.before} -> {p.after}, moving {', '.join(p.devices)} " \
+                   f"{p.direction} (by {fact.source}: {fact.reason})"
+        case f.OpAcked():
+            return f"{fact.op_id} acknowledged by {fact.worker_id}" + (f": {fact.detail}" if fact.detail else "")
+        case f.OpCompleted():
+            return f"{fact.op_id} completed in {fact.duration_s:.3f}s"
+        case f.OpFailed():
+            return f"{fact.op_id} failed: {fact.reason}"
+        case f.ResizeAborted():
+            undo = ", ".join(op.kind.value for op in fact.undo) or "nothing to undo"
+            return f"resize {fact.resize_id} aborted ({fact.reason}); rolling back: {undo}"
+        case f.ResizeCommitted():
+            return f"resize {fact.resize_id} committed in {fact.duration_s:.2f}s at step {fact.step}"
+        case f.ResizeRolledBack():
+            return f"resize {fact.resize_id} rolled back: {fact.reason}"
+        case f.Degraded():
+            return f"DEGRADED after resize {fact.resize_id}: {fact.reason}; devices placed in " \
+                   f"{fact.placed_in.value}; run `dynaresized resume` once fixed"
+        case f.ResizingPaused():
+            return f"resizing paused by {fact.requested_by}" + (f": {fact.reason}" if fact.reason else "")
+        case f.ResizingResumed():
+            return f"resizing resumed by {fact.requested_by}"
+        case f.ShutdownStarted():
+            return "shutdown started: no new resize; the one in flight finishes or rolls back"
+    return f"{type(fact).__name__}"  # pragma: no cover - every fact type is matched above

@@ -1,0 +1,263 @@
+"""The wire protocol between the daemon and its workers and operators.
+
+Every message is one msgpack-encoded msgspec Struct in one ZeroMQ frame (the ROUTER adds the
+peer's routing identity in front). Messages are tagged unions on the field `type`. Rules that
+keep old and new peers talking:
+
+* `PROTOCOL_VERSION` is sent in `Hello` and `ControlRequest`s; a daemon refuses other versions
+  with a clear error (`Error(code="bad_version")`).
+* Fields are only ever appended, always with a default. Unknown fields are ignored (a newer
+  peer may send more); unknown message types, wrong types and missing fields are errors.
+* Decoding never raises anything but `WireError`, whose `kind` says what was wrong.
+
+`docs/protocol.md` documents every message; `tests/test_wire.py` checks it against
+`json_schema()` so it cannot drift.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any
+
+import msgspec
+
+from dynaresized.domain import OpKind, Pool, Split, StepTiming, WorkerKind
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+"""Default size limit of one frame; the daemon also sets ZMQ_MAXMSGSIZE to this."""
+
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Devices = Annotated[tuple[Name, ...], msgspec.Meta(max_length=256)]
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    pass
+
+
+# -- worker -> daemon ---------------------------------------------------------------------
+
+
+class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
+    """Register (or re-register after a restart of either side). Answered by `Welcome` or `Error`."""
+
+    protocol: int
+    worker_id: Name
+    kind: WorkerKind
+    devices: Devices
+    pid: Count = 0
+    host: Text = ""
+    sent_at: float = 0.0
+    process: Text = ""  # unique per process run: a new value means the worker restarted
+
+
+class Heartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat"):
+    """Liveness; answered by `HeartbeatAck`. Missing for `heartbeat_timeout_s` ⇒ worker lost."""
+
+    worker_id: Name
+    seq: Count = 0
+    sent_at: float = 0.0
+
+
+class StepReport(_Msg, frozen=True, kw_only=True, tag="step_report"):
+    """Stage timings of one completed RL step (usually sent by trainer rank 0 or the driver)."""
+
+    worker_id: Name
+    timing: StepTiming
+    sent_at: float = 0.0
+
+
+class Progress(_Msg, frozen=True, kw_only=True, tag="progress"):
+    """Per-sample completion of the current step on this worker (batched by the client)."""
+
+    worker_id: Name
+    step: Count
+    done: Count
+    total: Count
+    tokens: Count = 0
+    sent_at: float = 0.0
+
+
+class OpResult(_Msg, frozen=True, kw_only=True, tag="op_result"):
+    """The outcome of an `OpCommand`; sent again, unchanged, if the same op_id is re-sent."""
+
+    worker_id: Name
+    op_id: Name
+    ok: bool
+    detail: Text = ""
+    duration_s: Seconds = 0.0
+    sent_at: float = 0.0
+
+
+class Bye(_Msg, frozen=True, kw_only=True, tag="bye"):
+    """Leaving on purpose; the worker's devices stay in their pools without it."""
+
+    worker_id: Name
+    reason: Text = ""
+
+
+WorkerMessage = Hello | Heartbeat | StepReport | Progress | OpResult | Bye
+
+
+# -- daemon -> worker ---------------------------------------------------------------------
+
+
+class Welcome(_Msg, frozen=True, kw_only=True, tag="welcome"):
+    protocol: int
+    worker_id: str
+    incarnation: int
+    boot_id: str  # changes on every daemon start: a client that sees a new one says Hello again
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    candidates: tuple[Split, ...] = ()  # the splits a `prepare` may pre-warm communicators for
+
+
+class HeartbeatAck(_Msg, frozen=True, kw_only=True, tag="heartbeat_ack"):
+    seq: int
+    boot_id: str
+
+
+class OpCommand(_Msg, frozen=True, kw_only=True, tag="op"):
+    """Perform one operation of a resize. Workers must deduplicate by `op_id`: a re-sent
+    command (after a daemon restart) is answered from the worker's record, not re-run."""
+
+    op_id: str
+    resize_id: str
+    kind: OpKind
+    devices: tuple[str, ...]
+    from_pool: Pool
+    to_pool: Pool
+    timeout_s: float  # seconds left before the daemon gives up on this op
+    training: tuple[str, ...]  # the training pool once the resize commits
+    rollout: tuple[str, ...]  # the rollout pool once the resize commits
+
+
+class ErrorCode(str, enum.Enum):
+    MALFORMED = "malformed"  # not msgpack, or not a message
+    UNKNOWN_TYPE = "unknown_type"
+    INVALID = "invalid"  # wrong field types, missing fields, values out of range
+    OVERSIZE = "oversize"
+    BAD_VERSION = "bad_version"
+    UNAUTHORIZED = "unauthorized"  # the claimed worker id does not match the CURVE key
+    REFUSED = "refused"  # the core refused it; `reason` has the core's code
+
+
+class Error(_Msg, frozen=True, kw_only=True, tag="error"):
+    code: ErrorCode
+    message: str
+    reason: str = ""  # finer code, e.g. "unknown_device", "device_owned", "stale_op"
+    ref_type: str = ""  # type of the message that caused it, when known
+
+
+DaemonMessage = Welcome | HeartbeatAck | OpCommand | Error
+
+
+# -- operator (CLI) <-> daemon, on the control endpoint -------------------------------------
+
+
+class StatusRequest(_Msg, frozen=True, kw_only=True, tag="status"):
+    protocol: int = PROTOCOL_VERSION
+
+
+class PauseRequest(_Msg, frozen=True, kw_only=True, tag="pause"):
+    protocol: int = PROTOCOL_VERSION
+    reason: Text = ""
+
+
+class ResumeRequest(_Msg, frozen=True, kw_only=True, tag="resume"):
+    protocol: int = PROTOCOL_VERSION
+
+
+class ResizeRequest(_Msg, frozen=True, kw_only=True, tag="resize"):
+    protocol: int = PROTOCOL_VERSION
+    train: Count
+    rollout: Count
+    reason: Text = ""
+
+
+class DrainRequest(_Msg, frozen=True, kw_only=True, tag="drain"):
+    """Stop the daemon gracefully, as SIGTERM does."""
+
+    protocol: int = PROTOCOL_VERSION
+
+
+ControlRequest = StatusRequest | PauseRequest | ResumeRequest | ResizeRequest | DrainRequest
+
+
+class ControlReply(_Msg, frozen=True, kw_only=True, tag="reply"):
+    ok: bool
+    message: str
+    data: dict[str, Any] = {}
+
+
+class WireError(Exception):
+    """A frame that is not a valid message. `kind` says why; the daemon counts by kind."""
+
+    def __init__(self, kind: ErrorCode, message: str) -> None:
+        self.kind = kind
+        self.message = message
+        super().__init__(f"{kind.value}: {message}")
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+class Decoder:
+    """One strict decoder per message union, built once (decoders are not cheap to build)."""
+
+    def __init__(self, union: Any, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self._decoder = msgspec.msgpack.Decoder(union)
+        self._tags = {
+            cls.__struct_config__.tag for cls in union.__args__  # type: ignore[attr-defined]
+        }
+        self.max_bytes = max_bytes
+
+    def decode(self, frame: bytes | memoryview) -> Any:
+        if len(frame) > self.max_bytes:
+            raise WireError(ErrorCode.OVERSIZE, f"frame of {len(frame)} bytes exceeds the {self.max_bytes}-byte limit")
+        try:
+            return self._decoder.decode(frame)
+        except msgspec.ValidationError as exc:
+            text = str(exc)
+            if "Invalid value" in text and "`$.type`" in text:
+                raise WireError(ErrorCode.UNKNOWN_TYPE, f"unknown message type ({text})") from None
+            raise WireError(ErrorCode.INVALID, text) from None
+        except msgspec.DecodeError as exc:
+            raise WireError(ErrorCode.MALFORMED, f"not a msgpack message: {exc}") from None
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # defensive: never escape
+            raise WireError(ErrorCode.MALFORMED, f"undecodable frame: {exc}") from None
+
+    @property
+    def types(self) -> frozenset[str]:
+        return frozenset(self._tags)
+
+
+def worker_decoder(max_bytes: int = MAX_MESSAGE_BYTES) -> Decoder:
+    return Decoder(WorkerMessage, max_bytes)
+
+
+def daemon_decoder(max_bytes: int = MAX_MESSAGE_BYTES) -> Decoder:
+    return Decoder(DaemonMessage, max_bytes)
+
+
+def control_decoder(max_bytes: int = MAX_MESSAGE_BYTES) -> Decoder:
+    return Decoder(ControlRequest, max_bytes)
+
+
+def reply_decoder(max_bytes: int = 16 * 1024 * 1024) -> Decoder:
+    return Decoder(ControlReply | Error, max_bytes)
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON schema of every message, the source of truth for docs/protocol.md."""
+    _, components = msgspec.json.schema_components(
+        [WorkerMessage, DaemonMessage, ControlRequest, ControlReply], ref_template="#/$defs/{name}"
+    )
+    return components
