@@ -28,10 +28,10 @@ from __future__ import annotations
 import math
 
 import msgspec
+from dynaresized.policies.hysteresis import candidate_splits
 
 from dynaresized.core.policy import ObservedView, Proposal
 from dynaresized.domain import Split, StepTiming
-from dynaresized.policies.hysteresis import candidate_splits
 
 
 class StageFit(msgspec.Struct, frozen=True):

@@ -97,7 +97,9 @@ def load_trace(path: str | Path) -> Trace:
                 missing = f"step {expected} is missing" if rec.step == expected + 1 else (
                     f"steps {expected}..{rec.step - 1} are missing")
                 raise TraceError(f"{where}: step {rec.step} where step {expected} was expected ({missing})")
-            raise TraceError(f"{where}: step {rec.step} where step {expected} was expected (steps must be 0, 1, 2, … in order)")
+            raise TraceError(
+                f"{where}: step {rec.step} where step {expected} was expected (steps must be 0, 1, 2, … in order)"
+            )
         if len(rec.prompt_tokens) != len(rec.response_tokens):
             raise TraceError(
                 f"{where}: prompt_tokens has {len(rec.prompt_tokens)} entries but response_tokens has "

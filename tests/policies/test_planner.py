@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from dynaresized.policies.planner import PlannerPolicy, fit_stage
 
 from dynaresized.core.policy import ObservedView, ResizeCosts, load_policy
 from dynaresized.domain import Split, StepTiming
-from dynaresized.policies.planner import PlannerPolicy, fit_stage
 
 
 def test_fit_recovers_a_over_n_plus_b_from_two_pool_sizes():

@@ -135,3 +135,10 @@ def test_module_entry_point_runs():
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["steps"] == 5
     assert done.stderr == ""  # no progress bar when stderr is not a terminal
+
+
+def test_the_dynaresized_command_runs_simulate(capsys):
+    from dynaresized.cli import main as dynaresized_main
+
+    assert dynaresized_main(["simulate", "--scenario", "bimodal", "--steps", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 4

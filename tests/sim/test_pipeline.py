@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dynaresized.core import fold
 from dynaresized.core import facts as f
+from dynaresized.core import fold
 from dynaresized.core.policy import load_policy
 from dynaresized.domain import FORWARD_ORDER, Split
 from dynaresized.sim.bounds import lower_bound

@@ -60,7 +60,9 @@ def test_closed_form_rollout_equals_iteration_simulation(samples, engines):
     slots = int(model.batch_limit[0])
     # Round robin: request j on engine j % engines; the slowest engine sets the rollout time.
     expected = max(
-        engine_by_iteration(prompts[e::engines], lengths[e::engines], slots) for e in range(engines) if prompts[e::engines]
+        engine_by_iteration(prompts[e::engines], lengths[e::engines], slots)
+        for e in range(engines)
+        if prompts[e::engines]
     )
     assert np.isclose(model.rollout_seconds(0, engines), expected, rtol=1e-9)
 
