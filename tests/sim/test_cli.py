@@ -135,6 +135,8 @@ def test_module_entry_point_runs():
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["steps"] == 5
     assert done.stderr == ""  # no progress bar when stderr is not a terminal
+    # Another process, the same JSON bit for bit.
+    assert done.stdout == cli("simulate", "--scenario", "bimodal", "--steps", "5", "--json")[1]
 
 
 def test_the_dynaresized_command_runs_simulate(capsys):
