@@ -61,10 +61,11 @@ class _TickIn(msgspec.Struct):
 
 
 class Daemon:
-    def __init__(self, config: Config, *, policy: Policy | None = None, clock: Callable[[], float] = time.time,
+    def __init__(self, config: Config, *, policy: Policy | None = None, clock: Callable[[], float] | None = None,
                  notifier: Notifier | None = None) -> None:
         self.config = config
-        self.clock = clock
+        self.scale = config.daemon.time_scale
+        self.clock = clock or scaled_clock(self.scale)
         try:
             self.policy = policy or load_policy(config.policy.name, config.policy.options)
         except (UnknownPolicyError, ValueError, TypeError) as exc:
@@ -414,10 +415,11 @@ class Daemon:
         commands.extend(new_commands)
 
     def _on_tick(self, now: float, facts: list[f.Fact], commands: list[SendOp]) -> None:
-        if self.notifier.watchdog_interval_s is not None and now - self._last_watchdog >= \
+        mono = time.monotonic()  # the watchdog is about wall time, whatever daemon.time_scale says
+        if self.notifier.watchdog_interval_s is not None and mono - self._last_watchdog >= \
                 self.notifier.watchdog_interval_s:
             self.notifier.watchdog()  # sent by the reactor itself: a stuck reactor gets restarted
-            self._last_watchdog = now
+            self._last_watchdog = mono
         if self._stop_deadline is not None and not self._abort_sent and now >= self._stop_deadline \
                 and self.state.inflight is not None:
             self._abort_sent = True
@@ -466,7 +468,7 @@ class Daemon:
 
     def _begin_stop(self, now: float, facts: list[f.Fact], commands: list[SendOp]) -> None:
         if self._stop_deadline is None:
-            self._stop_deadline = now + self.config.daemon.drain_timeout_s
+            self._stop_deadline = now + self.config.daemon.drain_timeout_s * self.scale
             self.notifier.stopping("draining")
             log.info("draining", resize_in_flight=self.state.inflight is not None,
                      drain_timeout_s=self.config.daemon.drain_timeout_s)
@@ -477,7 +479,7 @@ class Daemon:
         op = command.op
         msg = wire.OpCommand(op_id=op.op_id, resize_id=command.resize_id, kind=op.kind, devices=op.devices,
                              from_pool=op.from_pool, to_pool=op.to_pool,
-                             timeout_s=max(command.deadline - self.clock(), 0.0),
+                             timeout_s=max(command.deadline - self.clock(), 0.0) / self.scale,
                              training=command.training, rollout=command.rollout)
         outbox.append((self.workers_sock, command.worker_id.encode(), wire.encode(msg)))
         log.info("op sent", op_id=op.op_id, op=op.kind.value, worker=command.worker_id,
@@ -499,6 +501,15 @@ class Daemon:
             resize = self.state.inflight.plan.resize_id if self.state.inflight else None
             with structlog.contextvars.bound_contextvars(resize_id=resize, phase=self.state.phase.value):
                 getattr(log, level)(explain(fact), fact=f.fact_type(fact))
+
+
+def scaled_clock(scale: float) -> Callable[[], float]:
+    """Wall-clock seconds, or with `scale` != 1 a clock that runs `scale` times faster from now
+    (daemon.time_scale: the demo's daemon then lives in simulated time, and so does its log)."""
+    if scale == 1.0:
+        return time.time
+    origin = time.time()
+    return lambda: origin + (time.time() - origin) * scale
 
 
 class _Reply(Exception):
