@@ -28,10 +28,10 @@ from __future__ import annotations
 import math
 
 import msgspec
+from dynaresized.policies.hysteresis import candidate_splits
 
 from dynaresized.core.policy import ObservedView, Proposal
 from dynaresized.domain import Split, StepTiming
-from dynaresized.policies.hysteresis import candidate_splits
 
 
 class StageFit(msgspec.Struct, frozen=True):
@@ -82,7 +82,7 @@ class PlannerPolicy:
         half_life_steps: float = 25.0,
         horizon_steps: int = 50,
         min_gain: float = 0.03,
-        ridge: float = 0.02,
+        ridge: float = 0.001,
     ) -> None:
         if memory_steps < 2 or half_life_steps <= 0 or horizon_steps < 1 or min_gain < 0 or ridge < 0:
             raise ValueError("planner options: memory_steps >= 2, half_life_steps > 0, horizon_steps >= 1, "
