@@ -35,7 +35,7 @@ from dynaresized.daemon.notify import Notifier
 from dynaresized.daemon.security import CurveServer, SecurityError
 from dynaresized.domain import Split
 from dynaresized.explain import explain
-from dynaresized.store import FactLog, open_recorder
+from dynaresized.store import CorruptLogError, FactLog, StoreLockedError, open_recorder
 
 log = structlog.get_logger("dynaresized")
 
@@ -103,9 +103,16 @@ class Daemon:
             state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StartupError(f"cannot create state_dir {state_dir}: {exc}") from None
-        recorder = open_recorder(state_dir / EVENTS_FILE)
-        self.factlog = FactLog(recorder, snapshot_every=self.config.daemon.snapshot_every)
-        self.state = self.factlog.replay()
+        path = state_dir / EVENTS_FILE
+        try:
+            recorder = open_recorder(path)
+            self.factlog = FactLog(recorder, snapshot_every=self.config.daemon.snapshot_every)
+            self.state = self.factlog.replay()
+        except (CorruptLogError, StoreLockedError) as exc:
+            raise StartupError(f"event log {path}: {exc} (see docs/store.md: python -m dynaresized.store check)") \
+                from None
+        except (ValueError, OSError, msgspec.DecodeError) as exc:
+            raise StartupError(f"event log {path} cannot be read: {exc}") from None
         devices, pools = self.config.initial_pools()
         now = self.clock()
         if not self.state.configured:
