@@ -43,9 +43,9 @@ def truth(split: Split) -> tuple[float, float]:
     return 1200.0 / split.rollout + 150.0, 900.0 / split.train + 5.0
 
 
-def view(split, recent, remaining=None):
+def view(split, recent, remaining=None, history=()):
     return ObservedView(now=1e4, step=recent[-1].step, split=split, candidates=(), recent=recent,
-                        costs=ResizeCosts(), steps_remaining=remaining)
+                        costs=ResizeCosts(), steps_remaining=remaining, history=history)
 
 
 def test_planner_learns_the_tail_and_picks_the_best_split():
@@ -55,7 +55,8 @@ def test_planner_learns_the_tail_and_picks_the_best_split():
     first = policy(view(Split(6, 2), before))
     assert first is not None and first.target.rollout > 2  # linear model: rollout needs more devices
     after = timings(truth, [(k, first.target) for k in range(4, 8)])
-    second = policy(view(first.target, after))
+    # The core clears `recent` at the commit but keeps both topologies' steps in `history`.
+    second = policy(view(first.target, after, history=before + after))
     best = min((Split(t, 8 - t) for t in range(1, 8)), key=lambda s: max(truth(s)))
     # With two pool sizes seen, the fitted model knows the tail: it lands on the true best split.
     if second is None:
@@ -63,7 +64,7 @@ def test_planner_learns_the_tail_and_picks_the_best_split():
         assert "within" in policy.last_reason
     else:
         assert second.target == best
-    rollout, train = policy.fit(list(policy._seen.values()))
+    rollout, train = policy.fit(list(before + after))
     assert rollout.sizes == 2 and rollout.b * 1000 == pytest.approx(150.0, rel=0.05)
 
 
@@ -85,3 +86,12 @@ def test_planner_amortises_the_mixed_step_over_the_horizon():
 def test_planner_rejects_bad_options():
     with pytest.raises(ValueError, match="horizon_steps >= 1"):
         load_policy("planner", {"horizon_steps": 0})
+
+
+def test_planner_is_a_pure_function_of_the_view():
+    before = timings(truth, [(k, Split(6, 2)) for k in range(3)])
+    after = timings(truth, [(k, Split(4, 4)) for k in range(4, 8)])
+    v = view(Split(4, 4), after, history=before + after)
+    used = PlannerPolicy()
+    used(view(Split(6, 2), before))  # a previous call must not change the next answer
+    assert used(v) == PlannerPolicy()(v)
