@@ -139,6 +139,8 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
         ep = getattr(d, key)
         need(urlparse(ep).scheme in ("tcp", "ipc", "inproc"), f"daemon.{key}",
              f"{ep!r} is not a ZeroMQ endpoint (tcp://host:port or ipc:///path)")
+    need(is_loopback_endpoint(d.control_endpoint), "daemon.control_endpoint",
+         f"{d.control_endpoint!r} must be loopback (tcp://127.0.0.1:PORT) or ipc://: run the CLI on the daemon's host")
     need(g.cooldown_steps >= 0, "guards.cooldown_steps", f"must be >= 0, got {g.cooldown_steps}")
     need(g.min_dwell_s >= 0, "guards.min_dwell_s", f"must be >= 0, got {g.min_dwell_s}")
     need(g.signal_run >= 1, "guards.signal_run", f"must be >= 1, got {g.signal_run}")

@@ -123,29 +123,28 @@ class Daemon:
         d = self.config.daemon
         sec = self.config.security
         self.ctx = zmq.asyncio.Context()
-        exposed = [ep for ep in (d.worker_endpoint, d.control_endpoint) if not is_loopback_endpoint(ep)]
-        if exposed and not sec.server_secret_key:
+        if not is_loopback_endpoint(d.worker_endpoint) and not sec.server_secret_key:
             raise StartupError(
-                f"refusing to bind {', '.join(exposed)} without CurveZMQ: set security.server_secret_key and "
+                f"refusing to bind {d.worker_endpoint} without CurveZMQ: set security.server_secret_key and "
                 "security.authorized_keys_dir (create keys with `dynaresized keygen`), or bind 127.0.0.1/ipc://")
         if sec.server_secret_key:
             try:
                 self.curve = CurveServer(self.ctx, sec.server_secret_key, sec.authorized_keys_dir)
             except SecurityError as exc:
                 raise StartupError(str(exc)) from None
-        self.workers_sock = self._router(d.worker_endpoint)
-        self.control_sock = self._router(d.control_endpoint)
+        self.workers_sock = self._router(d.worker_endpoint, curve=True)
+        self.control_sock = self._router(d.control_endpoint, curve=False)  # loopback only, see config
         self.worker_endpoint = self.workers_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.control_endpoint = self.control_sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def _router(self, endpoint: str) -> zmq.asyncio.Socket:
+    def _router(self, endpoint: str, *, curve: bool) -> zmq.asyncio.Socket:
         assert self.ctx is not None
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its identity back
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.daemon.max_message_bytes)
         sock.setsockopt(zmq.RCVHWM, 100_000)
-        if self.curve is not None:
+        if curve and self.curve is not None:
             self.curve.apply(sock)
         try:
             sock.bind(endpoint)

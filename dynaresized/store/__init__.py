@@ -1,0 +1,49 @@
+"""The event store: append-only, versioned streams of facts, in memory or in SQLite.
+
+`open_recorder(path)` gives a recorder (`Recorder`); `FactLog` appends the core's facts to
+one stream and rebuilds the cluster state from it (latest snapshot + fold of the rest).
+"""
+
+from __future__ import annotations
+
+import os
+
+from dynaresized.store.factlog import FactLog
+from dynaresized.store.recorder import (
+    ConcurrencyError,
+    CorruptLogError,
+    InMemoryRecorder,
+    Recorder,
+    RecorderClosedError,
+    StoredEvent,
+)
+from dynaresized.store.sqlite import SalvageReport, SQLiteRecorder, StoreLockedError, salvage
+
+MEMORY = ":memory:"
+
+
+def open_recorder(path: str | os.PathLike[str] | None, *, read_only: bool = False) -> Recorder:
+    """The recorder for `path`: in memory for None or ":memory:", else the SQLite file there
+    (created if missing, unless `read_only`)."""
+    if path is None or os.fspath(path) == MEMORY:
+        if read_only:
+            raise ValueError("an in-memory store cannot be opened read-only: there is nothing to read")
+        return InMemoryRecorder()
+    return SQLiteRecorder(path, read_only=read_only)
+
+
+__all__ = [
+    "MEMORY",
+    "ConcurrencyError",
+    "CorruptLogError",
+    "FactLog",
+    "InMemoryRecorder",
+    "Recorder",
+    "RecorderClosedError",
+    "SQLiteRecorder",
+    "SalvageReport",
+    "StoreLockedError",
+    "StoredEvent",
+    "open_recorder",
+    "salvage",
+]

@@ -1,0 +1,68 @@
+"""Every configuration key is documented with its real default, and bad values are refused."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from dynaresized.daemon.config import Config, ConfigError, config_from_dict, load_config
+
+DOC = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+
+
+def _sections() -> dict[str, dict[str, str]]:
+    doc: dict[str, dict[str, str]] = {}
+    section = ""
+    for line in DOC.splitlines():
+        if m := re.match(r"## `\[(\w+)\]`", line):
+            section = m.group(1)
+            doc[section] = {}
+        elif section and (m := re.match(r"\| `(\w+)` \| (.+?) \|", line)):
+            doc[section][m.group(1)] = m.group(2)
+    return doc
+
+
+def test_every_key_is_documented_with_its_default() -> None:
+    documented = _sections()
+    defaults = msgspec.to_builtins(Config())
+    for section, values in defaults.items():
+        assert section in documented, f"[{section}] missing from docs/configuration.md"
+        assert set(values) == set(documented[section]), f"[{section}] keys differ from the docs"
+        for key, value in values.items():
+            doc_default = documented[section][key]
+            if value in (None, [], {}):
+                continue
+            assert doc_default.strip("`").startswith(msgspec.json.encode(value).decode()), (section, key)
+
+
+def test_example_config_is_valid() -> None:
+    cfg = load_config(Path(__file__).parents[2] / "systemd" / "config.example.toml")
+    assert cfg.initial_pools()[1].count(cfg.initial_pools()[1][0]) == 6
+
+
+@pytest.mark.parametrize("raw,expected", [
+    ({"cluster": {"devices": []}}, "cluster.devices"),
+    ({"cluster": {"devices": ["a", "a"]}}, "distinct"),
+    ({"cluster": {"devices": ["a", "b"], "training": ["c"]}}, "cluster.training: c not in cluster.devices"),
+    ({"cluster": {"devices": ["a", "b"], "candidates": ["1:2"]}}, "must add up to the 2 devices"),
+    ({"cluster": {"devices": ["a", "b"], "candidates": ["one:one"]}}, "not a 'train:rollout' split"),
+    ({"cluster": {"devices": ["a", "b"]}, "core": {"heartbeat_timeout_s": 0.5}}, "must exceed"),
+    ({"cluster": {"devices": ["a", "b"]}, "daemon": {"worker_endpoint": "http://x"}}, "not a ZeroMQ endpoint"),
+    ({"cluster": {"devices": ["a", "b"]}, "security": {"server_secret_key": "k"}}, "set both"),
+    ({"cluster": {"devices": ["a", "b"]}, "daemon": {"control_endpoint": "tcp://10.0.0.1:5556"}}, "must be loopback"),
+])
+def test_bad_values_name_the_key(raw: dict, expected: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        config_from_dict(raw, "test.toml")
+
+
+def test_missing_and_broken_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[daemon\n")
+    with pytest.raises(ConfigError, match=f"{bad}: not valid TOML"):
+        load_config(bad)

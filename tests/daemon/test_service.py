@@ -1,0 +1,234 @@
+"""The daemon over real sockets: registration, heartbeats, timings, resizes op by op, worker and
+daemon crashes mid-resize, draining on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import urllib.request
+
+import pytest
+
+from dynaresized import wire
+from dynaresized.client import OpRequest, WorkerClient
+from dynaresized.core import facts as f
+from dynaresized.domain import OpKind, StepTiming, WorkerKind
+
+from .conftest import DEVICES, read_facts, until
+
+
+class Recorder:
+    """Op handlers that record what they ran; `gate` lets a test hold an op open."""
+
+    def __init__(self) -> None:
+        self.ran: list[tuple[str, str]] = []
+        self.gates: dict[OpKind, asyncio.Event] = {}
+        self.fail: set[OpKind] = set()
+
+    def handlers(self, name: str) -> dict[OpKind, object]:
+        async def run(op: OpRequest) -> str:
+            self.ran.append((name, op.op_id))
+            gate = self.gates.get(op.kind)
+            if gate is not None:
+                await gate.wait()
+            if op.kind in self.fail:
+                raise RuntimeError(f"{op.kind.value} broke on purpose")
+            return f"{name} did {op.kind.value}"
+
+        return {kind: run for kind in OpKind}
+
+
+async def attach_all(endpoint: str, rec: Recorder) -> list[WorkerClient]:
+    """One engine and one trainer per device: both roles' processes are kept on every device."""
+    clients = []
+    for i, device in enumerate(DEVICES):
+        for kind, prefix in ((WorkerKind.ROLLOUT_ENGINE, "engine"), (WorkerKind.TRAINER_RANK, "trainer")):
+            c = WorkerClient(endpoint, f"{prefix}{i}", kind, (device,))
+            c.on_all(rec.handlers(c.worker_id))  # type: ignore[arg-type]
+            await c.start()
+            clients.append(c)
+    return clients
+
+
+async def close_all(clients: list[WorkerClient]) -> None:
+    await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+
+async def test_register_heartbeat_and_report(make_daemon) -> None:
+    daemon = make_daemon()
+    rec = Recorder()
+    clients = await attach_all(daemon.worker_endpoint, rec)
+    try:
+        await clients[1].report_step(StepTiming(step=0, rollout_s=10.0, train_s=9.0))
+        await clients[1].report_progress(step=1, done=3, total=8, tokens=120)
+        status = await until(lambda: (s := daemon.status())["last_step"] == 0 and s, what="step observed")
+        assert {w["id"] for w in status["workers"]} == {c.worker_id for c in clients}
+        assert all(w["status"] == "live" for w in status["workers"])
+        await asyncio.sleep(0.5)  # several heartbeat periods
+        assert all(w["status"] == "live" for w in daemon.status()["workers"])
+        metrics = urllib.request.urlopen(daemon.metrics_url, timeout=5).read().decode()
+        assert "dynaresized_heartbeats_total" in metrics
+        assert 'dynaresized_pool_devices{pool="training"} 2.0' in metrics
+    finally:
+        await close_all(clients)
+    facts = read_facts(daemon.state_dir)
+    kinds = [type(x) for x in facts]
+    assert kinds.count(f.WorkerRegistered) == 8
+    assert f.StepObserved in kinds and f.ProgressObserved in kinds
+    assert kinds.count(f.WorkerLeft) == 8  # close() says goodbye
+
+
+async def test_forced_resize_runs_op_by_op_and_commits(make_daemon) -> None:
+    daemon = make_daemon()
+    rec = Recorder()
+    clients = await attach_all(daemon.worker_endpoint, rec)
+    try:
+        reply = daemon.control(wire.ResizeRequest(train=3, rollout=1, reason="test"))
+        assert reply.ok, reply.message
+        status = await until(lambda: (s := daemon.status())["phase"] == "steady" and s["resizes"]["committed"] == 1
+                             and s, what="resize committed")
+        assert status["split"] == {"train": 3, "rollout": 1}
+    finally:
+        await close_all(clients)
+    kinds_run = [op_id.split("-", 1)[1] for _, op_id in rec.ran]
+    # node0:cpu3 moves: its engine drains and releases, its trainer joins and restores, all commit.
+    assert kinds_run[:4] == ["drain", "release", "join", "restore"]
+    assert ("engine3", "r1/0-drain") in rec.ran
+    assert ("trainer3", "r1/2-join") in rec.ran
+    committers = {name for name, op in rec.ran if op.endswith("commit")}
+    assert committers == {"trainer0", "trainer1", "trainer3", "engine2"}
+    facts = read_facts(daemon.state_dir)
+    assert [type(x) for x in facts if isinstance(x, f.ResizeStarted | f.ResizeCommitted)] == \
+        [f.ResizeStarted, f.ResizeCommitted]
+
+
+async def test_policy_moves_devices_toward_the_slower_stage(make_daemon) -> None:
+    daemon = make_daemon(policy={"name": "hysteresis"})
+    rec = Recorder()
+    clients = await attach_all(daemon.worker_endpoint, rec)
+    try:
+        for step in range(3):
+            await clients[1].report_step(StepTiming(step=step, rollout_s=30.0, train_s=10.0,
+                                                    rollout_devices=2, train_devices=2))
+            await asyncio.sleep(0.05)
+        status = await until(lambda: (s := daemon.status())["resizes"]["committed"] >= 1 and s,
+                             what="policy-driven resize")
+        assert status["split"]["rollout"] > 2
+    finally:
+        await close_all(clients)
+    started = [x for x in read_facts(daemon.state_dir) if isinstance(x, f.ResizeStarted)]
+    assert started[0].source == "hysteresis" and "rollout is the slower stage" in started[0].reason
+
+
+async def test_worker_dying_mid_resize_rolls_back(make_daemon) -> None:
+    daemon = make_daemon()
+    rec = Recorder()
+    rec.gates[OpKind.JOIN] = asyncio.Event()  # the join never finishes: its worker "dies" during it
+    clients = await attach_all(daemon.worker_endpoint, rec)
+    joiner = next(c for c in clients if c.worker_id == "trainer3")
+    try:
+        assert daemon.control(wire.ResizeRequest(train=3, rollout=1)).ok
+        await until(lambda: daemon.status()["phase"] == "joining", what="joining")
+        await joiner.close(say_bye=False)  # silence: no bye, no heartbeats, like a SIGKILL
+        status = await until(lambda: (s := daemon.status())["resizes"]["rolled_back"] == 1 and s,
+                             what="rollback", timeout=15)
+        assert status["split"] == {"train": 2, "rollout": 2}
+        assert status["devices"]["node0:cpu3"] == "rollout"
+    finally:
+        rec.gates[OpKind.JOIN].set()
+        await close_all(clients)
+    facts = read_facts(daemon.state_dir)
+    lost = [x for x in facts if isinstance(x, f.WorkerLost)]
+    assert [x.worker_id for x in lost] == ["trainer3"]
+    aborted = next(x for x in facts if isinstance(x, f.ResizeAborted))
+    assert [op.kind for op in aborted.undo] == [OpKind.EVICT, OpKind.RECLAIM, OpKind.RESUME]
+    assert ("engine3", "r1/undo1-reclaim") in rec.ran and ("engine3", "r1/undo2-resume") in rec.ran
+
+
+async def test_daemon_sigkilled_mid_resize_is_reconciled_after_restart(make_daemon) -> None:
+    daemon = make_daemon()
+    rec = Recorder()
+    rec.gates[OpKind.JOIN] = asyncio.Event()
+    clients = await attach_all(daemon.worker_endpoint, rec)
+    try:
+        assert daemon.control(wire.ResizeRequest(train=3, rollout=1)).ok
+        await until(lambda: daemon.status()["phase"] == "joining", what="joining")
+        assert daemon.kill(signal.SIGKILL) == -signal.SIGKILL
+        daemon.start()  # replays the log: the resize is still in flight, in phase joining
+        assert daemon.status()["phase"] == "joining"
+        rec.gates[OpKind.JOIN].set()  # the join finishes while/after the workers re-register
+        status = await until(lambda: (s := daemon.status())["resizes"]["committed"] == 1 and s,
+                             what="commit after restart", timeout=20)
+        assert status["split"] == {"train": 3, "rollout": 1}
+        assert all(w["status"] == "live" for w in status["workers"])
+        assert all(c.incarnation == 2 for c in clients)  # every worker registered again
+    finally:
+        await close_all(clients)
+    joins = [op for name, op in rec.ran if op == "r1/2-join"]
+    assert joins == ["r1/2-join"], "the join was re-sent but must run once"
+    facts = read_facts(daemon.state_dir)
+    assert sum(isinstance(x, f.DaemonRestarted) for x in facts) == 1
+    assert sum(isinstance(x, f.ResizeCommitted) for x in facts) == 1
+
+
+async def test_failed_op_rolls_back_and_is_explained(make_daemon) -> None:
+    daemon = make_daemon()
+    rec = Recorder()
+    rec.fail.add(OpKind.RELEASE)
+    clients = await attach_all(daemon.worker_endpoint, rec)
+    try:
+        assert daemon.control(wire.ResizeRequest(train=1, rollout=3)).ok
+        status = await until(lambda: (s := daemon.status())["resizes"]["rolled_back"] == 1 and s,
+                             what="rollback")
+        assert status["split"] == {"train": 2, "rollout": 2} and status["phase"] == "steady"
+    finally:
+        await close_all(clients)
+    failed = next(x for x in read_facts(daemon.state_dir) if isinstance(x, f.OpFailed))
+    assert "release broke on purpose" in failed.reason and failed.worker_id == "trainer1"
+
+
+async def test_sigterm_drains_a_resize_in_flight_then_exits_cleanly(make_daemon) -> None:
+    daemon = make_daemon(daemon={"drain_timeout_s": 0.5})
+    rec = Recorder()
+    rec.gates[OpKind.JOIN] = asyncio.Event()  # never released: the drain timeout must roll back
+    clients = await attach_all(daemon.worker_endpoint, rec)
+    try:
+        assert daemon.control(wire.ResizeRequest(train=3, rollout=1)).ok
+        await until(lambda: daemon.status()["phase"] == "joining", what="joining")
+        assert daemon.control(wire.ResizeRequest(train=1, rollout=3)).ok is False  # one at a time
+        daemon.proc.send_signal(signal.SIGTERM)
+        # The join hangs, so after drain_timeout_s the daemon aborts; undo ops are acked at once.
+        code = await asyncio.to_thread(daemon.proc.wait, 30)
+        assert code == 0, daemon.output()
+    finally:
+        rec.gates[OpKind.JOIN].set()
+        await close_all(clients)
+    facts = read_facts(daemon.state_dir)
+    assert any(isinstance(x, f.ShutdownStarted) for x in facts)
+    ended = [x for x in facts if isinstance(x, f.ResizeCommitted | f.ResizeRolledBack)]
+    assert [type(x) for x in ended] == [f.ResizeRolledBack], "the hung resize was rolled back before exit"
+    assert "drain_timeout_s" in ended[0].reason
+    rejected = [x for x in facts if isinstance(x, f.ProposalRejected)]
+    assert rejected and rejected[0].guard == "in_flight"
+
+
+@pytest.mark.parametrize("bad", ["unknown_device", "device_owned", "bad_version"])
+async def test_client_gets_a_clear_exception_when_refused(make_daemon, monkeypatch, bad: str) -> None:
+    from dynaresized.client import DaemonRejected
+
+    daemon = make_daemon()
+    owner = WorkerClient(daemon.worker_endpoint, "owner", WorkerKind.TRAINER_RANK, ("node0:cpu0",))
+    await owner.start()
+    try:
+        devices = {"unknown_device": ("node9:gpu0",), "device_owned": ("node0:cpu0",),
+                   "bad_version": ("node0:cpu1",)}[bad]
+        if bad == "bad_version":
+            monkeypatch.setattr(wire, "PROTOCOL_VERSION", 99)  # this client speaks a future protocol
+        c = WorkerClient(daemon.worker_endpoint, "w-bad", WorkerKind.TRAINER_RANK, devices)
+        with pytest.raises(DaemonRejected) as info:
+            await c.start()
+        expected = {"unknown_device": "node9:gpu0", "device_owned": "owner", "bad_version": "protocol 99"}[bad]
+        assert expected in str(info.value)
+    finally:
+        await owner.close()
+    assert [w["id"] for w in daemon.status()["workers"]] == ["owner"]
