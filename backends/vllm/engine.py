@@ -306,6 +306,11 @@ class RolloutEngine:
             raise
         return True
 
+    @property
+    def changing(self) -> bool:
+        """A start, stop, sleep, wake or reload is under way (the engine is not expected to answer)."""
+        return self._lock.locked()
+
     def mark_dead(self) -> None:
         self.state = EngineState.DEAD
 

@@ -84,6 +84,7 @@ class EngineWorker:
         self.client: Any = None  # a dynaresized.client.WorkerClient once attached
         self._progress_changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._reporter: asyncio.Task[None] | None = None
         router.add(engine)
         router.on_sample(self._sample_done)
         router.on_lost(self._engine_lost)
@@ -101,19 +102,19 @@ class EngineWorker:
             OpKind.EVICT: self.evict,
         }
 
-    def _check(self, op: Any, *, leaving: bool | None) -> None:
+    def _check(self, op: Any, *, leaving: bool) -> None:
         """The op must name this worker's device, and move it the way this op kind can."""
         if not set(self.devices) & set(op.devices):
             raise OpMismatch(
                 f"{op.kind.value} {op.op_id} is for devices {list(op.devices)}, "
                 f"but worker {self.worker_id} owns {list(self.devices)}"
             )
-        if leaving is True and op.from_pool is not Pool.ROLLOUT:
+        if leaving and op.from_pool is not Pool.ROLLOUT:
             raise OpMismatch(
                 f"{op.kind.value} {op.op_id} moves {op.from_pool.value}->{op.to_pool.value}; a rollout "
                 f"engine only does {op.kind.value} when its device leaves the rollout pool"
             )
-        if leaving is False and op.to_pool is not Pool.ROLLOUT:
+        if not leaving and op.to_pool is not Pool.ROLLOUT:
             raise OpMismatch(
                 f"{op.kind.value} {op.op_id} moves {op.from_pool.value}->{op.to_pool.value}; a rollout "
                 f"engine only does {op.kind.value} when its device joins the rollout pool"
@@ -161,8 +162,14 @@ class EngineWorker:
         return f"{self.engine.engine_id} reloaded policy version {target} in {seconds:.3f}s"
 
     async def commit(self, op: Any) -> str:
-        """The pools switch: this engine is admitted iff one of its devices is in the rollout pool."""
-        self._check(op, leaving=None)
+        """The pools switch: this engine is admitted iff one of its devices is in the rollout pool.
+
+        Commit goes to every worker of the new topology, not only to those on the moved devices.
+        """
+        if not set(self.devices) & (set(op.rollout) | set(op.training)):
+            raise OpMismatch(
+                f"commit {op.op_id} places neither pool on worker {self.worker_id}'s devices {list(self.devices)}"
+            )
         if set(self.devices) & set(op.rollout):
             if self.engine.engine_id in self.router.admitted:
                 return f"{self.engine.engine_id} already in the pool"
@@ -229,12 +236,13 @@ class EngineWorker:
             await self.client.report_step(timing)
         return timing
 
-    async def _report_progress(self) -> None:
+    async def _report_progress(self, client: Any) -> None:
+        """Send the latest progress whenever it changed; bursts coalesce into one report."""
         while True:
             await self._progress_changed.wait()
             self._progress_changed.clear()
             p = self.progress
-            await self.client.report_progress(p.step, p.done, p.total, p.tokens)
+            await client.report_progress(p.step, p.done, p.total, p.tokens)
 
     # -- health ------------------------------------------------------------------------------
     def _engine_lost(self, engine_id: str, reason: str) -> None:
@@ -244,12 +252,23 @@ class EngineWorker:
         log.error("engine lost", engine=engine_id, worker=self.worker_id, reason=reason)
         if self.client is not None:
             # Stop heartbeating without a goodbye: the daemon marks the worker LOST (it may come back).
-            self._tasks.append(asyncio.create_task(self.client.close(say_bye=False), name=f"{self.worker_id}-lost"))
+            client, self.client = self.client, None
+            if self._reporter is not None:
+                self._reporter.cancel()
+                self._tasks.append(self._reporter)
+                self._reporter = None
+            self._tasks.append(asyncio.create_task(client.close(say_bye=False), name=f"{self.worker_id}-lost"))
 
     async def _watch(self) -> None:
         missed = 0
+        starts = self.engine.starts
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
+            if self.engine.starts != starts:  # a fresh engine: count its misses from zero
+                starts, missed = self.engine.starts, 0
+            if self.engine.changing:
+                missed = 0  # starting, stopping or reloading: silence is expected
+                continue
             if self.engine.state is not EngineState.RUNNING and not (
                 self.engine.state is EngineState.DEAD and self.lost_reason is None
             ):
@@ -265,14 +284,32 @@ class EngineWorker:
                 self._engine_lost(self.engine.engine_id, why)  # also when it was not admitted
                 missed = 0
 
-    async def start(self, client: Any = None) -> None:
-        """Start watching the engine; with a client, also attach: handlers and reports."""
+    async def start(self) -> None:
+        """Start watching the engine's health."""
         self._tasks.append(asyncio.create_task(self._watch(), name=f"{self.worker_id}-watch"))
+
+    async def attach(self, client: Any) -> None:
+        """Attach to the daemon through a `WorkerClient`: its ops come here, progress goes there."""
+        if self.client is not None:
+            raise RuntimeError(f"worker {self.worker_id} is already attached; detach first")
+        if tuple(client.devices) != self.devices:
+            raise ValueError(f"client devices {list(client.devices)} differ from the worker's {list(self.devices)}")
+        client.on_all(self.handlers())
+        await client.start()
+        self.client = client
+        self._reporter = asyncio.create_task(self._report_progress(client), name=f"{self.worker_id}-progress")
+
+    async def detach(self, reason: str = "engine worker detaching") -> None:
+        """Say goodbye to the daemon; the engine keeps running."""
+        client, self.client = self.client, None
+        reporter, self._reporter = self._reporter, None
+        if reporter is not None:
+            reporter.cancel()
+            outcome = (await asyncio.gather(reporter, return_exceptions=True))[0]
+            if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+                log.error("progress reporting had failed", worker=self.worker_id, error=repr(outcome))
         if client is not None:
-            self.client = client
-            client.on_all(self.handlers())
-            await client.start()
-            self._tasks.append(asyncio.create_task(self._report_progress(), name=f"{self.worker_id}-progress"))
+            await client.close(reason=reason)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -282,8 +319,4 @@ class EngineWorker:
         for outcome in outcomes:
             if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
                 log.error("worker task ended with an error", worker=self.worker_id, error=repr(outcome))
-        if self.client is not None:
-            try:
-                await self.client.close(reason="engine worker closing")
-            except Exception as exc:  # closing anyway; say why the goodbye did not leave
-                log.error("client close failed", worker=self.worker_id, error=repr(exc))
+        await self.detach("engine worker closing")

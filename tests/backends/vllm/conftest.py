@@ -9,27 +9,19 @@ here that do not need it still run without the extra.
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
+
+from tests.backends.vllm.workload import Rollout
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 VERSIONS = (0, 1, 2)  # 0 is the base checkpoint; 1 and 2 are "trained" (perturbed) versions
-
-
-@dataclass
-class Rollout:
-    model_dir: Path
-    router: object  # RequestRouter
-    engines: dict[str, object]  # engine id -> RolloutEngine
-    workers: dict[str, object]  # engine id -> EngineWorker
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +57,7 @@ async def rollout(tiny_model: Path, weight_store) -> AsyncIterator[Rollout]:
         engine = RolloutEngine(f"e{index}", config)
         engines[engine.engine_id] = engine
         workers[engine.engine_id] = EngineWorker(
-            engine, router, (f"node0:cpu{index}",), heartbeat_interval_s=0.25, missed_heartbeats=3
+            engine, router, (f"node0:cpu{index}",), heartbeat_interval_s=0.5, missed_heartbeats=4
         )
         await engine.start()
     for engine_id, worker in workers.items():
@@ -76,38 +68,3 @@ async def rollout(tiny_model: Path, weight_store) -> AsyncIterator[Rollout]:
         await worker.close()
     for engine in engines.values():
         await engine.stop()
-
-
-async def ready(rollout: Rollout) -> None:
-    """Every engine running, at the router's version and admitted: the state tests start from."""
-    for engine_id, worker in rollout.workers.items():
-        engine = rollout.engines[engine_id]
-        if engine.state.value != "running" or worker.lost_reason is not None:
-            await worker.recover()
-        elif engine_id not in rollout.router.admitted:
-            await rollout.router.admit(engine_id)
-
-
-def make_requests(step: int, count: int, rng: random.Random, *, long: int = 0, long_tokens: int = 300,
-                  short: tuple[int, int] = (4, 24), temperature: float = 1.0):
-    """`count` samples; the first `long` of them are the long tail (`long_tokens` each).
-
-    `ignore_eos` makes response lengths exact, so a test knows which requests are long.
-    """
-    from dynaresized.backends.vllm.engine import SampleRequest
-
-    requests = []
-    for index in range(count):
-        prompt = tuple(rng.randrange(4, 1024) for _ in range(rng.randint(3, 8)))
-        max_tokens = long_tokens if index < long else rng.randint(*short)
-        requests.append(
-            SampleRequest(
-                sample_id=f"p{index}",
-                prompt_token_ids=prompt,
-                max_tokens=max_tokens,
-                seed=step * 100_003 + index,
-                temperature=temperature,
-                ignore_eos=True,
-            )
-        )
-    return requests

