@@ -1,4 +1,3 @@
-"""Backends: execute the fine-grained resize operations on real engines.
-
-Installed as `dynaresized.backends`; each backend is a subpackage (e.g. `dynaresized.backends.vllm`).
-"""
+"""Backends execute the fine-grained resize operations on real engines; installed as
+`dynaresized.backends`. `sim` drives simulated workers for the demo, `torch` trainer ranks
+(torch.distributed), `vllm` rollout engines (vLLM)."""

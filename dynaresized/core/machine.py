@@ -105,7 +105,11 @@ class Core:
             raise IllegalTransition(state.phase, event)
         tx = _Tx(state)
         handler(self, tx, event)
-        return tx.state, tx.facts, tx.commands
+        # A Tick can declare a worker lost after an earlier loss in the same Tick sent it an undo
+        # or commit op; such a command contradicts this step's own facts and nobody could answer it
+        # (a hello re-sends what is still pending), so only commands to live workers leave.
+        commands = [c for c in tx.commands if tx.state.is_live(c.worker_id)]
+        return tx.state, tx.facts, commands
 
     # -- views ---------------------------------------------------------------------
     def view(self, state: ClusterState, now: float) -> ObservedView:
@@ -180,8 +184,14 @@ def on_hello(core: Core, tx: _Tx, e: ev.WorkerHello) -> None:
             f"worker {e.worker_id!r} is live as {old.kind.value} on {', '.join(old.devices)}; "
             "use another worker id or stop the old worker",
         )
+    if old is not None and old.status is WorkerStatus.LIVE and old.process and e.process != old.process:
+        # A new process under a live worker's name: the old one died, with whatever it had
+        # done for a resize in flight (a released device is held again). That is a loss.
+        tx.emit(f.WorkerLost(at=e.at, worker_id=e.worker_id, reason="restarted: a new process registered"))
+        _after_worker_gone(core, tx, e.worker_id, "restarted", e.at)
+        old = tx.state.workers[e.worker_id]
     incarnation = 1 if old is None else old.incarnation + 1
-    worker = Worker(e.worker_id, e.kind, e.devices, WorkerStatus.LIVE, e.at, incarnation)
+    worker = Worker(e.worker_id, e.kind, e.devices, WorkerStatus.LIVE, e.at, incarnation, e.process)
     tx.emit(f.WorkerRegistered(at=e.at, worker=worker))
     fl = tx.state.inflight
     if fl is not None and e.worker_id in fl.op.targets and e.worker_id not in fl.acked:
@@ -429,9 +439,10 @@ def _send(tx: _Tx, only: list[str] | None) -> None:
     if fl is None or fl.index >= len(fl.ops):
         return
     plan = fl.plan
+    # Where the moving devices land: their destination, or back home once rolling back.
+    landing = plan.from_pool if fl.rolling_back else plan.to_pool
     training = tuple(sorted(d for d, p in s.devices.items()
-                            if p.pool is Pool.TRAINING or (d in plan.devices and plan.to_pool is Pool.TRAINING
-                                                           and not fl.rolling_back)))
+                            if p.pool is Pool.TRAINING or (d in plan.devices and landing is Pool.TRAINING)))
     rollout = tuple(sorted(d for d in s.devices if d not in training))
     for w in only if only is not None else _pending(s):
         tx.commands.append(SendOp(worker_id=w, resize_id=plan.resize_id, op=fl.op, deadline=fl.op_deadline,

@@ -30,6 +30,15 @@ class Metrics:
         self.stage_seconds = Gauge("dynaresized_stage_seconds", "Last observed stage time", ["stage"], registry=r)
         self.facts = Counter("dynaresized_facts_total", "Facts appended to the log", registry=r)
 
+        self._message_children: dict[str, Counter] = {}
+
+    def message(self, kind: str) -> None:
+        """Count one valid message; label children are cached (a lookup costs more than the count)."""
+        child = self._message_children.get(kind)
+        if child is None:
+            child = self._message_children[kind] = self.messages.labels(kind)
+        child.inc()
+
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)
 

@@ -74,7 +74,7 @@ class Daemon:
         self.metrics = Metrics()
         self.boot_id = uuid.uuid4().hex[:12]
         self.state = ClusterState()
-        self.queue: asyncio.Queue[_WorkerIn | _ControlIn | _TickIn] = asyncio.Queue()
+        self.queue: asyncio.Queue[list[_WorkerIn | _ControlIn | _TickIn]] = asyncio.Queue()
         self.ctx: zmq.asyncio.Context | None = None
         self.workers_sock: zmq.asyncio.Socket | None = None
         self.control_sock: zmq.asyncio.Socket | None = None
@@ -204,7 +204,7 @@ class Daemon:
         await self._ready.wait()
 
     def request_stop(self) -> None:
-        self.queue.put_nowait(_ControlIn(identity=b"", msg=wire.DrainRequest()))
+        self.queue.put_nowait([_ControlIn(identity=b"", msg=wire.DrainRequest())])
 
     def _close(self) -> None:
         for sock in (self.workers_sock, self.control_sock):
@@ -219,30 +219,52 @@ class Daemon:
 
     # -- ingress: frames in, events out (never touches the state) ---------------------
     async def _ingress_workers(self) -> None:
+        """Wait for readability once, then drain what is there without blocking: per-message
+        awaits through zmq.asyncio cost more than decoding and recording the message."""
         assert self.workers_sock is not None
         sock = self.workers_sock
+        raw = zmq.Socket.shadow(sock.underlying)
+        copy = self.curve is None  # CURVE needs the frame object for its User-Id property
         while True:
-            frames = await sock.recv_multipart(copy=False)
-            if len(frames) != 2:
-                self.metrics.decode_errors.labels(wire.ErrorCode.MALFORMED.value).inc()
-                await self._send_error(sock, frames[0].bytes, wire.ErrorCode.MALFORMED,
-                                       f"expected exactly one payload frame, got {len(frames) - 1}")
-                continue
-            identity, payload = frames[0].bytes, frames[1]
-            try:
-                msg = self._worker_decoder.decode(payload.buffer)
-            except wire.WireError as exc:
-                self.metrics.decode_errors.labels(exc.kind.value).inc()
-                log.warning("refused frame", peer=identity.hex()[:16], kind=exc.kind.value, error=exc.message)
-                await self._send_error(sock, identity, exc.kind, exc.message)
-                continue
-            problem = self._authenticate(identity, payload, msg)
-            if problem:
-                self.metrics.decode_errors.labels(wire.ErrorCode.UNAUTHORIZED.value).inc()
-                log.warning("unauthorized message", peer=identity.hex()[:16], worker=msg.worker_id, error=problem)
-                await self._send_error(sock, identity, wire.ErrorCode.UNAUTHORIZED, problem, ref=msg)
-                continue
-            self.queue.put_nowait(_WorkerIn(identity, msg))
+            await sock.poll(flags=zmq.POLLIN)
+            batch: list[_WorkerIn] = []
+            for _ in range(_BATCH):
+                try:
+                    frames = raw.recv_multipart(zmq.NOBLOCK, copy=copy)
+                except zmq.Again:
+                    break
+                item = self._admit(raw, frames)
+                if item is not None:
+                    batch.append(item)
+            if batch:
+                self.queue.put_nowait(batch)
+
+    def _admit(self, raw: zmq.Socket, frames: list) -> _WorkerIn | None:  # type: ignore[type-arg]
+        """Decode and authenticate one frame set; bad ones are answered here and go no further."""
+        identity = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+        if len(frames) != 2:
+            self._count_decode_error(wire.ErrorCode.MALFORMED)
+            self._send_error(raw, identity, wire.ErrorCode.MALFORMED,
+                             f"expected exactly one payload frame, got {len(frames) - 1}")
+            return None
+        payload = frames[1]
+        try:
+            msg = self._worker_decoder.decode(payload if isinstance(payload, bytes) else payload.buffer)
+        except wire.WireError as exc:
+            self._count_decode_error(exc.kind)
+            log.warning("refused frame", peer=identity.hex()[:16], kind=exc.kind.value, error=exc.message)
+            self._send_error(raw, identity, exc.kind, exc.message)
+            return None
+        problem = self._authenticate(identity, payload, msg)
+        if problem:
+            self._count_decode_error(wire.ErrorCode.UNAUTHORIZED)
+            log.warning("unauthorized message", peer=identity.hex()[:16], worker=msg.worker_id, error=problem)
+            self._send_error(raw, identity, wire.ErrorCode.UNAUTHORIZED, problem, ref=msg)
+            return None
+        return _WorkerIn(identity, msg)
+
+    def _count_decode_error(self, kind: wire.ErrorCode) -> None:
+        self.metrics.decode_errors.labels(kind.value).inc()
 
     def _authenticate(self, identity: bytes, frame: zmq.Frame, msg: Any) -> str:
         """A worker is who its CURVE key says, or on loopback the routing identity it registered with."""
@@ -258,6 +280,7 @@ class Daemon:
     async def _ingress_control(self) -> None:
         assert self.control_sock is not None
         sock = self.control_sock
+        raw = zmq.Socket.shadow(sock.underlying)
         while True:
             frames = await sock.recv_multipart()
             if len(frames) != 2:
@@ -266,37 +289,39 @@ class Daemon:
             try:
                 msg = self._control_decoder.decode(payload)
             except wire.WireError as exc:
-                self.metrics.decode_errors.labels(exc.kind.value).inc()
-                await self._send_error(sock, identity, exc.kind, exc.message)
+                self._count_decode_error(exc.kind)
+                self._send_error(raw, identity, exc.kind, exc.message)
                 continue
             if msg.protocol != wire.PROTOCOL_VERSION:
-                await self._send_error(sock, identity, wire.ErrorCode.BAD_VERSION,
-                                       f"protocol {msg.protocol} not supported; this daemon speaks "
-                                       f"{wire.PROTOCOL_VERSION}")
+                self._send_error(raw, identity, wire.ErrorCode.BAD_VERSION,
+                                 f"protocol {msg.protocol} not supported; this daemon speaks {wire.PROTOCOL_VERSION}")
                 continue
-            self.queue.put_nowait(_ControlIn(identity, msg))
+            self.queue.put_nowait([_ControlIn(identity, msg)])
 
     async def _ticker(self) -> None:
         interval = self.config.daemon.tick_interval_s
         while True:
             await asyncio.sleep(interval)
-            self.queue.put_nowait(_TickIn())
+            self.queue.put_nowait([_TickIn()])
 
-    async def _send_error(self, sock: zmq.asyncio.Socket, identity: bytes, code: wire.ErrorCode, message: str,
-                          *, reason: str = "", ref: Any = None) -> None:
+    def _send_error(self, raw: zmq.Socket, identity: bytes, code: wire.ErrorCode, message: str,
+                    *, reason: str = "", ref: Any = None) -> None:
         ref_type = type(ref).__struct_config__.tag if ref is not None else ""
-        err = wire.Error(code=code, message=message, reason=reason, ref_type=ref_type)  # type: ignore[arg-type]
-        with contextlib.suppress(zmq.ZMQError):
-            await sock.send_multipart([identity, wire.encode(err)])
+        err = wire.Error(code=code, message=message, reason=reason, ref_type=ref_type)
+        with contextlib.suppress(zmq.ZMQError):  # a peer gone or over its high-water mark
+            raw.send_multipart([identity, wire.encode(err)], zmq.NOBLOCK)
 
     # -- the reactor -----------------------------------------------------------------
     async def _reactor(self) -> None:
-        outbox: list[tuple[zmq.asyncio.Socket, bytes, bytes]] = []
+        outbox: list[tuple[zmq.Socket, bytes, bytes]] = []
+        assert self.workers_sock is not None and self.control_sock is not None
+        raw = {id(self.workers_sock): zmq.Socket.shadow(self.workers_sock.underlying),
+               id(self.control_sock): zmq.Socket.shadow(self.control_sock.underlying)}
         while True:
-            items = [await self.queue.get()]
+            items = await self.queue.get()
             while len(items) < _BATCH:
                 try:
-                    items.append(self.queue.get_nowait())
+                    items.extend(self.queue.get_nowait())
                 except asyncio.QueueEmpty:
                     break
             facts: list[f.Fact] = []
@@ -307,8 +332,8 @@ class Daemon:
             for command in commands:
                 self._queue_op(command, outbox)
             for sock, identity, data in outbox:
-                with contextlib.suppress(zmq.ZMQError):
-                    await sock.send_multipart([identity, data])
+                with contextlib.suppress(zmq.ZMQError):  # a peer gone or over its high-water mark
+                    raw[id(sock)].send_multipart([identity, data], zmq.NOBLOCK)
             outbox.clear()
             if self._stop_deadline is not None and self._drained():
                 return
@@ -338,7 +363,7 @@ class Daemon:
         assert self.workers_sock is not None
         msg = item.msg
         sock = self.workers_sock
-        self.metrics.messages.labels(type(msg).__struct_config__.tag).inc()
+        self.metrics.message(type(msg).__struct_config__.tag)
         try:
             match msg:
                 case wire.Hello():
@@ -347,7 +372,7 @@ class Daemon:
                                      f"protocol {msg.protocol} not supported; this daemon speaks "
                                      f"{wire.PROTOCOL_VERSION}")
                     self._step(ev.WorkerHello(at=now, worker_id=msg.worker_id, kind=msg.kind,
-                                              devices=tuple(msg.devices)), facts, commands, front=True)
+                                              devices=tuple(msg.devices), process=msg.process), facts, commands)
                     worker = self.state.workers[msg.worker_id]
                     outbox.append((sock, item.identity, wire.encode(wire.Welcome(
                         protocol=wire.PROTOCOL_VERSION, worker_id=msg.worker_id, incarnation=worker.incarnation,
@@ -377,7 +402,7 @@ class Daemon:
             outbox.append((sock, item.identity, wire.encode(wire.Error(
                 code=r.code, message=r.message, reason=r.reason, ref_type=type(msg).__struct_config__.tag))))
 
-    def _step(self, event: ev.Event, facts: list[f.Fact], commands: list[SendOp], *, front: bool = False) -> None:
+    def _step(self, event: ev.Event, facts: list[f.Fact], commands: list[SendOp]) -> None:
         """Step the core; a refusal becomes an error reply to the sender and changes nothing."""
         try:
             self.state, new_facts, new_commands = self.core.step(self.state, event)

@@ -157,8 +157,11 @@ async def test_daemon_sigkilled_mid_resize_is_reconciled_after_restart(make_daem
         daemon.start()  # replays the log: the resize is still in flight, in phase joining
         assert daemon.status()["phase"] == "joining"
         rec.gates[OpKind.JOIN].set()  # the join finishes while/after the workers re-register
-        status = await until(lambda: (s := daemon.status())["resizes"]["committed"] == 1 and s,
-                             what="commit after restart", timeout=20)
+        try:
+            status = await until(lambda: (s := daemon.status())["resizes"]["committed"] == 1 and s,
+                                 what="commit after restart", timeout=20)
+        except AssertionError:
+            raise AssertionError(f"{daemon.status()}\n{daemon.output()[-6000:]}") from None
         assert status["split"] == {"train": 3, "rollout": 1}
         assert all(w["status"] == "live" for w in status["workers"])
         assert all(c.incarnation == 2 for c in clients)  # every worker registered again
