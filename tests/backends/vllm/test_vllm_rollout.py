@@ -160,11 +160,12 @@ async def test_fifty_random_steps_with_drains_and_rejoins_lose_and_duplicate_not
     drains = rejoins = handed_over = 0
     for step in range(100, 150):
         version = (step // 10) % 3
-        requests = make_requests(step, rng.randint(6, 14), rng, long=rng.randint(0, 3), long_tokens=rng.randint(40, 120))
+        requests = make_requests(step, rng.randint(6, 10), rng, long=rng.randint(0, 2), long_tokens=rng.randint(32, 80),
+                                 short=(4, 16))
         expected |= {(step, r.sample_id) for r in requests}
         run = asyncio.create_task(rollout.router.run_step(step, version, requests))
         for _ in range(rng.randint(0, 2)):  # membership changes at random points of the step
-            await asyncio.sleep(rng.uniform(0.0, 0.08))
+            await asyncio.sleep(rng.uniform(0.0, 0.05))
             if run.done():
                 break
             admitted = sorted(rollout.router.admitted)
