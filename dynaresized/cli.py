@@ -146,7 +146,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
     from dynaresized.daemon.config import ConfigError
     from dynaresized.daemon.service import EVENTS_FILE
     from dynaresized.explain import explain
-    from dynaresized.store import open_recorder
+    from dynaresized.store import CorruptLogError, open_recorder
 
     try:
         state_dir = args.state_dir or _config_for_client(args.config).daemon.state_dir
@@ -158,7 +158,11 @@ def _cmd_events(args: argparse.Namespace) -> int:
         print(f"dynaresized: no event log at {path} (has the daemon run with this state_dir?)", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
     as_json = args.json or not sys.stdout.isatty()
-    recorder = open_recorder(path, read_only=True)
+    try:
+        recorder = open_recorder(path, read_only=True)
+    except (CorruptLogError, ValueError, OSError) as exc:
+        print(f"dynaresized: cannot read {path}: {exc}", file=sys.stderr)
+        return EXIT_FAIL
     position = args.since
     types = set(args.type) if args.type else None
     try:
@@ -181,6 +185,9 @@ def _cmd_events(args: argparse.Namespace) -> int:
         return EXIT_OK
     except BrokenPipeError:
         return EXIT_OK
+    except CorruptLogError as exc:
+        print(f"dynaresized: {path}: {exc}", file=sys.stderr)
+        return EXIT_FAIL
     finally:
         recorder.close()
 
@@ -279,12 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_demo(sub)
     except ImportError:  # pragma: no cover - part of the package
         pass
-    try:
-        from dynaresized.sim.cli import add_parsers as add_sim
+    from dynaresized.sim.cli import add_parsers as add_sim
+    from dynaresized.sim.cli import run_cli as run_sim
 
-        add_sim(sub)
-    except ImportError:
-        pass
+    add_sim(sub)
+    for name in ("simulate", "bench"):
+        sub.choices[name].set_defaults(run=run_sim)
     return parser
 
 
