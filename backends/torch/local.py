@@ -30,7 +30,15 @@ from dynaresized import wire
 from dynaresized.backends.torch.store import StoreAddress, StoreHost
 from dynaresized.domain import OpKind, Pool
 
-_ctx = multiprocessing.get_context("spawn")
+# forkserver: one server process imports torch once and forks each rank from it, so a rank
+# starts in milliseconds instead of re-importing torch (1-2 s of CPU on a small machine).
+_ctx = multiprocessing.get_context("forkserver")
+_ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "dynaresized.backends.torch.trainer"])
+
+
+def process_context() -> Any:
+    """The multiprocessing context trainer processes start from (forkserver, torch preloaded)."""
+    return _ctx
 
 
 class RankSpec(msgspec.Struct, frozen=True):
@@ -75,6 +83,7 @@ def _rank_main(spec_bytes: bytes, conn: multiprocessing.connection.Connection) -
     level = getattr(logging, spec.log_level.upper())
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level),
                         processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper("iso"),
+                                    structlog.processors.format_exc_info,
                                     structlog.processors.JSONRenderer()])
     try:
         rank = TrainerRank(config, load_job(spec.job, spec.job_options), spec.store)
@@ -284,8 +293,9 @@ class LocalJob:
             outcomes.append(OpOutcome(device=d, kind=kind, ok=ok, detail=detail))
         return outcomes
 
-    def resize(self, devices: tuple[str, ...], to_pool: Pool) -> ResizeOutcome:
-        """Move `devices` into `to_pool` with the op sequence the daemon would send."""
+    def resize(self, devices: tuple[str, ...], to_pool: Pool, *, abort_after: OpKind | None = None) -> ResizeOutcome:
+        """Move `devices` into `to_pool` with the op sequence the daemon would send. With
+        `abort_after`, roll back once that op succeeded (an operator's abort)."""
         started = time.perf_counter()
         rid = f"r{next(self._resizes)}"
         devices = tuple(sorted(devices))
@@ -301,7 +311,7 @@ class LocalJob:
         for i, (kind, targets) in enumerate(forward):
             outcomes = self._send(rid, i, kind, devices, targets, from_pool, after)
             ops += outcomes
-            if not all(o.ok for o in outcomes) and kind is not OpKind.COMMIT:
+            if (not all(o.ok for o in outcomes) or kind is abort_after) and kind is not OpKind.COMMIT:
                 ops += self._roll_back(rid, forward[: i + 1], devices, from_pool, before)
                 outcome = ResizeOutcome(rid, False, before, tuple(ops), time.perf_counter() - started)
                 self.resizes.append(outcome)
@@ -320,16 +330,34 @@ class LocalJob:
                 ops += self._send(rid, 100 + i, undo[kind], devices, targets, from_pool, before)
         return ops
 
-    def grow(self, *devices: str) -> ResizeOutcome:
-        return self.resize(tuple(devices), Pool.TRAINING)
+    def grow(self, *devices: str, abort_after: OpKind | None = None) -> ResizeOutcome:
+        return self.resize(tuple(devices), Pool.TRAINING, abort_after=abort_after)
 
-    def shrink(self, *devices: str) -> ResizeOutcome:
-        return self.resize(tuple(devices), Pool.ROLLOUT)
+    def shrink(self, *devices: str, abort_after: OpKind | None = None) -> ResizeOutcome:
+        return self.resize(tuple(devices), Pool.ROLLOUT, abort_after=abort_after)
+
+    def command(self, kind: OpKind, devices: tuple[str, ...], training: tuple[str, ...],
+                resize_id: str | None = None) -> wire.OpCommand:
+        """One op as the daemon would send it (for driving ranks op by op)."""
+        rid = resize_id or f"r{next(self._resizes)}"
+        from_pool = Pool.ROLLOUT if kind in (OpKind.JOIN, OpKind.RESTORE, OpKind.EVICT) else Pool.TRAINING
+        return self._command(rid, list(OpKind).index(kind), kind, devices, from_pool, training)
 
     def stop_at(self, step: int) -> None:
         self.ranks[self.training[0]].stop_at(step)
 
     def close(self) -> None:
+        # Members stop together at their next boundary, so none sees the others vanish
+        # mid-collective (which would look like a failure and start a recovery).
+        from dynaresized.backends.torch.membership import Registry
+
+        Registry(self.host.store, self.host.address.prefix).request_stop(0)
+        for r in self.ranks.values():
+            if r.process.pid is not None and r.process.is_alive():
+                try:
+                    r.wait(30)
+                except (RuntimeError, concurrent.futures.TimeoutError):
+                    pass  # closed (and if need be killed) below
         for r in self.ranks.values():
             r.close()
         self.host.close()

@@ -10,6 +10,7 @@ order (crc32, ~4 GB/s) lets every member of the new group compare states exactly
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import zlib
 from collections.abc import Sequence
@@ -83,6 +84,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def host_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy read view of a contiguous CPU tensor's bytes. Not `.numpy()`: that marks
+    the storage non-resizable for good, and `release()` frees storage by resizing it."""
+    if tensor.is_cuda or not tensor.is_contiguous():
+        raise ValueError("host_bytes needs a contiguous CPU tensor")
+    n = tensor.numel() * tensor.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * n).from_address(tensor.data_ptr())).cast("B")
+
+
 def digest(tensors: Sequence[torch.Tensor], *, staging: StagingBuffer | None = None, strong: bool = False) -> Digest:
     """crc32 (or sha256 when `strong`) of the tensors' bytes in order. GPU tensors are read
     through `staging` (required then), so the check never allocates a host copy."""
@@ -92,7 +104,7 @@ def digest(tensors: Sequence[torch.Tensor], *, staging: StagingBuffer | None = N
 
     def feed(view: torch.Tensor) -> None:
         nonlocal crc, total
-        data = view.numpy()
+        data = host_bytes(view)
         if h is not None:
             h.update(data)
         else:
@@ -228,10 +240,13 @@ class TrainingState:
 
     # -- release: free the memory, keep the bytes in host memory outside the process -------
     def release(self, path: Path, staging: StagingBuffer) -> int:
-        tensors = self.all_tensors()
-        written = staging.save_to_file(tensors, path)
-        for t in tensors:
-            t.untyped_storage().resize_(0)
+        entries = self.param_entries() + self.optimizer_entries()
+        written = staging.save_to_file([t for _, t in entries], path)
+        for name, t in entries:
+            try:
+                t.untyped_storage().resize_(0)
+            except RuntimeError as exc:  # e.g. memory shared with numpy or another process
+                raise RuntimeError(f"cannot free {name} for release: {exc}") from exc
         self.released = path
         return written
 

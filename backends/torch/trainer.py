@@ -258,6 +258,7 @@ class TrainerRank:
         self.heartbeat = Heartbeat(store.clone(), self.address.prefix, self.rank, cfg.heartbeat_interval_s)
         self.heartbeat.start()
         self.watch = LivenessWatch(store, self.address.prefix, cfg.peer_timeout_s)
+        t_connect = time.perf_counter() - started
         model = self.job.build_model().to(self.device)
         self.state = TrainingState(model, self.job.build_optimizer(model))
         self._params = list(model.parameters())
@@ -272,6 +273,7 @@ class TrainerRank:
                                    timeout_s=cfg.start_timeout_s, device=self.device)
         initial = members_of(cfg.rank_of(d) for d in cfg.initial)
         candidates = [members_of(cfg.rank_of(d) for d in c) for c in cfg.candidates] + [initial]
+        t_build = time.perf_counter() - started
         built = self.comms.prewarm(candidates)
         self.comms.set_timeout(cfg.collective_timeout_s)
         if self.rank in initial:
@@ -279,6 +281,7 @@ class TrainerRank:
         else:
             self._set_view(RankState.IDLE)
         return {"rank": self.rank, "groups_prewarmed": built, "prewarm_s": self.comms.stats.prewarm_s,
+                "connect_s": t_connect, "build_s": t_build - t_connect,
                 "prepare_s": time.perf_counter() - started, "member": self.rank in initial}
 
     def _establish_initial(self, initial: Members) -> None:
@@ -308,6 +311,8 @@ class TrainerRank:
             self._thread.join(timeout=self.config.collective_timeout_s + 5)
         self.heartbeat.stop()
         self.comms.close()
+        if self.state.released is not None:  # parked state lives in tmpfs: it would outlive us
+            self.state.released.unlink(missing_ok=True)
 
     def request_stop(self, step: int) -> None:
         """Every member stops after finishing `step` steps (the leader broadcasts it)."""
