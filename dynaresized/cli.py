@@ -279,12 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_demo(sub)
     except ImportError:  # pragma: no cover - part of the package
         pass
-    try:
-        from dynaresized.sim.cli import add_parsers as add_sim
+    from dynaresized.sim.cli import add_parsers as add_sim
+    from dynaresized.sim.cli import run_cli as run_sim
 
-        add_sim(sub)
-    except ImportError:
-        pass
+    add_sim(sub)
+    for name in ("simulate", "bench"):
+        sub.choices[name].set_defaults(run=run_sim)
     return parser
 
 

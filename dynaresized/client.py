@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
@@ -85,6 +86,7 @@ class WorkerClient:
         self.max_backoff_s = max_backoff_s
         self.handlers: dict[OpKind, OpHandler] = {}
         self.incarnation = 0
+        self.process = uuid.uuid4().hex  # tells the daemon a restarted worker from a reconnecting one
         self.boot_id = ""
         self.heartbeat_interval_s = 1.0
         self.heartbeat_timeout_s = 10.0
@@ -176,7 +178,7 @@ class WorkerClient:
         self._welcome = loop.create_future()
         await self._send(wire.Hello(protocol=wire.PROTOCOL_VERSION, worker_id=self.worker_id, kind=self.kind,
                                     devices=self.devices, pid=os.getpid(), host=socket.gethostname(),
-                                    sent_at=time.time()))
+                                    sent_at=time.time(), process=self.process))
         try:
             welcome = await asyncio.wait_for(self._welcome, timeout)
         except TimeoutError:

@@ -72,6 +72,7 @@ class Worker(msgspec.Struct, frozen=True):
     status: WorkerStatus = WorkerStatus.LIVE
     registered_at: float = 0.0
     incarnation: int = 1  # bumped on every re-registration (worker or daemon restart)
+    process: str = ""  # the registering process's token (see wire.Hello.process)
 
 
 class StepTiming(msgspec.Struct, frozen=True):

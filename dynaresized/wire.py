@@ -51,6 +51,7 @@ class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
     pid: Count = 0
     host: Text = ""
     sent_at: float = 0.0
+    process: Text = ""  # unique per process run: a new value means the worker restarted
 
 
 class Heartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat"):

@@ -33,6 +33,7 @@ class WorkerHello(Event, frozen=True):
     worker_id: WorkerId
     kind: WorkerKind
     devices: tuple[DeviceId, ...]
+    process: str = ""  # a new value for a live worker means its process restarted
 
 
 class Heartbeat(Event, frozen=True):

@@ -184,8 +184,14 @@ def on_hello(core: Core, tx: _Tx, e: ev.WorkerHello) -> None:
             f"worker {e.worker_id!r} is live as {old.kind.value} on {', '.join(old.devices)}; "
             "use another worker id or stop the old worker",
         )
+    if old is not None and old.status is WorkerStatus.LIVE and old.process and e.process != old.process:
+        # A new process under a live worker's name: the old one died, with whatever it had
+        # done for a resize in flight (a released device is held again). That is a loss.
+        tx.emit(f.WorkerLost(at=e.at, worker_id=e.worker_id, reason="restarted: a new process registered"))
+        _after_worker_gone(core, tx, e.worker_id, "restarted", e.at)
+        old = tx.state.workers[e.worker_id]
     incarnation = 1 if old is None else old.incarnation + 1
-    worker = Worker(e.worker_id, e.kind, e.devices, WorkerStatus.LIVE, e.at, incarnation)
+    worker = Worker(e.worker_id, e.kind, e.devices, WorkerStatus.LIVE, e.at, incarnation, e.process)
     tx.emit(f.WorkerRegistered(at=e.at, worker=worker))
     fl = tx.state.inflight
     if fl is not None and e.worker_id in fl.op.targets and e.worker_id not in fl.acked:

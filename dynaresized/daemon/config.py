@@ -39,6 +39,7 @@ class DaemonSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_message_bytes: int = 64 * 1024
     log_format: str = "auto"  # auto | json | console
     log_level: str = "info"
+    time_scale: float = 1.0  # demos and replays only: the daemon's clock runs this many times faster
 
 
 class SecuritySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -129,6 +130,7 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
     need(math.isfinite(d.drain_timeout_s) and d.drain_timeout_s >= 0, "daemon.drain_timeout_s", "must be >= 0")
     need(c.heartbeat_timeout_s > d.heartbeat_interval_s, "core.heartbeat_timeout_s",
          f"must exceed daemon.heartbeat_interval_s ({d.heartbeat_interval_s})")
+    need(math.isfinite(d.time_scale) and d.time_scale > 0, "daemon.time_scale", "must be > 0")
     need(d.snapshot_every > 0, "daemon.snapshot_every", "must be > 0")
     need(1024 <= d.max_message_bytes <= 64 * 1024 * 1024, "daemon.max_message_bytes", "must be in [1 KiB, 64 MiB]")
     need(0 <= d.metrics_port <= 65535, "daemon.metrics_port", "must be a TCP port or 0 to disable")

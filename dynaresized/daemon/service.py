@@ -61,10 +61,11 @@ class _TickIn(msgspec.Struct):
 
 
 class Daemon:
-    def __init__(self, config: Config, *, policy: Policy | None = None, clock: Callable[[], float] = time.time,
+    def __init__(self, config: Config, *, policy: Policy | None = None, clock: Callable[[], float] | None = None,
                  notifier: Notifier | None = None) -> None:
         self.config = config
-        self.clock = clock
+        self.scale = config.daemon.time_scale
+        self.clock = clock or scaled_clock(self.scale)
         try:
             self.policy = policy or load_policy(config.policy.name, config.policy.options)
         except (UnknownPolicyError, ValueError, TypeError) as exc:
@@ -372,7 +373,7 @@ class Daemon:
                                      f"protocol {msg.protocol} not supported; this daemon speaks "
                                      f"{wire.PROTOCOL_VERSION}")
                     self._step(ev.WorkerHello(at=now, worker_id=msg.worker_id, kind=msg.kind,
-                                              devices=tuple(msg.devices)), facts, commands, front=True)
+                                              devices=tuple(msg.devices), process=msg.process), facts, commands)
                     worker = self.state.workers[msg.worker_id]
                     outbox.append((sock, item.identity, wire.encode(wire.Welcome(
                         protocol=wire.PROTOCOL_VERSION, worker_id=msg.worker_id, incarnation=worker.incarnation,
@@ -402,7 +403,7 @@ class Daemon:
             outbox.append((sock, item.identity, wire.encode(wire.Error(
                 code=r.code, message=r.message, reason=r.reason, ref_type=type(msg).__struct_config__.tag))))
 
-    def _step(self, event: ev.Event, facts: list[f.Fact], commands: list[SendOp], *, front: bool = False) -> None:
+    def _step(self, event: ev.Event, facts: list[f.Fact], commands: list[SendOp]) -> None:
         """Step the core; a refusal becomes an error reply to the sender and changes nothing."""
         try:
             self.state, new_facts, new_commands = self.core.step(self.state, event)
@@ -414,10 +415,11 @@ class Daemon:
         commands.extend(new_commands)
 
     def _on_tick(self, now: float, facts: list[f.Fact], commands: list[SendOp]) -> None:
-        if self.notifier.watchdog_interval_s is not None and now - self._last_watchdog >= \
+        mono = time.monotonic()  # the watchdog is about wall time, whatever daemon.time_scale says
+        if self.notifier.watchdog_interval_s is not None and mono - self._last_watchdog >= \
                 self.notifier.watchdog_interval_s:
             self.notifier.watchdog()  # sent by the reactor itself: a stuck reactor gets restarted
-            self._last_watchdog = now
+            self._last_watchdog = mono
         if self._stop_deadline is not None and not self._abort_sent and now >= self._stop_deadline \
                 and self.state.inflight is not None:
             self._abort_sent = True
@@ -466,7 +468,7 @@ class Daemon:
 
     def _begin_stop(self, now: float, facts: list[f.Fact], commands: list[SendOp]) -> None:
         if self._stop_deadline is None:
-            self._stop_deadline = now + self.config.daemon.drain_timeout_s
+            self._stop_deadline = now + self.config.daemon.drain_timeout_s * self.scale
             self.notifier.stopping("draining")
             log.info("draining", resize_in_flight=self.state.inflight is not None,
                      drain_timeout_s=self.config.daemon.drain_timeout_s)
@@ -477,7 +479,7 @@ class Daemon:
         op = command.op
         msg = wire.OpCommand(op_id=op.op_id, resize_id=command.resize_id, kind=op.kind, devices=op.devices,
                              from_pool=op.from_pool, to_pool=op.to_pool,
-                             timeout_s=max(command.deadline - self.clock(), 0.0),
+                             timeout_s=max(command.deadline - self.clock(), 0.0) / self.scale,
                              training=command.training, rollout=command.rollout)
         outbox.append((self.workers_sock, command.worker_id.encode(), wire.encode(msg)))
         log.info("op sent", op_id=op.op_id, op=op.kind.value, worker=command.worker_id,
@@ -499,6 +501,15 @@ class Daemon:
             resize = self.state.inflight.plan.resize_id if self.state.inflight else None
             with structlog.contextvars.bound_contextvars(resize_id=resize, phase=self.state.phase.value):
                 getattr(log, level)(explain(fact), fact=f.fact_type(fact))
+
+
+def scaled_clock(scale: float) -> Callable[[], float]:
+    """Wall-clock seconds, or with `scale` != 1 a clock that runs `scale` times faster from now
+    (daemon.time_scale: the demo's daemon then lives in simulated time, and so does its log)."""
+    if scale == 1.0:
+        return time.time
+    origin = time.time()
+    return lambda: origin + (time.time() - origin) * scale
 
 
 class _Reply(Exception):

@@ -727,3 +727,39 @@ def test_commands_go_only_to_workers_live_at_the_end_of_the_step() -> None:
     assert kinds(facts)[-1] is f.ResizeRolledBack
     assert commands == []
     assert d.replayed().durable() == d.state.durable()
+
+
+def _hello(d: Driver, i: int, kind: WorkerKind, process: str) -> tuple[list[f.Fact], list]:
+    name = engine(i) if kind is WorkerKind.ROLLOUT_ENGINE else trainer(i)
+    return d.send(ev.WorkerHello(at=d.at(), worker_id=name, kind=kind, devices=(device(i),), process=process))
+
+
+def test_a_worker_restarting_mid_resize_counts_as_lost_and_rolls_the_resize_back() -> None:
+    d = boot(make_core(), 2, 2)
+    for i in range(4):
+        for kind in WorkerKind:
+            _hello(d, i, kind, f"{kind.value}{i}-first")
+    d.force(3, 1)  # node 3's engine drains and releases, its trainer joins
+    d.ack_current()  # drain done
+    assert d.state.phase is Phase.RELEASING
+    # engine 3's process dies and a new one registers before any heartbeat deadline
+    facts, commands = _hello(d, 3, WorkerKind.ROLLOUT_ENGINE, "rollout-engine3-second")
+    assert kinds(facts)[0] is f.WorkerLost and "restarted" in facts[0].reason
+    assert f.ResizeAborted in kinds(facts) and kinds(facts)[-2:] == [f.ResizeRolledBack, f.WorkerRegistered]
+    assert commands == []  # nothing to undo on the dead process
+    assert d.state.split == Split(2, 2) and d.state.devices[device(3)].pool is Pool.ROLLOUT
+    assert d.state.workers[engine(3)].incarnation == 3
+    assert d.replayed().durable() == d.state.durable()
+
+
+def test_the_same_process_saying_hello_again_is_a_reconnect_not_a_loss() -> None:
+    d = boot(make_core(), 2, 2)
+    for i in range(4):
+        for kind in WorkerKind:
+            _hello(d, i, kind, f"{kind.value}{i}")
+    d.force(3, 1)
+    d.ack_current()
+    facts, commands = _hello(d, 3, WorkerKind.ROLLOUT_ENGINE, "rollout-engine3")
+    assert kinds(facts) == [f.WorkerRegistered]
+    assert [c.op.kind for c in commands] == [OpKind.RELEASE]  # its pending op, re-sent
+    assert d.state.inflight is not None

@@ -1,0 +1,216 @@
+"""`dynaresized demo`: the whole system on one machine, in under a minute.
+
+It starts the real daemon on loopback with a temporary state directory, one process per
+simulated device (each hosting that device's engine and trainer workers, attached through the
+real client over real ZeroMQ), runs a long-tail RL workload from the simulator's model at
+accelerated time, prints the pools step by step and why each resize happened (read from the
+daemon's event log, as an operator would), and ends with the time the same run would have
+taken on the static split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dynaresized import wire
+from dynaresized.core import facts as f
+from dynaresized.domain import OpKind, Pool, Split
+from dynaresized.explain import explain
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("demo", help="run the daemon with simulated workers on a long-tail RL workload (<1 min)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenario", default="longtail-drift", help="built-in scenario or a trace .jsonl")
+    p.add_argument("--profile", default="qwen3-8b-h20x8", help="built-in cluster profile or a .toml")
+    p.add_argument("--policy", default="hysteresis", help="resize policy (static, hysteresis, greedy, planner)")
+    p.add_argument("--steps", type=int, default=200, help="RL steps to run (default 200)")
+    p.add_argument("--speedup", type=float, default=4000.0, help="simulated seconds per real second")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object at the end")
+    p.add_argument("--keep", action="store_true", help="keep the state directory (its path is printed)")
+    p.set_defaults(run=run)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(state: Path, cluster: Any, policy: str, speedup: float, steps: int) -> tuple[str, str, str]:
+    worker_ep, control_ep = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    training = [d for d, p in zip(cluster.devices, cluster.initial_pools, strict=True) if p is Pool.TRAINING]
+    per_device = {pool: sum(cluster.op_seconds(k, pool) for k in (OpKind.DRAIN, OpKind.RELEASE, OpKind.JOIN,
+                                                                   OpKind.RESTORE, OpKind.COMMIT))
+                  for pool in Pool}
+    candidates = [str(c) for c in cluster.profile.candidate_splits()]
+    text = f"""
+[daemon]
+state_dir = "{state}"
+worker_endpoint = "{worker_ep}"
+control_endpoint = "{control_ep}"
+metrics_port = 0
+tick_interval_s = 0.1
+log_format = "json"
+log_level = "warning"
+time_scale = {speedup}
+[cluster]
+devices = {json.dumps(list(cluster.devices))}
+training = {json.dumps(training)}
+candidates = {json.dumps(candidates)}
+[policy]
+name = "{policy}"
+[guards]
+min_dwell_s = 60.0
+cooldown_steps = 10
+signal_run = 3
+[core]
+# simulated seconds (daemon.time_scale): 10 s and 60 s of wall time
+heartbeat_timeout_s = {10 * speedup}
+op_timeout_s = {60 * speedup}
+steps_total = {steps}
+[costs]
+to_training_s = {per_device[Pool.TRAINING]:.6f}
+to_rollout_s = {per_device[Pool.ROLLOUT]:.6f}
+"""
+    path = state.parent / "config.toml"
+    path.write_text(text)
+    return str(path), worker_ep, control_ep
+
+
+def _bar(split: Split) -> str:
+    return "T" + "■" * split.train + " R" + "□" * split.rollout
+
+
+def run(args: argparse.Namespace) -> int:
+    from dynaresized.cli import control_request
+    from dynaresized.core.facts import decode_fact
+    from dynaresized.sim.cluster import VirtualCluster
+    from dynaresized.sim.pipeline import best_static, static_total
+    from dynaresized.store import open_recorder
+
+    cluster = VirtualCluster.builtin(args.scenario, args.profile, seed=args.seed, steps=args.steps)
+    steps = cluster.steps
+    root = Path(tempfile.mkdtemp(prefix="dynaresized-demo-"))
+    state = root / "state"
+    config, worker_ep, control_ep = _config(state, cluster, args.policy, args.speedup, steps)
+    initial = Split(train=sum(p is Pool.TRAINING for p in cluster.initial_pools),
+                    rollout=sum(p is Pool.ROLLOUT for p in cluster.initial_pools))
+    out = sys.stderr if args.json else sys.stdout
+
+    def say(text: str) -> None:
+        print(text, file=out, flush=True)
+
+    say(f"dynaresized demo: {args.scenario} on {args.profile} ({len(cluster.devices)} devices, start {initial}), "
+        f"policy {args.policy}, {steps} steps at {args.speedup:g}x")
+    say(f"  daemon: {worker_ep} (control {control_ep}), event log {state / 'events.sqlite'}")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    daemon = subprocess.Popen([sys.executable, "-m", "dynaresized.cli", "serve", "--config", config],
+                              stdout=(root / "daemon.log").open("wb"), stderr=subprocess.STDOUT, env=env)
+    devices: list[subprocess.Popen[bytes]] = []
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                control_request(control_ep, wire.StatusRequest(), 0.5)
+                break
+            except TimeoutError:
+                if daemon.poll() is not None or time.monotonic() > deadline:
+                    say((root / "daemon.log").read_text())
+                    raise SystemExit("dynaresized demo: the daemon did not start") from None
+        for i, device in enumerate(cluster.devices):
+            cmd = [sys.executable, "-m", "dynaresized.backends.sim", "--endpoint", worker_ep, "--device", device,
+                   "--scenario", args.scenario, "--profile", args.profile, "--seed", str(args.seed),
+                   "--steps", str(steps), "--speedup", str(args.speedup)]
+            devices.append(subprocess.Popen(cmd + (["--leader"] if i == 0 else []), env=env,
+                                            stdout=subprocess.DEVNULL, stderr=(root / f"device{i}.log").open("wb")))
+        say(f"  {len(devices)} device processes started (engine + trainer worker each); training...\n")
+        summary = _follow(state, devices[0], say, open_recorder, decode_fact)
+    finally:
+        for p in devices:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        if daemon.poll() is None:
+            daemon.send_signal(signal.SIGTERM)
+        for p in [*devices, daemon]:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    model = cluster.stages
+    static_initial = static_total(model, initial)
+    best_split, best_total = best_static(model, len(cluster.devices))
+    dynamic = summary["total_time_s"]
+    result = {
+        "scenario": args.scenario, "profile": args.profile, "policy": args.policy, "steps": summary["steps"],
+        "total_time_s": round(dynamic, 1), "resizes": summary["resizes"], "final_split": summary["final_split"],
+        "static_split": str(initial), "static_total_time_s": round(static_initial, 1),
+        "speedup_vs_static_split": round(static_initial / dynamic, 4) if dynamic else None,
+        "best_static_split": str(best_split), "best_static_total_time_s": round(best_total, 1),
+        "speedup_vs_best_static": round(best_total / dynamic, 4) if dynamic else None,
+        "wall_s": round(summary["wall_s"], 1), "state_dir": str(state) if args.keep else None,
+    }
+    say("")
+    say(f"done: {summary['steps']} steps, {summary['resizes']} resize(s), final split {summary['final_split']}")
+    say(f"  simulated time with {args.policy}: {dynamic / 3600:7.2f} h")
+    say(f"  on the static split {initial}:     {static_initial / 3600:7.2f} h  "
+        f"(dynamic is {static_initial / dynamic:.2f}x faster)")
+    say(f"  on the best static split {best_split} (chosen with hindsight): {best_total / 3600:.2f} h")
+    say(f"  wall time {summary['wall_s']:.1f}s; the daemon's log: `dynaresized events --state-dir {state}`"
+        if args.keep else f"  wall time {summary['wall_s']:.1f}s")
+    if args.json:
+        print(json.dumps(result))
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0 if summary["steps"] == steps else 1
+
+
+def _follow(state: Path, leader: subprocess.Popen[bytes], say: Any,
+            open_recorder: Any, decode_fact: Any) -> dict[str, Any]:
+    """Tail the daemon's event log until the leader has run every step."""
+    started = time.monotonic()
+    recorder = open_recorder(state / "events.sqlite", read_only=True)
+    position, seen_steps, total, resizes = 0, 0, 0.0, 0
+    split = None
+    last_rejection = ""
+    try:
+        while True:
+            done = leader.poll() is not None
+            for stored in recorder.read_all(after_position=position):
+                position = stored.position
+                fact = decode_fact(stored.data)
+                if isinstance(fact, f.StepObserved):
+                    t = fact.timing
+                    step_s = max(t.rollout_s, t.train_s) + t.weight_sync_s
+                    total += step_s
+                    seen_steps += 1
+                    split = Split(train=t.train_devices, rollout=t.rollout_devices)
+                    say(f"step {t.step:4d}  {_bar(split):<22} rollout {t.rollout_s:7.1f}s  "
+                        f"train {t.train_s:7.1f}s  step {step_s:7.1f}s")
+                elif isinstance(fact, f.ResizeStarted | f.ResizeCommitted | f.ResizeRolledBack | f.Degraded
+                                | f.WorkerLost):
+                    resizes += isinstance(fact, f.ResizeCommitted)
+                    say(f"  >> {explain(fact)}")
+                elif isinstance(fact, f.ProposalRejected) and fact.guard != last_rejection:
+                    last_rejection = fact.guard  # one line per change of reason, not one per step
+                    say(f"  .. {explain(fact)}")
+            if done:
+                break
+            time.sleep(0.1)
+    finally:
+        recorder.close()
+    return {"steps": seen_steps, "total_time_s": total, "resizes": resizes,
+            "final_split": str(split) if split else "", "wall_s": time.monotonic() - started}

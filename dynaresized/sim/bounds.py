@@ -1,0 +1,57 @@
+"""A lower bound on the total time of a run that no schedule of the simulator can beat.
+
+The derivation is in docs/simulator.md ("Lower bound"); in short, for N devices:
+
+* Rollout of step k on n devices takes at least `max(W_k / n, L_k)`: `W_k` is its work in
+  device-seconds at full utilisation (every decode iteration runs a full batch, no engine
+  waits for another; `StageModel.rollout_work`), `L_k` is the time of its longest request
+  decoded alone (no placement splits one request).
+* Training of step k on n devices takes `T_k(n)` (the training model has no slack to remove:
+  it is already work over devices times the data-parallel efficiency, plus fixed overhead).
+* Disaggregated (static or dynamic, any policy, free and instant resizes): window w holds
+  rollout w and training w-1 and cannot start before both predecessors end, so it lasts at
+  least `min over splits (t + r = N) of max(R_w(r), T_{w-1}(t)) + sync`, each device in one
+  pool for the window (pools only change at step boundaries).
+* Colocated: step k lasts at least `max(W_k / N, L_k) + switch + T_k(N)`.
+
+The bound is the smaller of the two sums, so it holds for every mode the simulator runs.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from dynaresized.sim.stages import StageModel
+
+
+class LowerBound(msgspec.Struct, frozen=True):
+    total_s: float
+    disaggregated_s: float
+    colocated_s: float
+
+
+def rollout_floor(model: StageModel, devices: int) -> np.ndarray:
+    """Per step, the least time any placement needs for the rollout on `devices` devices."""
+    engines = model.engines(devices)
+    work = np.array([model.rollout_work(k) for k in range(model.steps)])
+    if engines < 1:
+        return np.full(model.steps, np.inf)
+    return np.maximum(work / (engines * model.profile.rollout.gpus_per_engine), model.longest_request_s)
+
+
+def lower_bound(model: StageModel, gpus: int) -> LowerBound:
+    k = model.steps
+    sync = model.weight_sync_s
+    # Disaggregated: window 0 only generates, window k only trains; the training pool keeps
+    # at least one device, so neither stage ever has all N.
+    floors = np.stack([rollout_floor(model, gpus - t) for t in range(1, gpus)])  # [t-1, step]
+    trains = np.stack([model.train_table(t) for t in range(1, gpus)])  # [t-1, step]
+    windows = float(floors[0, 0])  # every split but the smallest training pool is slower
+    if k > 1:
+        # Window w (1..k-1): rollout w next to training w-1, best split per window.
+        both = np.maximum(floors[:, 1:], trains[:, :-1])
+        windows += float((both.min(axis=0) + sync).sum())
+    windows += float(trains[-1, k - 1] + sync)
+    colocated = float((rollout_floor(model, gpus) + model.colocated_switch_s + model.train_table(gpus)).sum())
+    return LowerBound(total_s=min(windows, colocated), disaggregated_s=windows, colocated_s=colocated)

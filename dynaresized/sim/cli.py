@@ -1,0 +1,216 @@
+"""The `simulate` and `bench` subcommands.
+
+`add_parsers(subparsers)` adds both to an argparse subparsers object (the `dynaresized` CLI
+calls it); `run_cli(args)` runs the chosen one and returns the exit status. `python -m
+dynaresized.sim` runs them on their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, TextIO
+
+import msgspec
+
+from dynaresized.core.policy import UnknownPolicyError, available_policies
+from dynaresized.sim.profile import ProfileError, builtin_profiles, load_profile
+from dynaresized.sim.run import BENCH_POLICIES, SimReport, bench, scenario_shape, simulate
+from dynaresized.sim.workload import DYNAMIC_SCENARIOS, SCENARIOS, TraceError, UnknownScenarioError, load_trace, \
+    scenario_trace
+
+DEFAULT_PROFILE = "qwen3-8b-h20x8"
+
+
+class ProgressBar:
+    """A one-line progress bar on a terminal (stderr); silent anywhere else."""
+
+    def __init__(self, label: str, stream: TextIO | None = None, width: int = 30) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = self.stream.isatty()
+        self.label = label
+        self.width = width
+        self._last = -1.0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < 0.1:
+            return  # redraw at most ten times a second
+        self._last = now
+        filled = int(self.width * done / max(total, 1))
+        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {done}/{total}")
+        if done >= total:
+            self.stream.write("\r" + " " * (len(self.label) + self.width + 24) + "\r")
+        self.stream.flush()
+
+
+def _key_values(items: list[str] | None, what: str) -> dict[str, Any]:
+    """`["cooldown_steps=5", "payback_safety=2"]` -> {"cooldown_steps": 5, "payback_safety": 2.0}."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{what} {item!r} must look like KEY=VALUE")
+        try:
+            out[key] = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            out[key] = raw  # a bare string
+    return out
+
+
+def add_parsers(subparsers: Any) -> None:
+    """Add `simulate` and `bench` to an `argparse` subparsers object."""
+    sim = subparsers.add_parser(
+        "simulate",
+        help="replay a rollout trace or a built-in scenario through the core and a policy, in virtual time",
+        description=(
+            "Simulate a disaggregated RL pipeline whose devices are moved by the daemon's own core and "
+            "policy, and compare it with the best static split, the colocated mode and a lower bound."
+        ),
+    )
+    source = sim.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", metavar="FILE", help="JSON Lines trace, one line per RL step")
+    source.add_argument("--scenario", metavar="NAME", help=f"built-in scenario: {', '.join(SCENARIOS)}")
+    sim.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE",
+                     help=f"cluster profile: {', '.join(builtin_profiles())} or a TOML file (default {DEFAULT_PROFILE})")
+    sim.add_argument("--policy", default="hysteresis", metavar="NAME",
+                     help="installed policy (static, greedy, hysteresis, planner, ...); default hysteresis")
+    sim.add_argument("--gpus", type=int, metavar="N", help="devices in the cluster (default: the profile's)")
+    sim.add_argument("--steps", type=int, metavar="K", help="simulate only the first K steps")
+    sim.add_argument("--samples", type=int, metavar="S", help="samples per step of a built-in scenario")
+    sim.add_argument("--seed", type=int, default=0, help="seed of a built-in scenario (default 0)")
+    sim.add_argument("--naive", action="store_true",
+                     help="charge naive resize costs: stop the pipeline, fresh communicators, full restart")
+    sim.add_argument("--policy-option", action="append", metavar="KEY=VALUE", help="option for the policy")
+    sim.add_argument("--guard", action="append", metavar="KEY=VALUE",
+                     help="override a hysteresis guard, e.g. cooldown_steps=5")
+    sim.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    sim.add_argument("--plot", metavar="FILE.png", help="write a PNG: pools over time, stage times, resizes")
+    sim.set_defaults(sim_command="simulate")
+
+    b = subparsers.add_parser("bench", help="run every built-in scenario x policy and print a table",
+                              description="Run every built-in scenario with every built-in policy on one profile.")
+    b.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE")
+    b.add_argument("--steps", type=int, metavar="K", help="steps per scenario (default: each scenario's)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--naive", action="store_true")
+    b.add_argument("--scenarios", default=",".join(DYNAMIC_SCENARIOS), help="comma-separated scenario names")
+    b.add_argument("--policies", default=",".join(BENCH_POLICIES), help="comma-separated policy names")
+    b.add_argument("--json", action="store_true", help="print JSON lines, one per row")
+    b.set_defaults(sim_command="bench")
+
+
+def run_cli(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out if out is not None else sys.stdout
+    try:
+        if args.sim_command == "simulate":
+            return _simulate(args, out)
+        return _bench(args, out)
+    except (ProfileError, TraceError, UnknownScenarioError, UnknownPolicyError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _positive(value: int | None, flag: str) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{flag} must be >= 1, got {value}")
+
+
+def _simulate(args: argparse.Namespace, out: TextIO) -> int:
+    _positive(args.steps, "--steps")
+    _positive(args.samples, "--samples")
+    profile = load_profile(args.profile)
+    if args.gpus is not None:
+        profile = profile.with_gpus(args.gpus)
+    if args.trace is not None:
+        if args.samples is not None:
+            raise ValueError("--samples applies to built-in scenarios; a trace has its own samples")
+        trace = load_trace(args.trace)
+        if args.steps is not None:
+            trace = trace.head(args.steps)
+        seed = None
+    else:
+        if args.samples is not None:
+            profile = profile.with_samples(args.samples)
+        trace = scenario_trace(args.scenario, scenario_shape(profile), seed=args.seed, steps=args.steps)
+        seed = args.seed
+    if args.policy not in available_policies():
+        raise UnknownPolicyError(f"unknown policy {args.policy!r}; installed policies: {', '.join(available_policies())}")
+    result = simulate(
+        trace,
+        profile,
+        args.policy,
+        policy_options=_key_values(args.policy_option, "--policy-option"),
+        guard_overrides=_key_values(args.guard, "--guard"),
+        naive=args.naive,
+        seed=seed,
+        progress=ProgressBar(f"simulate {trace.name}/{args.policy}"),
+    )
+    if args.plot:
+        from dynaresized.sim.plot import plot_run
+
+        plot_run(result, args.plot)
+    if args.json:
+        out.write(msgspec.json.encode(result.report).decode() + "\n")
+    else:
+        out.write(summary(result.report))
+    return 0
+
+
+def summary(r: SimReport) -> str:
+    b = r.best_static
+    lines = [
+        f"{r.workload} on {r.profile} ({r.gpus} devices, {r.steps} steps, {r.samples_per_step:g} samples/step), "
+        f"policy {r.policy}, {r.cost_mode} resize costs",
+        f"  total time           {r.total_time_s:12.1f} s   ({r.mean_step_s:.1f} s/step)",
+        f"  resizes              {r.resizes:12d}     {r.initial_split} -> {r.final_split}",
+        f"  best static split    {b.total_time_s:12.1f} s   at {b.train}:{b.rollout}   "
+        f"speedup {r.speedup_vs_best_static:.3f}x",
+        f"  initial split        {r.initial_split_total_time_s:12.1f} s   at {r.initial_split}   "
+        f"speedup {r.speedup_vs_initial_split:.3f}x",
+        f"  colocated            {r.colocated_total_time_s:12.1f} s   speedup {r.speedup_vs_colocated:.3f}x",
+        f"  per-step oracle      {r.oracle_total_time_s:12.1f} s   (best split every step, free resizes)",
+        f"  lower bound          {r.lower_bound_s:12.1f} s   gap {r.gap_to_lower_bound:.1%}",
+    ]
+    for e in r.resize_events:
+        lines.append(f"  resize {e.resize_id} after step {e.step}: {e.before} -> {e.after} ({e.outcome}): {e.reason}")
+    if r.rejections:
+        lines.append("  proposals held back by guards: " + ", ".join(f"{k} {v}" for k, v in r.rejections.items()))
+    return "\n".join(lines) + "\n"
+
+
+def _bench(args: argparse.Namespace, out: TextIO) -> int:
+    _positive(args.steps, "--steps")
+    profile = load_profile(args.profile)
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    policies = [p for p in args.policies.split(",") if p]
+    for name in scenarios:
+        if name not in SCENARIOS:
+            raise UnknownScenarioError(f"unknown scenario {name!r}; built-in scenarios: {', '.join(SCENARIOS)}")
+    for name in policies:
+        if name not in available_policies():
+            raise UnknownPolicyError(f"unknown policy {name!r}; installed policies: {', '.join(available_policies())}")
+    rows = bench(profile, scenarios=scenarios, policies=policies, seed=args.seed, steps=args.steps,
+                 naive=args.naive, progress=ProgressBar(f"bench {profile.name}"))
+    if args.json:
+        for row in rows:
+            out.write(msgspec.json.encode(row).decode() + "\n")
+        return 0
+    header = f"{'workload':<20} {'policy':<11} {'total_s':>11} {'resizes':>7} {'best':>5} {'vs best':>8} " \
+             f"{'vs init':>8} {'gap LB':>7}"
+    out.write(header + "\n" + "-" * len(header) + "\n")
+    for r in rows:
+        b = r.best_static
+        out.write(f"{r.workload:<20} {r.policy:<11} {r.total_time_s:>11.0f} {r.resizes:>7d} {b.train}:{b.rollout:<3} "
+                  f"{r.speedup_vs_best_static:>8.3f} {r.speedup_vs_initial_split:>8.3f} {r.gap_to_lower_bound:>7.1%}\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dynaresized.sim", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parsers(sub)
+    return run_cli(parser.parse_args(argv))

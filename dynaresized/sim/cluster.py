@@ -1,0 +1,107 @@
+"""`VirtualCluster`: the simulator's workload and cost model, for the daemon's `sim` backend.
+
+The daemon demo runs simulated workers over the real client and the real daemon; those
+workers take their timings from here, so the demo and `dynaresized simulate` agree on every
+number. All methods are pure functions of (profile, trace): a worker may call them from any
+process and get the same answer.
+
+    cluster = VirtualCluster.builtin("longtail-drift", "qwen3-8b-h20x8", seed=0)
+    cluster.devices                      # ("node0:gpu0", ..., "node0:gpu7")
+    cluster.initial_pools                # (Pool.TRAINING x 6, Pool.ROLLOUT x 2)
+    cluster.rollout_seconds(step, 2)     # rollout of `step` on 2 rollout devices
+    cluster.train_seconds(step, 6)       # old log-probs + update of `step` on 6 trainers
+    cluster.weight_sync_seconds()        # trainer -> engines after every step
+    cluster.op_seconds(OpKind.JOIN, Pool.TRAINING)           # one resize op (pipelined costs)
+    cluster.op_seconds(OpKind.JOIN, Pool.TRAINING, naive=True)
+    cluster.step_timing(step, rollout_devices=2, train_devices=6)   # a StepTiming to report
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dynaresized.domain import DeviceId, OpKind, Pool, StepTiming
+from dynaresized.sim.pipeline import device_ids
+from dynaresized.sim.profile import Profile, load_profile
+from dynaresized.sim.run import scenario_shape
+from dynaresized.sim.stages import StageModel
+from dynaresized.sim.workload import Trace, load_trace, scenario_trace
+
+
+class VirtualCluster:
+    def __init__(self, profile: Profile, trace: Trace, *, naive: bool = False) -> None:
+        self.profile = profile
+        self.trace = trace
+        self.naive = naive
+        self.stages = StageModel(profile, trace)
+
+    @classmethod
+    def builtin(
+        cls,
+        scenario: str = "longtail-drift",
+        profile: str | Path = "qwen3-8b-h20x8",
+        *,
+        seed: int = 0,
+        steps: int | None = None,
+        samples: int | None = None,
+        gpus: int | None = None,
+        naive: bool = False,
+    ) -> VirtualCluster:
+        """A built-in scenario (or a trace file, if `scenario` is a path to one) on a profile."""
+        p = load_profile(profile)
+        if gpus is not None:
+            p = p.with_gpus(gpus)
+        if samples is not None:
+            p = p.with_samples(samples)
+        if Path(scenario).suffix in (".jsonl", ".json") and Path(scenario).is_file():
+            trace = load_trace(scenario)
+            trace = trace.head(steps) if steps is not None else trace
+        else:
+            trace = scenario_trace(scenario, scenario_shape(p), seed=seed, steps=steps)
+        return cls(p, trace, naive=naive)
+
+    @property
+    def steps(self) -> int:
+        return len(self.trace)
+
+    @property
+    def devices(self) -> tuple[DeviceId, ...]:
+        return device_ids(self.profile.cluster.gpus, self.profile.cluster.gpus_per_node)
+
+    @property
+    def initial_pools(self) -> tuple[Pool, ...]:
+        train = self.profile.cluster.initial_train
+        return tuple(Pool.TRAINING if i < train else Pool.ROLLOUT for i in range(self.profile.cluster.gpus))
+
+    def rollout_seconds(self, step: int, rollout_devices: int) -> float:
+        self._check_step(step)
+        return self.stages.rollout_seconds(step, rollout_devices)
+
+    def train_seconds(self, step: int, train_devices: int) -> float:
+        self._check_step(step)
+        return self.stages.train_seconds(step, train_devices)
+
+    def weight_sync_seconds(self) -> float:
+        return self.stages.weight_sync_s
+
+    def op_seconds(self, kind: OpKind, to_pool: Pool, naive: bool | None = None) -> float:
+        """Seconds one resize operation takes on a device moving to `to_pool`. COMMIT's value
+        is the pause it causes at the step boundary where it happens."""
+        return self.profile.op_seconds(kind, to_pool, naive=self.naive if naive is None else naive)
+
+    def step_timing(self, step: int, *, rollout_devices: int, train_devices: int) -> StepTiming:
+        """The StepTiming a trainer would report for `step` run on these pool sizes."""
+        return StepTiming(
+            step=step,
+            rollout_s=self.rollout_seconds(step, rollout_devices),
+            train_s=self.train_seconds(step, train_devices),
+            weight_sync_s=self.weight_sync_seconds(),
+            rollout_devices=rollout_devices,
+            train_devices=train_devices,
+            samples=int(self.stages.samples[step]),
+            response_tokens=int(self.stages.response_tokens[step]),
+        )
+
+    def _check_step(self, step: int) -> None:
+        if not 0 <= step < self.steps:
+            raise IndexError(f"step {step} is outside the trace (0..{self.steps - 1})")

@@ -1,0 +1,288 @@
+"""The three pipeline modes in virtual time: colocated, static disaggregated, dynamic.
+
+Disaggregated modes are one-step off-policy: window w runs the rollout of step w on the
+rollout pool and the training of step w-1 on the training pool, side by side, then weights
+sync; a window lasts `max(rollout, training) + sync`. (Rollout w needs the weights of step
+w-2 and training w needs rollout w, so no schedule can start either earlier.) Colocated runs
+every step's rollout on all devices, switches, then trains on all devices.
+
+The dynamic mode drives the daemon's own sans-IO core (`Core.step`) and policy: it feeds
+Configure, WorkerHello, Tick, StepReported and OpReported events stamped with virtual time,
+and executes each `SendOp` the core returns by acknowledging it after the operation's
+simulated duration. Resize costs are charged the way DESIGN.md §5 says they fall:
+
+* pipelined (default): the moving devices serve neither pool from the boundary where the
+  resize starts until the step boundary where it commits; drain, release, join and restore
+  run during that window (a commit slips to a later boundary when they do not fit); at
+  commit the training pool pays `commit_s` (its data-parallel group changes in either
+  direction) and the destination pool pays `first_step_s` on its first step.
+* naive: the pipeline stops for the whole resize (teardown, fresh communicators, state
+  reload, restart) and resumes on the new split.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+
+from dynaresized.core import ClusterState, Core, CoreConfig, Phase, SendOp
+from dynaresized.core import events as ev
+from dynaresized.core import facts as f
+from dynaresized.core.guards import GuardConfig
+from dynaresized.core.policy import Policy, ResizeCosts
+from dynaresized.domain import FORWARD_ORDER, OpKind, Pool, Split, StepTiming, WorkerKind
+from dynaresized.sim.stages import StageModel
+
+Progress = Callable[[int, int], None]
+
+
+class Window(msgspec.Struct, frozen=True, array_like=True):
+    """One pipeline window: rollout of step `window` and training of step `window - 1`."""
+
+    window: int
+    start_s: float
+    end_s: float
+    rollout_devices: int
+    train_devices: int
+    moving: int
+    rollout_s: float  # 0 in the last window (nothing left to generate)
+    train_s: float  # 0 in the first window (nothing generated yet)
+
+
+def static_windows(model: StageModel, split: Split) -> np.ndarray:
+    """Durations of the K+1 windows of a fixed split."""
+    k = model.steps
+    rollout = model.rollout_table(split.rollout)
+    train = model.train_table(split.train)
+    sync = model.weight_sync_s
+    out = np.empty(k + 1)
+    out[0] = rollout[0]
+    if k > 1:
+        out[1:k] = np.maximum(rollout[1:], train[:-1]) + sync
+    out[k] = train[k - 1] + sync
+    return out
+
+
+def static_total(model: StageModel, split: Split) -> float:
+    return float(static_windows(model, split).sum())
+
+
+def best_static(model: StageModel, gpus: int) -> tuple[Split, float]:
+    """The fixed split with the least total time, found by trying every split (hindsight)."""
+    best: tuple[float, Split] | None = None
+    for train in range(1, gpus):
+        split = Split(train=train, rollout=gpus - train)
+        if model.engines(split.rollout) < 1:
+            continue
+        total = static_total(model, split)
+        if best is None or total < best[0]:
+            best = (total, split)
+    if best is None:
+        raise ValueError(f"no split of {gpus} devices leaves room for one rollout engine")
+    return best[1], best[0]
+
+
+def colocated_steps(model: StageModel, gpus: int) -> np.ndarray:
+    """Per-step seconds of the colocated (verl default) mode: generate, switch, train."""
+    return model.rollout_table(gpus) + model.colocated_switch_s + model.train_table(gpus)
+
+
+def colocated_total(model: StageModel, gpus: int) -> float:
+    return float(colocated_steps(model, gpus).sum())
+
+
+def device_ids(gpus: int, per_node: int) -> tuple[str, ...]:
+    return tuple(f"node{i // per_node}:gpu{i % per_node}" for i in range(gpus))
+
+
+def engine_id(index: int) -> str:
+    return f"engine-{index}"
+
+
+def trainer_id(index: int) -> str:
+    return f"trainer-{index}"
+
+
+class DynamicRun(msgspec.Struct, frozen=True):
+    total_time_s: float
+    windows: tuple[Window, ...]
+    facts: tuple[f.Fact, ...]
+    final_split: Split
+    held: tuple[tuple[int, str], ...]
+    """(step, reason) whenever the policy proposed nothing, if it says why (`last_reason`)."""
+
+
+class _Ack(msgspec.Struct, frozen=True, order=True, array_like=True):
+    at: float
+    seq: int
+    worker_id: str
+    op_id: str
+
+
+class DynamicPipeline:
+    """One dynamic run: the core and a policy move devices while the pipeline runs."""
+
+    def __init__(
+        self,
+        model: StageModel,
+        policy: Policy,
+        *,
+        guards: GuardConfig,
+        naive: bool = False,
+        progress: Progress | None = None,
+    ) -> None:
+        profile = model.profile
+        self.model = model
+        self.policy = policy
+        self.naive = naive
+        self.progress = progress
+        self.gpus = profile.cluster.gpus
+        self.devices = device_ids(self.gpus, profile.cluster.gpus_per_node)
+        self.index = {d: i for i, d in enumerate(self.devices)}
+        config = CoreConfig(
+            guards=guards,
+            heartbeat_timeout_s=math.inf,  # simulated workers never die; nothing sends heartbeats
+            op_timeout_s=profile.resize.op_timeout_s,
+            steps_total=model.steps,
+            costs=ResizeCosts(
+                to_training_s=self._estimated_cost(Pool.TRAINING),
+                to_rollout_s=self._estimated_cost(Pool.ROLLOUT),
+            ),
+        )
+        self.core = Core(config, policy)
+        self.state = ClusterState()
+        self.facts: list[f.Fact] = []
+        self._acks: list[_Ack] = []
+        self._seq = 0
+        self._commits: list[SendOp] = []
+        self._penalty = {Pool.ROLLOUT: 0.0, Pool.TRAINING: 0.0}
+
+    def _estimated_cost(self, to_pool: Pool) -> float:
+        """Critical-path seconds per moved device before the core has measured one."""
+        return sum(self.model.profile.op_seconds(k, to_pool, naive=self.naive) for k in FORWARD_ORDER)
+
+    # -- feeding the core ----------------------------------------------------------------
+    def _feed(self, event: ev.Event) -> None:
+        self.state, facts, commands = self.core.step(self.state, event)
+        self.facts.extend(facts)
+        costs = self.model.profile.resize
+        for fact in facts:
+            if isinstance(fact, f.ResizeCommitted) and not self.naive:
+                plan = self.facts_plan(fact.resize_id)
+                c = costs.to_training if plan.to_pool is Pool.TRAINING else costs.to_rollout
+                self._penalty[Pool.TRAINING] += c.commit_s
+                self._penalty[plan.to_pool] += c.first_step_s
+        for command in commands:
+            self._schedule(command, event.at)
+
+    def facts_plan(self, resize_id: str):  # noqa: ANN201 - ResizePlan, kept local to the run
+        for fact in reversed(self.facts):
+            if isinstance(fact, f.ResizeStarted) and fact.plan.resize_id == resize_id:
+                return fact.plan
+        raise KeyError(resize_id)
+
+    def _schedule(self, command: SendOp, now: float) -> None:
+        op = command.op
+        if op.kind is OpKind.COMMIT and not self.naive:
+            self._commits.append(command)  # acknowledged at the next step boundary
+            return
+        done = now + self.model.profile.op_seconds(op.kind, op.to_pool, naive=self.naive)
+        self._seq += 1
+        heapq.heappush(self._acks, _Ack(done, self._seq, command.worker_id, op.op_id))
+
+    def _ack_until(self, until: float) -> None:
+        while self._acks and self._acks[0].at <= until:
+            ack = heapq.heappop(self._acks)
+            self._feed(ev.OpReported(at=ack.at, worker_id=ack.worker_id, op_id=ack.op_id, ok=True))
+
+    def _commit_at_boundary(self, now: float) -> None:
+        fl = self.state.inflight
+        if fl is None or not self._commits or fl.op.kind is not OpKind.COMMIT:
+            return
+        commits, self._commits = self._commits, []
+        for command in commits:
+            if command.op.op_id == fl.op.op_id:
+                self._feed(ev.OpReported(at=now, worker_id=command.worker_id, op_id=command.op.op_id, ok=True))
+
+    def _stop_the_world(self, now: float) -> float:
+        """Naive mode: nothing runs until the resize in flight has finished."""
+        while self.state.inflight is not None:
+            if not self._acks:
+                raise RuntimeError(f"resize {self.state.inflight.plan.resize_id} waits for an op nobody runs")
+            now = max(now, self._acks[0].at)
+            self._ack_until(now)
+        return now
+
+    def _reporter(self) -> str:
+        training = sorted(self.state.pool_devices(Pool.TRAINING), key=self.index.__getitem__)
+        return trainer_id(self.index[training[0]])
+
+    # -- the run -------------------------------------------------------------------------
+    def run(self) -> DynamicRun:
+        model = self.model
+        profile = model.profile
+        initial = profile.initial_split
+        pools = tuple(Pool.TRAINING if i < initial.train else Pool.ROLLOUT for i in range(self.gpus))
+        self._feed(ev.Configure(at=0.0, devices=self.devices, pools=pools, candidates=profile.candidate_splits()))
+        for i, d in enumerate(self.devices):
+            self._feed(ev.WorkerHello(at=0.0, worker_id=engine_id(i), kind=WorkerKind.ROLLOUT_ENGINE, devices=(d,)))
+            self._feed(ev.WorkerHello(at=0.0, worker_id=trainer_id(i), kind=WorkerKind.TRAINER_RANK, devices=(d,)))
+        k = model.steps
+        sync = model.weight_sync_s
+        now = 0.0
+        windows: list[Window] = []
+        held: list[tuple[int, str]] = []
+        last_rollout = (0.0, 0)  # (seconds, devices) of the previous window's rollout
+        for w in range(k + 1):
+            if self.naive and self.state.inflight is not None:
+                now = self._stop_the_world(now)
+            split = self.state.split
+            moving = self.gpus - split.total
+            rollout_s = train_s = 0.0
+            if w < k:
+                rollout_s = model.rollout_seconds(w, split.rollout) + self._penalty[Pool.ROLLOUT]
+                self._penalty[Pool.ROLLOUT] = 0.0
+            if w >= 1:
+                train_s = model.train_seconds(w - 1, split.train) + self._penalty[Pool.TRAINING]
+                self._penalty[Pool.TRAINING] = 0.0
+            end = now + max(rollout_s, train_s) + (sync if w >= 1 else 0.0)
+            self._ack_until(end)
+            windows.append(Window(w, now, end, split.rollout, split.train, moving, rollout_s, train_s))
+            now = end
+            self._feed(ev.Tick(at=now))
+            if w >= 1:
+                step = w - 1
+                timing = StepTiming(
+                    step=step,
+                    rollout_s=last_rollout[0],
+                    train_s=train_s,
+                    weight_sync_s=sync,
+                    rollout_devices=last_rollout[1],
+                    train_devices=split.train,
+                    samples=int(model.samples[step]),
+                    response_tokens=int(model.response_tokens[step]),
+                )
+                before = len(self.facts)
+                consulted = self.state.phase is Phase.STEADY and not self.state.paused
+                self._feed(ev.StepReported(at=now, worker_id=self._reporter(), timing=timing))
+                reason = getattr(self.policy, "last_reason", "")
+                proposed = any(isinstance(x, (f.ResizeStarted, f.ProposalRejected)) for x in self.facts[before:])
+                if consulted and reason and not proposed:
+                    held.append((step, reason))
+            if not self.naive:
+                self._commit_at_boundary(now)
+            last_rollout = (rollout_s, split.rollout)
+            if self.progress is not None:
+                self.progress(w + 1, k + 1)
+        # A resize started at the very last boundary never ran: nothing is left to run on it.
+        return DynamicRun(
+            total_time_s=now,
+            windows=tuple(windows),
+            facts=tuple(self.facts),
+            final_split=self.state.split,
+            held=tuple(held),
+        )

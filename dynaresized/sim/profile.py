@@ -1,0 +1,249 @@
+"""Cluster profiles: the hardware, model and cost parameters of a simulated cluster.
+
+A profile is a TOML file decoded with msgspec into `Profile`; unknown keys are errors, so a
+typo never silently falls back to a default. Built-in profiles ship as package data under
+`dynaresized/sim/profiles/`; `load_profile` takes a built-in name or a path. Every field is
+documented here; docs/simulator.md explains where the built-in numbers come from.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import msgspec
+
+from dynaresized.core.guards import GuardConfig
+from dynaresized.domain import OpKind, Pool, Split
+
+
+class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    gpus: int
+    """Devices in the cluster (each is one GPU)."""
+    initial_train: int
+    """Devices in the training pool at the start; the rest start in the rollout pool."""
+    gpus_per_node: int = 8
+    """Only used to name devices ("node1:gpu3")."""
+    candidates: tuple[str, ...] = ()
+    """Allowed Train:Rollout splits, e.g. ["6:2", "4:4"]; empty means every split."""
+
+
+class RolloutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode cost model of one inference engine (continuous batching, memory-bound decode).
+
+    One decode iteration advances every running request by one token and costs
+    `iter_base_s + iter_per_seq_s * running + iter_per_ctx_token_s * sum(context of running)`.
+    """
+
+    gpus_per_engine: int = 1
+    """Tensor-parallel size: devices per engine."""
+    max_num_seqs: int = 256
+    """Most requests an engine runs at once (vLLM `max_num_seqs`)."""
+    kv_cache_tokens: int = 400_000
+    """KV-cache capacity of one engine, in tokens; long contexts shrink the running batch."""
+    iter_base_s: float = 0.006
+    """Per iteration, whatever the batch: reading the weights once, kernel launches."""
+    iter_per_seq_s: float = 0.00018
+    """Per running request per iteration: the matmul compute of one token."""
+    iter_per_ctx_token_s: float = 4.0e-8
+    """Per context token of a running request per iteration: reading its KV cache."""
+    prefill_per_token_s: float = 0.00018
+    """Per prompt token, once (prefill is compute-bound)."""
+
+
+class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Trainer cost model: old-log-prob forward plus the policy update, data parallel."""
+
+    update_tokens_per_s: float
+    """Tokens per second per device for the update (forward + backward + optimizer)."""
+    logprob_tokens_per_s: float
+    """Tokens per second per device for the old (and reference) log-prob forward passes."""
+    attention_tokens: float = 0.0
+    """A sequence of S tokens costs S * (1 + S / attention_tokens) token-equivalents (the
+    quadratic attention term); 0 turns the term off."""
+    dp_efficiency_per_doubling: float = 1.0
+    """Data-parallel efficiency lost per doubling of the training pool (1.0 = perfect)."""
+    step_overhead_s: float = 0.0
+    """Fixed seconds per step that do not shrink with more devices (optimizer, barriers)."""
+
+
+class SyncSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    weight_sync_s: float = 2.0
+    """Disaggregated: seconds per step to push new weights from trainers to engines."""
+    colocated_switch_s: float = 10.0
+    """Colocated: seconds per step to switch every device between training and generation
+    (resharding, offload/onload, KV-cache wake-up), both ways together."""
+
+
+class OpCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Seconds of each resize operation for one direction (DESIGN.md §5).
+
+    drain, release, join and restore run one after the other while the moving devices serve
+    neither pool; commit happens at the next step boundary and, with `first_step_s`, delays
+    the destination pool's first step on the new topology."""
+
+    drain_s: float
+    release_s: float
+    join_s: float
+    restore_s: float
+    commit_s: float
+    first_step_s: float = 0.0
+    """Extra seconds of the destination's first step (lazy optimizer restore, graph capture)."""
+
+
+class NaiveCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The naive baseline: stop the pipeline, destroy and recreate actors with fresh
+    communicators, reload state; nothing is pre-warmed and nothing overlaps."""
+
+    drain_s: float
+    teardown_s: float
+    """Destroy actors, clear device state (release)."""
+    init_process_group_s: float
+    """Fresh communicators for the new topology, every rank (join)."""
+    load_state_s: float
+    """Reload weights and optimizer state onto the new topology (restore)."""
+    restart_s: float
+    """Restart the pipeline on the new topology (commit)."""
+
+
+class ResizeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    to_training: OpCosts
+    to_rollout: OpCosts
+    naive: NaiveCosts
+    op_timeout_s: float = 86_400.0
+    """The core's op timeout in the simulator: COMMIT waits for a step boundary, so it must
+    exceed the longest step."""
+
+
+class WorkloadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one RL step looks like on this cluster (used by the built-in scenarios)."""
+
+    samples_per_step: int
+    samples_per_prompt: int
+    max_response_tokens: int
+    prompt_median_tokens: float = 180.0
+
+
+class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    description: str
+    cluster: ClusterSpec
+    rollout: RolloutSpec
+    training: TrainingSpec
+    sync: SyncSpec
+    resize: ResizeSpec
+    workload: WorkloadSpec
+    guards: GuardConfig = GuardConfig()
+    """The hysteresis guards the core applies (see dynaresized.core.guards.GuardConfig)."""
+
+    @property
+    def initial_split(self) -> Split:
+        return Split(train=self.cluster.initial_train, rollout=self.cluster.gpus - self.cluster.initial_train)
+
+    def candidate_splits(self) -> tuple[Split, ...]:
+        return tuple(parse_split(c) for c in self.cluster.candidates)
+
+    def op_seconds(self, kind: OpKind, to_pool: Pool, *, naive: bool = False) -> float:
+        """Seconds one resize operation takes. Undo ops cost what the op they undo cost."""
+        kind = _FORWARD_OF_UNDO.get(kind, kind)
+        if naive:
+            n = self.resize.naive
+            return {
+                OpKind.DRAIN: n.drain_s,
+                OpKind.RELEASE: n.teardown_s,
+                OpKind.JOIN: n.init_process_group_s,
+                OpKind.RESTORE: n.load_state_s,
+                OpKind.COMMIT: n.restart_s,
+            }[kind]
+        c = self.resize.to_training if to_pool is Pool.TRAINING else self.resize.to_rollout
+        return {
+            OpKind.DRAIN: c.drain_s,
+            OpKind.RELEASE: c.release_s,
+            OpKind.JOIN: c.join_s,
+            OpKind.RESTORE: c.restore_s,
+            OpKind.COMMIT: c.commit_s,
+        }[kind]
+
+    def with_gpus(self, gpus: int) -> Profile:
+        """The same profile on `gpus` devices, keeping the initial training share."""
+        if gpus < 2:
+            raise ProfileError(f"a disaggregated cluster needs at least 2 devices, got gpus={gpus}")
+        if gpus == self.cluster.gpus:
+            return self
+        train = min(max(round(self.cluster.initial_train * gpus / self.cluster.gpus), 1), gpus - 1)
+        cluster = msgspec.structs.replace(self.cluster, gpus=gpus, initial_train=train, candidates=())
+        return msgspec.structs.replace(self, cluster=cluster)
+
+    def with_samples(self, samples: int) -> Profile:
+        if samples < 1:
+            raise ProfileError(f"samples per step must be >= 1, got {samples}")
+        return msgspec.structs.replace(self, workload=msgspec.structs.replace(self.workload, samples_per_step=samples))
+
+
+_FORWARD_OF_UNDO = {OpKind.RESUME: OpKind.DRAIN, OpKind.RECLAIM: OpKind.RELEASE, OpKind.EVICT: OpKind.JOIN}
+
+
+class ProfileError(ValueError):
+    pass
+
+
+def parse_split(text: str) -> Split:
+    try:
+        train, rollout = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise ProfileError(f"split {text!r} must look like TRAIN:ROLLOUT, e.g. 6:2") from None
+    return Split(train=train, rollout=rollout)
+
+
+def builtin_profiles() -> list[str]:
+    folder = resources.files("dynaresized.sim") / "profiles"
+    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A built-in profile by name, or a TOML file by path."""
+    text = str(name_or_path)
+    if text in builtin_profiles():
+        data = (resources.files("dynaresized.sim") / "profiles" / f"{text}.toml").read_bytes()
+        source = f"built-in profile {text}"
+    else:
+        path = Path(text)
+        if not path.is_file():
+            raise ProfileError(
+                f"no profile {text!r}: not a built-in ({', '.join(builtin_profiles())}) and no such file"
+            )
+        data = path.read_bytes()
+        source = str(path)
+    try:
+        profile = msgspec.toml.decode(data, type=Profile)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProfileError(f"{source}: {exc}") from None
+    validate(profile, source)
+    return profile
+
+
+def validate(p: Profile, source: str = "profile") -> None:
+    c = p.cluster
+    if c.gpus < 2:
+        raise ProfileError(f"{source}: cluster.gpus must be >= 2, got {c.gpus}")
+    if not 1 <= c.initial_train <= c.gpus - 1:
+        raise ProfileError(f"{source}: cluster.initial_train must be in 1..{c.gpus - 1}, got {c.initial_train}")
+    for split in p.candidate_splits():
+        if split.total != c.gpus or split.train < 1 or split.rollout < 1:
+            raise ProfileError(f"{source}: candidate {split} must split all {c.gpus} devices, both pools >= 1")
+    if p.candidate_splits() and p.initial_split not in p.candidate_splits():
+        raise ProfileError(f"{source}: the initial split {p.initial_split} is not among the candidates")
+    r = p.rollout
+    if r.gpus_per_engine < 1 or r.max_num_seqs < 1 or r.kv_cache_tokens < 1:
+        raise ProfileError(f"{source}: rollout.gpus_per_engine, max_num_seqs and kv_cache_tokens must be >= 1")
+    for name in ("iter_base_s", "iter_per_seq_s", "iter_per_ctx_token_s", "prefill_per_token_s"):
+        if getattr(r, name) < 0:
+            raise ProfileError(f"{source}: rollout.{name} must be >= 0")
+    t = p.training
+    if t.update_tokens_per_s <= 0 or t.logprob_tokens_per_s <= 0:
+        raise ProfileError(f"{source}: training token rates must be > 0")
+    if not 0.5 < t.dp_efficiency_per_doubling <= 1.0:
+        raise ProfileError(f"{source}: training.dp_efficiency_per_doubling must be in (0.5, 1]")
+    w = p.workload
+    if w.samples_per_step < 1 or w.samples_per_prompt < 1 or w.max_response_tokens < 1:
+        raise ProfileError(f"{source}: workload sizes must be >= 1")

@@ -1,0 +1,242 @@
+"""`simulate` and `bench`: run a policy over a trace and compare it with the baselines.
+
+A run's `SimReport` is what `dynaresized simulate --json` prints: plain numbers from a
+deterministic computation, so the same inputs give the same JSON bit for bit. Baselines that
+do not depend on the policy (best static split, colocated, oracle, lower bound) are computed
+once per (trace, profile) and shared by every policy `bench` runs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from dynaresized.core import facts as f
+from dynaresized.core.guards import GuardConfig
+from dynaresized.core.policy import load_policy
+from dynaresized.domain import Split
+from dynaresized.sim.bounds import lower_bound
+from dynaresized.sim.pipeline import (
+    DynamicPipeline,
+    DynamicRun,
+    Progress,
+    best_static,
+    colocated_total,
+    static_total,
+    static_windows,
+)
+from dynaresized.sim.profile import Profile
+from dynaresized.sim.stages import StageModel
+from dynaresized.sim.workload import DYNAMIC_SCENARIOS, Shape, Trace, scenario_trace
+
+
+class BestStatic(msgspec.Struct, frozen=True):
+    train: int
+    rollout: int
+    total_time_s: float
+
+
+class ResizeEvent(msgspec.Struct, frozen=True):
+    resize_id: str
+    step: int  # the last completed step when the resize started
+    started_at_s: float
+    before: str
+    after: str
+    reason: str
+    outcome: str  # committed | rolled_back | degraded | in_flight
+    ended_at_s: float | None = None
+
+
+class SimReport(msgspec.Struct, frozen=True):
+    """One simulated run. Times are seconds of virtual time."""
+
+    policy: str
+    workload: str
+    profile: str
+    cost_mode: str  # "pipelined" (DESIGN.md §5 costs) or "naive" (stop, fresh communicators, restart)
+    seed: int | None
+    gpus: int
+    steps: int
+    samples_per_step: float
+    initial_split: str
+    final_split: str
+    total_time_s: float
+    mean_step_s: float
+    resizes: int  # committed resizes
+    resizes_started: int
+    best_static: BestStatic
+    initial_split_total_time_s: float
+    colocated_total_time_s: float
+    oracle_total_time_s: float
+    """Best split chosen afresh for every step, resizes free and instant: what resizing could
+    buy at most (not a lower bound: the rollout still runs the simulator's placement)."""
+    lower_bound_s: float
+    speedup_vs_best_static: float
+    speedup_vs_initial_split: float
+    speedup_vs_colocated: float
+    gap_to_lower_bound: float
+    cooldown_steps: int
+    min_steps_between_resizes: int | None
+    rejections: dict[str, int]
+    resize_events: list[ResizeEvent]
+
+
+@dataclass(frozen=True)
+class Baselines:
+    """What a run is compared with; independent of the policy."""
+
+    best_split: Split
+    best_static_s: float
+    colocated_s: float
+    oracle_s: float
+    lower_bound_s: float
+
+
+@dataclass(frozen=True)
+class SimRun:
+    report: SimReport
+    run: DynamicRun
+    model: StageModel
+
+
+def baselines(model: StageModel) -> Baselines:
+    gpus = model.profile.cluster.gpus
+    split, best = best_static(model, gpus)
+    per_split = [static_windows(model, Split(t, gpus - t)) for t in range(1, gpus)
+                 if model.engines(gpus - t) >= 1]
+    oracle = float(np.stack(per_split).min(axis=0).sum())
+    return Baselines(
+        best_split=split,
+        best_static_s=best,
+        colocated_s=colocated_total(model, gpus),
+        oracle_s=oracle,
+        lower_bound_s=lower_bound(model, gpus).total_s,
+    )
+
+
+def _r(x: float, digits: int = 3) -> float:
+    return float(round(x, digits))
+
+
+def _resize_events(facts: Sequence[f.Fact]) -> list[ResizeEvent]:
+    events: dict[str, ResizeEvent] = {}
+    step = -1
+    for fact in facts:
+        if isinstance(fact, f.StepObserved):
+            step = fact.timing.step
+        elif isinstance(fact, f.ResizeStarted):
+            p = fact.plan
+            events[p.resize_id] = ResizeEvent(p.resize_id, step, _r(fact.at), str(p.before), str(p.after),
+                                              fact.reason, "in_flight")
+        elif isinstance(fact, (f.ResizeCommitted, f.ResizeRolledBack, f.Degraded)):
+            outcome = {f.ResizeCommitted: "committed", f.ResizeRolledBack: "rolled_back",
+                       f.Degraded: "degraded"}[type(fact)]
+            old = events[fact.resize_id]
+            events[fact.resize_id] = msgspec.structs.replace(old, outcome=outcome, ended_at_s=_r(fact.at))
+    return list(events.values())
+
+
+def guards_for(profile: Profile, overrides: Mapping[str, Any] | None = None) -> GuardConfig:
+    """The profile's guards with `overrides` applied; the rollout pool keeps one engine."""
+    data = msgspec.to_builtins(profile.guards)
+    data.update(overrides or {})
+    data["min_rollout"] = max(int(data.get("min_rollout", 1)), profile.rollout.gpus_per_engine)
+    try:
+        return msgspec.convert(data, GuardConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad guard setting: {exc}") from None
+
+
+def simulate(
+    trace: Trace,
+    profile: Profile,
+    policy: str,
+    *,
+    policy_options: Mapping[str, Any] | None = None,
+    guard_overrides: Mapping[str, Any] | None = None,
+    naive: bool = False,
+    seed: int | None = None,
+    model: StageModel | None = None,
+    base: Baselines | None = None,
+    progress: Progress | None = None,
+) -> SimRun:
+    """Run `policy` (an installed policy name) over `trace` on `profile` in dynamic mode."""
+    model = model if model is not None else StageModel(profile, trace)
+    base = base if base is not None else baselines(model)
+    guards = guards_for(profile, guard_overrides)
+    run = DynamicPipeline(model, load_policy(policy, policy_options), guards=guards, naive=naive,
+                          progress=progress).run()
+    events = _resize_events(run.facts)
+    starts = [e.step for e in events]
+    spacing = min((b - a for a, b in zip(starts, starts[1:], strict=False)), default=None)
+    rejections = Counter(x.guard for x in run.facts if isinstance(x, f.ProposalRejected))
+    gpus = profile.cluster.gpus
+    initial_s = static_total(model, profile.initial_split)
+    total = run.total_time_s
+    report = SimReport(
+        policy=policy,
+        workload=trace.name,
+        profile=profile.name,
+        cost_mode="naive" if naive else "pipelined",
+        seed=seed,
+        gpus=gpus,
+        steps=model.steps,
+        samples_per_step=_r(float(model.samples.mean()), 1),
+        initial_split=str(profile.initial_split),
+        final_split=str(run.final_split),
+        total_time_s=_r(total),
+        mean_step_s=_r(total / model.steps),
+        resizes=sum(e.outcome == "committed" for e in events),
+        resizes_started=len(events),
+        best_static=BestStatic(base.best_split.train, base.best_split.rollout, _r(base.best_static_s)),
+        initial_split_total_time_s=_r(initial_s),
+        colocated_total_time_s=_r(base.colocated_s),
+        oracle_total_time_s=_r(base.oracle_s),
+        lower_bound_s=_r(base.lower_bound_s),
+        speedup_vs_best_static=_r(base.best_static_s / total, 4),
+        speedup_vs_initial_split=_r(initial_s / total, 4),
+        speedup_vs_colocated=_r(base.colocated_s / total, 4),
+        gap_to_lower_bound=_r(total / base.lower_bound_s - 1.0, 4),
+        cooldown_steps=guards.cooldown_steps,
+        min_steps_between_resizes=spacing,
+        rejections=dict(sorted(rejections.items())),
+        resize_events=events,
+    )
+    return SimRun(report=report, run=run, model=model)
+
+
+def scenario_shape(profile: Profile) -> Shape:
+    w = profile.workload
+    return Shape(w.samples_per_step, w.samples_per_prompt, w.max_response_tokens, w.prompt_median_tokens)
+
+
+BENCH_POLICIES: tuple[str, ...] = ("static", "greedy", "hysteresis", "planner")
+
+
+def bench(
+    profile: Profile,
+    *,
+    scenarios: Sequence[str] = DYNAMIC_SCENARIOS,
+    policies: Sequence[str] = BENCH_POLICIES,
+    seed: int = 0,
+    steps: int | None = None,
+    naive: bool = False,
+    progress: Progress | None = None,
+) -> list[SimReport]:
+    """Every scenario x policy on `profile`; rows in scenario-major order."""
+    rows: list[SimReport] = []
+    total = len(scenarios) * len(policies)
+    for i, name in enumerate(scenarios):
+        trace = scenario_trace(name, scenario_shape(profile), seed=seed, steps=steps)
+        model = StageModel(profile, trace)
+        base = baselines(model)
+        for j, policy in enumerate(policies):
+            rows.append(simulate(trace, profile, policy, naive=naive, seed=seed, model=model, base=base).report)
+            if progress is not None:
+                progress(i * len(policies) + j + 1, total)
+    return rows

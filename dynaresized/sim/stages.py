@@ -1,0 +1,170 @@
+"""How long each stage of an RL step takes on a given number of devices: the cost model.
+
+`StageModel` turns a trace and a profile into seconds: the rollout of step k on n devices,
+the training of step k on n devices, weight sync, and the full-utilisation work the lower
+bound uses. Everything is a pure function of (trace, profile), cached per pool size, so the
+simulator, the best-static search, the lower bound and the daemon's simulated backend all
+see the same numbers.
+
+Rollout model (per engine, continuous batching, FCFS). Requests of a step are placed on
+engines the way verl's `AsyncLLMServerManager` does it, least-requests-first at submission,
+which for a batch submitted at once is round robin in trace order. An engine runs at most
+`B` requests at once, `B = min(max_num_seqs, kv_cache_tokens / mean context)`; one decode
+iteration advances every running request by one token and costs
+`base + per_seq * running + per_ctx * sum(running contexts)`. Because every running request
+advances at the same rate, the admission schedule in "tokens generated" time does not depend
+on the costs: it is a B-slot FIFO queue whose service times are the response lengths. Its
+makespan `tau` (in iterations) is all the engine needs, and the engine's busy time is exactly
+
+    base * tau + per_seq * sum(L) + per_ctx * sum(P*L + L*(L-1)/2) + prefill * sum(P)
+
+The first term is where the long tail hurts: when few requests remain, every iteration still
+pays `base` for a handful of tokens (memory-bound decode, an underused device).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from dynaresized.sim.profile import Profile
+from dynaresized.sim.workload import Trace
+
+
+def fifo_makespan(lengths: list[int], slots: int) -> int:
+    """Iterations until a `slots`-wide FIFO batch has generated every response in `lengths`."""
+    if len(lengths) <= slots:
+        return max(lengths, default=0)
+    heap = lengths[:slots]
+    heapq.heapify(heap)
+    for length in lengths[slots:]:
+        heapq.heapreplace(heap, heap[0] + length)
+    return max(heap)
+
+
+class StageModel:
+    """Stage times of one trace on one profile. Pool sizes are counted in devices."""
+
+    def __init__(self, profile: Profile, trace: Trace) -> None:
+        self.profile = profile
+        self.trace = trace
+        r = profile.rollout
+        self._gpe = r.gpus_per_engine
+        k = len(trace)
+        self.steps = k
+        self.samples = np.array([b.samples for b in trace], dtype=np.int64)
+        self.response_tokens = np.array([int(b.response_tokens.sum()) for b in trace], dtype=np.int64)
+        # Per step: sum L, sum P, sum of contexts over every generated token, batch limit.
+        self._sum_l = np.zeros(k)
+        self._sum_p = np.zeros(k)
+        self._ctx = np.zeros(k)
+        self.batch_limit = np.zeros(k, dtype=np.int64)
+        self.longest_request_s = np.zeros(k)
+        train_tokens = np.zeros(k)
+        attn = profile.training.attention_tokens
+        for i, b in enumerate(trace):
+            p = b.prompt_tokens.astype(np.float64)
+            length = b.response_tokens.astype(np.float64)
+            ctx = p * length + length * (length - 1.0) / 2.0
+            self._sum_l[i] = length.sum()
+            self._sum_p[i] = p.sum()
+            self._ctx[i] = ctx.sum()
+            mean_ctx = self._ctx[i] / max(self._sum_l[i], 1.0)
+            self.batch_limit[i] = max(1, min(r.max_num_seqs, int(r.kv_cache_tokens // max(mean_ctx, 1.0))))
+            # Alone on an engine, a request still pays the whole iteration cost for each token.
+            alone = (r.iter_base_s + r.iter_per_seq_s) * length + r.iter_per_ctx_token_s * ctx + r.prefill_per_token_s * p
+            self.longest_request_s[i] = float(alone.max())
+            seq = p + length
+            train_tokens[i] = (seq * (1.0 + seq / attn)).sum() if attn > 0 else seq.sum()
+        self.train_tokens = train_tokens
+        t = profile.training
+        self._train_s_per_token = 1.0 / t.update_tokens_per_s + 1.0 / t.logprob_tokens_per_s
+        self._rollout_cache: dict[int, np.ndarray] = {}
+        self._train_cache: dict[int, np.ndarray] = {}
+
+    # -- rollout ------------------------------------------------------------------------
+    def engines(self, devices: int) -> int:
+        return devices // self._gpe
+
+    def rollout_table(self, devices: int) -> np.ndarray:
+        """Rollout seconds of every step on `devices` devices (inf when no engine fits)."""
+        engines = self.engines(devices)
+        cached = self._rollout_cache.get(engines)
+        if cached is None:
+            if engines < 1:
+                cached = np.full(self.steps, math.inf)
+            else:
+                cached = np.array([self._rollout_step(i, engines) for i in range(self.steps)])
+            cached.setflags(write=False)
+            self._rollout_cache[engines] = cached
+        return cached
+
+    def rollout_seconds(self, step: int, devices: int) -> float:
+        return float(self.rollout_table(devices)[step])
+
+    def _rollout_step(self, i: int, engines: int) -> float:
+        r = self.profile.rollout
+        b = self.trace.steps[i]
+        length = b.response_tokens
+        n = length.shape[0]
+        rows = -(-n // engines)
+        pad = rows * engines - n
+
+        def per_engine(a: np.ndarray) -> np.ndarray:
+            # Round-robin placement: request j goes to engine j % engines (column j % engines).
+            return np.concatenate([a, np.zeros(pad, dtype=a.dtype)]).reshape(rows, engines)
+
+        lf = length.astype(np.float64)
+        pf = b.prompt_tokens.astype(np.float64)
+        sum_l = per_engine(lf).sum(axis=0)
+        sum_p = per_engine(pf).sum(axis=0)
+        ctx = per_engine(pf * lf + lf * (lf - 1.0) / 2.0).sum(axis=0)
+        slots = int(self.batch_limit[i])
+        if rows <= slots:
+            tau = per_engine(length).max(axis=0).astype(np.float64)
+        else:
+            as_list = length.tolist()
+            tau = np.array([fifo_makespan(as_list[e::engines], slots) for e in range(engines)], dtype=np.float64)
+        busy = (r.iter_base_s * tau + r.iter_per_seq_s * sum_l + r.iter_per_ctx_token_s * ctx
+                + r.prefill_per_token_s * sum_p)
+        return float(busy.max())
+
+    def rollout_work(self, step: int) -> float:
+        """Device-seconds of step `step`'s rollout at full utilisation: every iteration runs a
+        full batch (so `base` is shared by `batch_limit` requests) and no engine waits for
+        another. No placement on any number of engines needs less."""
+        r = self.profile.rollout
+        per_engine = (r.iter_base_s * self._sum_l[step] / self.batch_limit[step] + r.iter_per_seq_s * self._sum_l[step]
+                      + r.iter_per_ctx_token_s * self._ctx[step] + r.prefill_per_token_s * self._sum_p[step])
+        return float(per_engine * self._gpe)
+
+    # -- training -----------------------------------------------------------------------
+    def dp_efficiency(self, devices: int) -> float:
+        return self.profile.training.dp_efficiency_per_doubling ** math.log2(devices)
+
+    def train_table(self, devices: int) -> np.ndarray:
+        """Training seconds (old log-probs + update) of every step on `devices` devices."""
+        cached = self._train_cache.get(devices)
+        if cached is None:
+            if devices < 1:
+                cached = np.full(self.steps, math.inf)
+            else:
+                rate = devices * self.dp_efficiency(devices)
+                cached = self.train_tokens * self._train_s_per_token / rate + self.profile.training.step_overhead_s
+            cached.setflags(write=False)
+            self._train_cache[devices] = cached
+        return cached
+
+    def train_seconds(self, step: int, devices: int) -> float:
+        return float(self.train_table(devices)[step])
+
+    # -- the rest of a step -------------------------------------------------------------
+    @property
+    def weight_sync_s(self) -> float:
+        return self.profile.sync.weight_sync_s
+
+    @property
+    def colocated_switch_s(self) -> float:
+        return self.profile.sync.colocated_switch_s

@@ -1,0 +1,40 @@
+"""The README's main command, shortened: the real daemon, device processes over real ZeroMQ,
+and a resize that shows up in the daemon's own event log."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from dynaresized.core import facts as f
+from dynaresized.core.facts import decode_fact
+from dynaresized.store import open_recorder
+
+
+def test_demo_moves_devices_to_the_slow_stage_and_beats_the_static_split() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "dynaresized.cli", "demo", "--steps", "30", "--speedup", "20000", "--json", "--keep"],
+        capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    state = Path(summary["state_dir"])
+    try:
+        assert summary["steps"] == 30
+        assert summary["resizes"] >= 1 and summary["final_split"] == "4:4"
+        assert summary["speedup_vs_static_split"] > 1.2
+        assert "resize r1 started: 6:2 -> 4:4" in result.stderr  # shown live, with its reason
+        recorder = open_recorder(state / "events.sqlite", read_only=True)
+        facts = [decode_fact(e.data) for e in recorder.read_all()]
+        recorder.close()
+        registered = {x.worker.worker_id for x in facts if isinstance(x, f.WorkerRegistered)}
+        assert len(registered) == 16  # an engine and a trainer per device, each its own client
+        started = [x for x in facts if isinstance(x, f.ResizeStarted)]
+        assert started[0].source == "hysteresis" and "rollout is the slower stage" in started[0].reason
+        assert [type(x) for x in facts if isinstance(x, f.ResizeCommitted | f.ResizeRolledBack)][0] \
+            is f.ResizeCommitted
+        assert sum(isinstance(x, f.StepObserved) for x in facts) == 30
+    finally:
+        shutil.rmtree(state.parent, ignore_errors=True)
