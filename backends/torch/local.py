@@ -131,6 +131,8 @@ async def _serve(rank: Any, conn: multiprocessing.connection.Connection) -> None
             await reply("view", req, True, msgspec.to_builtins(rank.view))
         elif kind == "history":
             await reply("history", req, True, msgspec.to_builtins(rank.history))
+        elif kind == "switches":
+            await reply("switches", req, True, msgspec.to_builtins(rank.switches))
         elif kind == "stop_at":
             rank.request_stop(msg[2])
             await reply("stop_at", req, True, None)
@@ -211,6 +213,9 @@ class RankProcess:
 
     def history(self, timeout: float = 30) -> list[dict[str, Any]]:
         return self._request("history").result(timeout)
+
+    def switches(self, timeout: float = 30) -> list[dict[str, Any]]:
+        return self._request("switches").result(timeout)
 
     def stop_at(self, step: int, timeout: float = 30) -> None:
         self._request("stop_at", step).result(timeout)

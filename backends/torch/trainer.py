@@ -173,6 +173,21 @@ class StepRecord(msgspec.Struct, frozen=True):
     optimizer_sha: str = ""
 
 
+class SwitchRecord(msgspec.Struct, frozen=True):
+    """Where the time of one membership switch went, on one rank (the critical path of a resize)."""
+
+    epoch: int
+    members: Members
+    joiners: Members
+    role: str  # "member", "donor", "joiner" or "restore" (a lazy optimizer restore)
+    barrier_s: float
+    group_s: float
+    transfer_s: float
+    verify_s: float
+    bytes: int
+    group_built: bool  # False: a pre-warmed (cached) group was used
+
+
 class RankView(msgspec.Struct, frozen=True):
     state: RankState
     epoch: int
@@ -224,6 +239,7 @@ class TrainerRank:
         self.rank = config.rank
         self.on_step = on_step
         self.history: list[StepRecord] = []
+        self.switches: list[SwitchRecord] = []
         self.fatal: BaseException | None = None
         self._view = RankView(RankState.IDLE, -1, (), 0)
         self._intents: queue.Queue[_Intent] = queue.Queue()
@@ -513,6 +529,7 @@ class TrainerRank:
         self._barrier(members, f"e{epoch}", f"the switch to epoch {epoch} ({cid})", self.config.collective_timeout_s,
                       cid=cid)
         t1 = time.perf_counter()
+        builds = self.comms.stats.builds
         group = self.comms.group(members)
         t2 = time.perf_counter()
         donors = assign_donors(sources, joiners, self.config.node_of) if joiners else {}
@@ -522,11 +539,14 @@ class TrainerRank:
             if donor == self.rank:
                 sent += self._feed(group, joiner, epoch, members, with_optimizer=eager)
         t3 = time.perf_counter()
-        tensors = self.state.all_tensors() if eager else self.state.param_tensors()
-        self._verify(group, tensors, f"states after joining {self._fmt(joiners)}" if joiners else "states")
+        if joiners:  # a leave moves nothing: the remaining states were equal and still are
+            tensors = self.state.all_tensors() if eager else self.state.param_tensors()
+            self._verify(group, tensors, f"states after joining {self._fmt(joiners)}")
         self._confirm(members, epoch)
         t4 = time.perf_counter()
         self._adopt_epoch(members, epoch, joiners, sources, group)
+        self.switches.append(SwitchRecord(epoch, members, joiners, "donor" if sent else "member", t1 - t0, t2 - t1,
+                                          t3 - t2, t4 - t3, sent, self.comms.stats.builds > builds))
         report = (f"epoch {epoch}: {self._fmt(members)} from step {self.step}; barrier {1e3 * (t1 - t0):.1f} ms, "
                   f"group {1e3 * (t2 - t1):.1f} ms, transfer {1e3 * (t3 - t2):.1f} ms"
                   + (f" ({sent / 1e6:.1f} MB sent)" if sent else "") + f", verify {1e3 * (t4 - t3):.1f} ms")
@@ -610,6 +630,7 @@ class TrainerRank:
             self._barrier(members, f"e{epoch}", f"the join of epoch {epoch} ({change.cid})",
                           max(1.0, intent.deadline - time.time()), cid=change.cid)
             t2 = time.perf_counter()
+            builds = self.comms.stats.builds
             group = self.comms.group(members)
             t3 = time.perf_counter()
             donor = assign_donors(sources, joiners, self.config.node_of)[self.rank]
@@ -634,6 +655,9 @@ class TrainerRank:
         self.step = outline.step
         self._restoring = ()
         self._adopt_epoch(members, epoch, joiners, sources, group)
+        self.switches.append(SwitchRecord(epoch, members, joiners, "joiner", t2 - t1, t3 - t2, t4 - t3, t5 - t4,
+                                          outline.param_bytes + (outline.optimizer_bytes if outline.with_optimizer
+                                                                 else 0), self.comms.stats.builds > builds))
         self._joined_at_boundary = True
         self.cursor = max(self.cursor, self._index_of(change.cid))
         opt_mb = outline.optimizer_bytes / 1e6
@@ -690,7 +714,11 @@ class TrainerRank:
                 moved += send_tensors(self.group, joiner, self.state.optimizer_tensors(), _TAG_OPTIMIZER, staging)
             elif joiner == self.rank:
                 moved += recv_tensors(self.group, donor, self.state.optimizer_tensors(), _TAG_OPTIMIZER, staging)
+        t1 = time.perf_counter()
         self._verify(self.group, self.state.optimizer_tensors(), "optimizer states after the lazy restore")
+        if moved:
+            self.switches.append(SwitchRecord(self.epoch, self.members, tuple(j for j, _ in restoring), "restore",
+                                              0.0, 0.0, t1 - t0, time.perf_counter() - t1, moved, False))
         if any(j == self.rank for j, _ in restoring):
             self._restore_note = (f"optimizer state ({moved / 1e6:.1f} MB) restored lazily at step {self.step} "
                                   f"in {1e3 * (time.perf_counter() - t0):.1f} ms, verified")
