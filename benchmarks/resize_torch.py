@@ -248,6 +248,8 @@ def transfer_worker(rank: int, address: StoreAddress, opts: dict[str, Any], out:
     device = _device(opts["device"], rank)
     store = connect_store(address)
     reg = Registry(store, address.prefix)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
     comms = Communicators(store, address.prefix, rank, backend=opts["backend"], timeout_s=300,
                           device=torch.device(device))
     group = comms.group((0, 1))
@@ -257,7 +259,12 @@ def transfer_worker(rank: int, address: StoreAddress, opts: dict[str, Any], out:
         state = trained_state(size * 1e6, device)
         tensors = state.all_tensors()
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        paths = ["staged"] if device.startswith("cuda") and opts["backend"] == "gloo" else ["direct", "staged"]
+        if opts["backend"] == "nccl":
+            paths = ["direct"]  # device to device; NCCL cannot send the host staging buffer
+        elif device.startswith("cuda"):
+            paths = ["staged"]  # gloo moves host memory: GPU tensors go through pinned staging
+        else:
+            paths = ["direct", "staged"]
         for path, i in itertools.product(paths, range(opts["transfer_repeats"])):
             sync(reg, f"t{size}{path}{i}", rank, (0, 1))
             t0 = time.perf_counter()

@@ -192,7 +192,12 @@ class Communicators:
         for members in wanted:
             if members in self._groups:
                 continue
-            self._groups[members] = self._build(members, self.generation(members))
+            group = self._build(members, self.generation(members))
+            if self.backend == "nccl":
+                # NCCL creates its communicator at the first collective: do it now, off the
+                # critical path (every member pre-warms in the same order, so this matches).
+                group.all_reduce(torch.zeros(1, device=self.device))
+            self._groups[members] = group
             built += 1
         self.stats.prewarmed += built
         self.stats.prewarm_s += time.perf_counter() - started

@@ -82,6 +82,37 @@ class Recovery(msgspec.Struct, frozen=True):
 _enc = msgspec.msgpack.Encoder()
 
 
+def reachable_memberships(devices: tuple[str, ...], initial: tuple[str, ...],
+                          train_sizes: tuple[int, ...]) -> tuple[tuple[str, ...], ...]:
+    """Every training membership the daemon can reach from `initial` by resizing between
+    `train_sizes`: the groups worth pre-warming. It follows the core's choice of devices
+    (`plan_resize`: the highest device ids of the source pool move first, in string order),
+    so a switch finds its group cached; a membership left out is built on demand."""
+    unknown = set(initial) - set(devices)
+    if unknown:
+        raise ValueError(f"initial names devices not in devices: {sorted(unknown)}")
+    sizes = sorted({k for k in train_sizes if 1 <= k <= len(devices)} | {len(initial)})
+    start = frozenset(initial)
+    seen = {start}
+    todo = [start]
+    while todo:
+        training = todo.pop()
+        rollout = sorted(set(devices) - training, reverse=True)
+        for k in sizes:
+            if k > len(training):
+                nxt = training | set(rollout[: k - len(training)])
+            elif k < len(training):
+                nxt = training - set(sorted(training, reverse=True)[: len(training) - k])
+            else:
+                continue
+            frozen = frozenset(nxt)
+            if frozen not in seen:
+                seen.add(frozen)
+                todo.append(frozen)
+    order = {d: i for i, d in enumerate(devices)}
+    return tuple(sorted((tuple(sorted(m, key=order.__getitem__)) for m in seen), key=lambda m: (len(m), m)))
+
+
 class Registry:
     """Reads and writes the records above. One instance per store connection (per thread)."""
 

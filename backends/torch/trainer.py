@@ -105,7 +105,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     restore: RestoreMode = RestoreMode.LAZY
     transfer: TransferPath = TransferPath.AUTO
     backend: str = "gloo"
-    torch_device: str = "cpu"
+    torch_device: str = "cpu"  # "cpu", "cuda:N", or "cuda": GPU (rank mod GPU count)
     staging_bytes: int = 64 << 20
     collective_timeout_s: float = 30.0
     peer_timeout_s: float = 3.0
@@ -144,6 +144,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             problems.append("peer_timeout_s must be at least 3 heartbeat intervals")
         if self.staging_bytes < 1:
             problems.append("staging_bytes must be positive")
+        if self.backend == "nccl" and self.transfer is TransferPath.STAGED:
+            problems.append("transfer='staged' sends host buffers, which NCCL cannot; use 'direct' or 'auto'")
+        if self.backend == "nccl" and not self.torch_device.startswith("cuda"):
+            problems.append(f"backend 'nccl' needs torch_device 'cuda' or 'cuda:N', not {self.torch_device!r}")
         if problems:
             raise ValueError("bad trainer config: " + "; ".join(problems))
 
@@ -265,7 +269,12 @@ class TrainerRank:
         for initial members, establish epoch 0 with identical states."""
         started = time.perf_counter()
         cfg = self.config
-        self.device = torch.device(cfg.torch_device)
+        if cfg.torch_device == "cuda":
+            self.device = torch.device("cuda", self.rank % max(torch.cuda.device_count(), 1))
+        else:
+            self.device = torch.device(cfg.torch_device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         torch.set_num_threads(1)  # deterministic kernels, and ranks share the cores
         store = connect_store(self.address, cfg.start_timeout_s)
         self.store = store

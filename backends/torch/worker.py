@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from dynaresized.backends.torch.membership import reachable_memberships
 from dynaresized.backends.torch.store import StoreAddress
 from dynaresized.backends.torch.trainer import (
     RestoreMode,
@@ -72,8 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--initial", type=int, required=True, help="how many devices (the first ones) train from step 0")
     p.add_argument("--device", help="this process's device (default: devices[$RANK])")
     p.add_argument("--worker-id", help="default: trainer<rank>")
-    p.add_argument("--candidates", default="prefixes",
-                   help="'prefixes' (the first k devices, k >= initial) or ';'-separated comma lists")
+    p.add_argument("--candidates", default="daemon",
+                   help="groups to pre-warm: 'daemon' (every membership the daemon's device choice reaches "
+                        "with --train-sizes), 'prefixes' (the first k devices), or ';'-separated comma lists")
+    p.add_argument("--train-sizes", default="",
+                   help="comma list of training-pool sizes the daemon may choose (its candidate splits); "
+                        "default: every size from 1 to the number of devices")
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--restore", choices=[m.value for m in RestoreMode], default="lazy")
@@ -106,7 +111,10 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
         raise ValueError("pass --device, or run under torchrun (which sets RANK)")
     if not 1 <= args.initial <= len(devices):
         raise ValueError(f"--initial must be between 1 and {len(devices)}")
-    if args.candidates == "prefixes":
+    if args.candidates == "daemon":
+        sizes = tuple(int(k) for k in args.train_sizes.split(",") if k) or tuple(range(1, len(devices) + 1))
+        candidates = reachable_memberships(devices, devices[: args.initial], sizes)
+    elif args.candidates == "prefixes":
         candidates = tuple(devices[:k] for k in range(args.initial, len(devices) + 1))
     else:
         candidates = tuple(tuple(x for x in group.split(",") if x) for group in args.candidates.split(";") if group)
@@ -141,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = TrainerRank(config, load_job(args.job, options), store)
     started = time.perf_counter()
     report = rank.prepare()
-    log.info("trainer ready", **report, seconds=time.perf_counter() - started,
-             config=msgspec.to_builtins(config))
+    log.info("trainer ready", **report, seconds=round(time.perf_counter() - started, 3))
+    log.debug("trainer config", config=msgspec.to_builtins(config))
     try:
         asyncio.run(attach(rank, args.daemon, args.worker_id or f"trainer{config.rank}",
                            rollout_work_s=args.rollout_work_s))

@@ -103,4 +103,7 @@ def test_worker_arguments_are_checked():
         worker.config_from_args(args, environ={"RANK": "1"})
     ok = worker.parse_args(["--daemon", "tcp://x:1", "--devices", "a,b,c", "--initial", "1"])
     config = worker.config_from_args(ok, environ={"RANK": "2"})
-    assert config.device == "c" and config.candidates == (("a",), ("a", "b"), ("a", "b", "c"))
+    assert config.device == "c" and config.candidates == (("a",), ("a", "b"), ("a", "c"), ("a", "b", "c"))
+    prefixes = worker.parse_args(["--daemon", "tcp://x:1", "--devices", "a,b,c", "--initial", "1", "--candidates",
+                                  "prefixes"])
+    assert worker.config_from_args(prefixes, environ={"RANK": "0"}).candidates == (("a",), ("a", "b"), ("a", "b", "c"))

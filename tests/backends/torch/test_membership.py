@@ -151,3 +151,30 @@ def test_store_addresses():
     assert StoreAddress.from_env(env) == StoreAddress("h", 7, "dr-elastic")
     with pytest.raises(ValueError, match="MASTER_ADDR/MASTER_PORT"):
         StoreAddress.from_env({"TORCHELASTIC_USE_AGENT_STORE": "true"})
+
+
+def test_reachable_memberships_follow_the_cores_choice_of_devices():
+    """Drive the real core through random resizes between candidate splits: every training
+    pool it produces is one the trainers pre-warmed a group for."""
+    import random
+
+    from dynaresized.backends.torch.membership import reachable_memberships
+    from dynaresized.core.state import Phase
+
+    from ...core.cluster import boot, device, make_core
+
+    n, start, sizes = 12, 4, (2, 4, 6, 9)  # 12 devices: string order puts gpu10 before gpu2
+    devices = tuple(device(i) for i in range(n))
+    pre_warmed = {frozenset(m) for m in reachable_memberships(devices, devices[:start], sizes)}
+    driver = boot(make_core(), train=start, rollout=n - start)
+    rng = random.Random(5)
+    seen = set()
+    for _ in range(30):
+        k = rng.choice([s for s in sizes if s != driver.state.split.train])
+        driver.force(train=k, rollout=n - k)
+        driver.finish()
+        assert driver.state.phase is Phase.STEADY
+        training = frozenset(d for d, p in driver.state.devices.items() if p.pool is not None and p.pool.value == "training")
+        assert training in pre_warmed, sorted(training)
+        seen.add(training)
+    assert len(seen) > 3
