@@ -1,0 +1,59 @@
+"""A trainer SIGKILLed in the middle of a join: the join fails with an error naming it (what the
+worker client reports to the daemon), the survivors rebuild their group and keep training, and
+the resize can be retried on the survivors."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch", reason="the torch backend tests need the torch extra (pip install -e '.[torch]')")
+
+from dynaresized.backends.torch.membership import ChangeStatus, Registry  # noqa: E402
+from dynaresized.backends.torch.store import connect_store  # noqa: E402
+from dynaresized.domain import OpKind  # noqa: E402
+
+from .cluster import DEVICES, assert_lockstep, finish, start, trainer_config, wait_for  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+D0, D1, D2, D3 = DEVICES
+
+
+def test_member_killed_during_a_join_fails_the_op_and_survivors_continue():
+    # Slow steps, so the joiner waits for a step boundary while the victim is killed.
+    config = trainer_config(initial=DEVICES[:3], candidates=(DEVICES[:3], DEVICES), step_delay_s=0.3,
+                            peer_timeout_s=1.0)
+    job = start(config, op_timeout_s=60.0)
+    try:
+        registry = Registry(connect_store(job.host.address), job.host.address.prefix)
+        join = job.command(OpKind.JOIN, (D3,), training=DEVICES, resize_id="r-killed")
+        pending = job.ranks[D3].op(join)
+        wait_for(lambda: registry.state("r-killed/join") is not None, what="the join request in the store")
+        job.ranks[D1].kill()
+
+        ok, detail = pending.result(120)
+        assert not ok
+        assert "node0:cpu1" in detail, detail  # the error names the dead member
+        final = registry.state("r-killed/join")
+        assert final is not None and final.status in (ChangeStatus.FAILED, ChangeStatus.REJECTED)
+
+        # the daemon rolls back: EVICT to the joiner, which is not a member
+        ok, detail = job.ranks[D3].op(job.command(OpKind.EVICT, (D3,), training=(D0, D1, D2), resize_id="r-killed")).result(60)
+        assert ok, detail
+
+        # the survivors train on, as a group of two (a group built after the failure)
+        wait_for(lambda: job.ranks[D0].view()["members"] == (0, 2) and job.ranks[D0].view()["state"] == "training",
+                 what="the survivors' group")
+        job.training = (D0, D2)
+        step = job.ranks[D0].view()["step"]
+        wait_for(lambda: job.ranks[D2].view()["step"] >= step + 2, what="two steps on the survivors")
+
+        # and the resize can be retried with the survivors: 0, 2 and the joiner
+        retry = job.grow(D3)
+        assert retry.ok, retry.failures()
+        histories = finish(job)
+    finally:
+        job.close()
+
+    memberships = assert_lockstep(histories)  # the dead rank's records are gone with it
+    assert memberships[-2:] == [(0, 2), (0, 2, 3)]
