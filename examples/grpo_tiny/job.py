@@ -1,0 +1,144 @@
+"""The GRPO training job the torch trainer ranks run, and the step files that feed it.
+
+The driver writes each rollout step's samples (with their group-relative advantages) to
+`<work>/samples/step-<k>.msgpack` with an atomic rename; the trainer ranks' `TrainingJob`
+reads step k's file when it trains step k. A step has a FIXED number of micro-batches
+(`TrainerConfig.micro_batches`), each a fixed slice of the step's samples, so the global
+batch never changes when the data-parallel group grows or shrinks: the group only changes
+which rank computes which slice.
+
+Loss (GRPO without the KL term, one update per batch): for sample i with response tokens
+y_1..y_T and advantage A_i = (r_i - mean(r_group)) / (std(r_group) + eps),
+loss_i = -A_i * sum_t log pi(y_t | prompt, y_<t) / max_tokens_i. One step off-policy: the
+samples of step k come from policy version k-1 (DESIGN.md), and with one update per batch
+the ratio to the behaviour policy is not clipped (a single stale step; see docs/e2e.md).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import torch
+from torch import nn
+
+from dynaresized.backends.vllm.tiny_model import PAD_ID
+
+
+class TrainSample(msgspec.Struct, frozen=True):
+    sample_id: str
+    prompt: tuple[int, ...]
+    response: tuple[int, ...]
+    max_tokens: int
+    reward: float
+    advantage: float
+    policy_version: int
+
+
+class StepSamples(msgspec.Struct, frozen=True):
+    step: int
+    policy_version: int
+    samples: tuple[TrainSample, ...]
+
+
+def advantages(rewards: Sequence[float], group: int, eps: float = 1e-4) -> list[float]:
+    """Group-relative advantages: samples [g*group, (g+1)*group) answer the same prompt."""
+    if group < 1 or len(rewards) % group:
+        raise ValueError(f"{len(rewards)} rewards do not split into groups of {group}")
+    out: list[float] = []
+    for g in range(0, len(rewards), group):
+        chunk = list(rewards[g:g + group])
+        mean = statistics.fmean(chunk)
+        std = statistics.pstdev(chunk)
+        out.extend((r - mean) / (std + eps) for r in chunk)
+    return out
+
+
+def step_path(samples_dir: str | Path, step: int) -> Path:
+    return Path(samples_dir) / f"step-{step:05d}.msgpack"
+
+
+def write_step(samples_dir: str | Path, batch: StepSamples) -> Path:
+    """Atomically publish a step's samples (write to a hidden file, fsync, rename)."""
+    path = step_path(samples_dir, batch.step)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(msgspec.msgpack.encode(batch))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def micro_batch_slice(total: int, micro_batches: int, index: int) -> range:
+    if total % micro_batches:
+        raise ValueError(f"{total} samples per step do not split into {micro_batches} equal micro-batches")
+    size = total // micro_batches
+    return range(index * size, (index + 1) * size)
+
+
+def grpo_loss(model: nn.Module, samples: Sequence[TrainSample]) -> torch.Tensor:
+    """Mean over `samples` of -A * sum log pi(response) / max_tokens (right-padded batch)."""
+    rows = [list(s.prompt) + list(s.response) for s in samples]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    take = torch.zeros_like(logp)
+    for i, s in enumerate(samples):  # position j predicts token j+1: the response's tokens only
+        start = len(s.prompt) - 1
+        take[i, start:start + len(s.response)] = 1.0
+    per_sample = (logp * take).sum(dim=1)
+    adv = torch.tensor([s.advantage for s in samples], dtype=per_sample.dtype)
+    norm = torch.tensor([float(s.max_tokens) for s in samples], dtype=per_sample.dtype)
+    return -(adv * per_sample / norm).mean()
+
+
+class GRPOJob:
+    """`TrainingJob` for the trainer ranks: model from the warm-started checkpoint, Adam, and
+    the loss of micro-batch j of step k read from the driver's step file (waits for it)."""
+
+    def __init__(self, model_dir: str, samples_dir: str, micro_batches: int, lr: float = 2e-3,
+                 wait_timeout_s: float = 900.0) -> None:
+        self.model_dir = model_dir
+        self.samples_dir = samples_dir
+        self.micro_batches = micro_batches
+        self.lr = lr
+        self.wait_timeout_s = wait_timeout_s
+        self._cache: dict[int, StepSamples] = {}
+
+    def build_model(self) -> nn.Module:
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(0)
+        return LlamaForCausalLM.from_pretrained(self.model_dir, torch_dtype=torch.float32)
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        # foreach=False: the same per-tensor kernels on every rank (deterministic mode)
+        return torch.optim.Adam(model.parameters(), lr=self.lr, foreach=False)
+
+    def samples(self, step: int) -> StepSamples:
+        if step not in self._cache:
+            path = step_path(self.samples_dir, step)
+            deadline = time.monotonic() + self.wait_timeout_s
+            while not path.exists():  # the driver is still generating this step
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no samples for step {step} at {path} after {self.wait_timeout_s}s")
+                time.sleep(0.02)
+            self._cache = {step: msgspec.msgpack.decode(path.read_bytes(), type=StepSamples)}
+        return self._cache[step]
+
+    def micro_batch_ids(self, step: int, micro_batch: int) -> list[str]:
+        batch = self.samples(step)
+        return [batch.samples[i].sample_id for i in micro_batch_slice(len(batch.samples), self.micro_batches,
+                                                                       micro_batch)]
+
+    def micro_batch_loss(self, model: nn.Module, step: int, micro_batch: int) -> torch.Tensor:
+        batch = self.samples(step)
+        part = [batch.samples[i] for i in micro_batch_slice(len(batch.samples), self.micro_batches, micro_batch)]
+        return grpo_loss(model, part)

@@ -1,0 +1,120 @@
+"""The toy task, its programmatic reward, the tiny policy and its supervised warm start.
+
+Task: copy a digit string. The prompt is `<s> d1 .. dn SEP`; the right answer is `d1 .. dn </s>`.
+The reward checks the answer position by position (partial credit): matching digits divided
+by max(n, digits produced), so both wrong digits and extra or missing ones cost. Nothing
+about the reward is learned or estimated: it is a pure function of the prompt and response.
+
+The policy is the vLLM backend's tiny Llama (`build_tiny_model`) with a 32-token vocabulary.
+Its warm start is a short supervised phase on a *different* distribution: copies of strings
+of 1 to `sft_max_len` digits only. RL then trains on longer strings (a curriculum that grows
+their length over the run), which the warm start does not solve: the reward on them improves
+only through RL.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import msgspec
+
+from dynaresized.backends.vllm.tiny_model import BOS_ID, EOS_ID, PAD_ID, TinyModelSpec
+
+DIGIT0 = 4  # token id of digit 0; digits are 4..13
+SEP = 14
+VOCAB = 32
+SPEC = TinyModelSpec(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                     initializer_range=0.02, seed=0)
+
+
+class Curriculum(msgspec.Struct, frozen=True):
+    """String lengths over the run: step s draws n uniformly from [min_len, max_len(s)], where
+    max_len grows linearly from `start_max` to `end_max`. Responses get longer as it goes."""
+
+    min_len: int = 2
+    start_max: int = 4
+    end_max: int = 6
+    steps: int = 30
+
+    def max_len(self, step: int) -> int:
+        frac = min(step / max(self.steps - 1, 1), 1.0)
+        return round(self.start_max + frac * (self.end_max - self.start_max))
+
+
+def digits_of(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10) for _ in range(n)]
+
+
+def prompt_ids(digits: list[int]) -> tuple[int, ...]:
+    return (BOS_ID, *(DIGIT0 + d for d in digits), SEP)
+
+
+def digits_from_prompt(prompt: tuple[int, ...] | list[int]) -> list[int]:
+    if len(prompt) < 3 or prompt[0] != BOS_ID or prompt[-1] != SEP:
+        raise ValueError(f"not a task prompt: {list(prompt)}")
+    return [t - DIGIT0 for t in prompt[1:-1]]
+
+
+def reward(prompt: tuple[int, ...] | list[int], response: tuple[int, ...] | list[int]) -> float:
+    """Partial credit: digits in the right place / max(n, digits produced before </s>)."""
+    target = digits_from_prompt(prompt)
+    out = list(response)
+    if EOS_ID in out:
+        out = out[: out.index(EOS_ID)]
+    produced = [t - DIGIT0 if DIGIT0 <= t < DIGIT0 + 10 else -1 for t in out]
+    hits = sum(1 for a, b in zip(produced, target, strict=False) if a == b)
+    return hits / max(len(target), len(produced))
+
+
+def prompts_for_step(seed: int, step: int, count: int, curriculum: Curriculum) -> list[tuple[int, ...]]:
+    rng = random.Random(seed * 1_000_003 + step)
+    top = curriculum.max_len(step)
+    return [prompt_ids(digits_of(rng, rng.randint(curriculum.min_len, top))) for _ in range(count)]
+
+
+def eval_prompts(seed: int, count: int, min_len: int, max_len: int) -> list[tuple[int, ...]]:
+    rng = random.Random(seed + 7_777)
+    return [prompt_ids(digits_of(rng, rng.randint(min_len, max_len))) for _ in range(count)]
+
+
+def build_policy(directory: str | Path, *, sft_steps: int = 300, sft_max_len: int = 3, seed: int = 0) -> Path:
+    """Build the tiny Llama in `directory`, warm-start it on short copies, save it there."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from dynaresized.backends.vllm.tiny_model import build_tiny_model
+
+    out = build_tiny_model(directory, SPEC)
+    if sft_steps <= 0:
+        return out
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    rng = random.Random(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(sft_steps):
+            rows = []
+            for _ in range(32):
+                d = digits_of(rng, rng.randint(1, sft_max_len))
+                rows.append(list(prompt_ids(d)) + [DIGIT0 + x for x in d] + [EOS_ID])
+            width = max(len(r) for r in rows)
+            ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows])
+            mask = (ids != PAD_ID).long()
+            labels = ids.clone()
+            for i, r in enumerate(rows):  # learn only the answer: prompt and padding are masked
+                n = (len(r) - 3) // 2
+                labels[i, : n + 2] = -100
+                labels[i, len(r):] = -100
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

@@ -1,0 +1,115 @@
+"""One trainer rank of the GRPO example: a `TrainerRank` on one device, attached to the daemon.
+
+    python -m examples.grpo_tiny.trainer --work DIR --daemon tcp://127.0.0.1:5555 \\
+        --store 127.0.0.1:29500 --devices node0:cpu0,node0:cpu1,node0:cpu2 --initial 1 \\
+        --device node0:cpu1 --steps 30 --micro-batches 4 [--deterministic]
+
+Every device of the job has one such process for the whole run. While its device is in the
+rollout pool the rank is parked (idle, its state kept); the daemon's ops (join/restore/commit,
+drain/release) move it in and out of the data-parallel group at step boundaries.
+
+After each optimizer step every rank appends what it trained (step, micro-batches, sample
+ids) to `DIR/trained/rank<r>.jsonl` (the trained-once half of the ledger), and the group's
+leader publishes the new policy version to the `WeightStore` at `DIR/weights` (atomic rename;
+the engines reload it at the next step boundary) and writes `DIR/trained/step-<k>.json`
+(seconds, members, loss, parameter digest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import structlog
+
+from dynaresized.backends.torch.membership import reachable_memberships
+from dynaresized.backends.torch.store import StoreAddress
+from dynaresized.backends.torch.trainer import StepRecord, TrainerConfig, TrainerRank
+from dynaresized.backends.vllm.weights import WeightStore
+from dynaresized.client import WorkerClient
+from dynaresized.domain import WorkerKind
+from examples.grpo_tiny.job import GRPOJob
+
+log = structlog.get_logger("examples.grpo_tiny.trainer")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", required=True, help="the run's work directory (model, samples, weights)")
+    p.add_argument("--daemon", required=True)
+    p.add_argument("--store", required=True, help="host:port of the job's torch store host")
+    p.add_argument("--devices", required=True)
+    p.add_argument("--initial", type=int, required=True)
+    p.add_argument("--device", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--collective-timeout", type=float, default=600.0)
+    return p.parse_args(argv)
+
+
+def write_json(path: Path, data: object) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    work = Path(args.work)
+    devices = tuple(d for d in args.devices.split(",") if d)
+    config = TrainerConfig(
+        devices=devices, device=args.device, initial=devices[: args.initial],
+        candidates=reachable_memberships(devices, devices[: args.initial], tuple(range(1, len(devices) + 1))),
+        micro_batches=args.micro_batches, deterministic=args.deterministic, steps_total=args.steps,
+        record_digests=args.deterministic, collective_timeout_s=args.collective_timeout, peer_timeout_s=5.0)
+    job = GRPOJob(str(work / "model"), str(work / "samples"), args.micro_batches, lr=args.lr)
+    rank = TrainerRank(config, job, StoreAddress.parse(args.store))
+    weights = WeightStore(work / "weights")
+    trained = work / "trained"
+    trained.mkdir(exist_ok=True)
+    ledger = (trained / f"rank{config.rank}.jsonl").open("a")
+
+    def on_step(record: StepRecord) -> None:
+        step = record.step - 1  # the step whose samples were just trained on
+        ids = [sid for mb in record.micro_batches for sid in job.micro_batch_ids(step, mb)]
+        ledger.write(json.dumps({"step": step, "rank": config.rank, "micro_batches": list(record.micro_batches),
+                                 "sample_ids": ids}) + "\n")
+        ledger.flush()
+        if record.members[0] != config.rank:
+            return
+        model = rank.state.model
+        weights.publish(record.step, {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
+        write_json(trained / f"step-{step:05d}.json",
+                   {"step": step, "version": record.step, "seconds": record.seconds,
+                    "members": [devices[m] for m in record.members], "loss": record.loss,
+                    "params_sha": record.params_sha})
+
+    rank.on_step = on_step
+    rank.prepare()
+
+    async def serve() -> None:
+        client = WorkerClient(args.daemon, f"trainer{config.rank}", WorkerKind.TRAINER_RANK, (args.device,))
+        client.on_all(rank.handlers())  # type: ignore[arg-type]
+        await client.start()
+        rank.start()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, rank.wait)
+        finally:
+            await client.close(reason="training ended")
+
+    try:
+        asyncio.run(serve())
+    finally:
+        rank.close()
+        ledger.close()
+    return 0 if rank.fatal is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
