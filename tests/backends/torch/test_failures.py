@@ -20,8 +20,8 @@ D0, D1, D2, D3 = DEVICES
 
 
 def test_member_killed_during_a_join_fails_the_op_and_survivors_continue():
-    # Slow steps, so the joiner waits for a step boundary while the victim is killed.
-    config = trainer_config(initial=DEVICES[:3], candidates=(DEVICES[:3], DEVICES), step_delay_s=0.3,
+    # Slow steps (1 s), so the joiner is still waiting for a step boundary when the victim dies.
+    config = trainer_config(initial=DEVICES[:3], candidates=(DEVICES[:3], DEVICES), step_delay_s=1.0,
                             peer_timeout_s=1.0)
     job = start(config, op_timeout_s=60.0)
     try:
