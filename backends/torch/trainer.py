@@ -126,7 +126,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             problems.append(f"device {self.device!r} is not one of devices {list(self.devices)}")
         if not self.initial:
             problems.append("initial is empty: at least one device must train from step 0")
-        for name, devs in [("initial", self.initial), *((f"candidates[{i}]", c) for i, c in enumerate(self.candidates))]:
+        named = [("initial", self.initial), *((f"candidates[{i}]", c) for i, c in enumerate(self.candidates))]
+        for name, devs in named:
             unknown = [d for d in devs if d not in self.devices]
             if unknown:
                 problems.append(f"{name} names unknown devices {unknown}")
@@ -332,6 +333,8 @@ class TrainerRank:
 
     def close(self) -> None:
         self._closing.set()
+        if not hasattr(self, "heartbeat"):  # never prepared
+            return
         if self._thread is not None:
             self._thread.join(timeout=self.config.collective_timeout_s + 5)
         self.heartbeat.stop()
@@ -340,8 +343,10 @@ class TrainerRank:
             self.state.released.unlink(missing_ok=True)
 
     def request_stop(self, step: int) -> None:
-        """Every member stops after finishing `step` steps (the leader broadcasts it)."""
-        self.registry.request_stop(step)
+        """Every member stops after finishing `step` steps (the leader broadcasts it).
+        Callable from any thread: it uses the handlers' store connection, not the loop's."""
+        with self._handler_lock:
+            self._handler_registry.request_stop(step)
 
     @property
     def view(self) -> RankView:
@@ -484,11 +489,18 @@ class TrainerRank:
         change = self.registry.change(cid)
         st = self.registry.state(cid)
         self.cursor = index
-        if st is None or st.status is not ChangeStatus.APPLYING:
-            raise RuntimeError(f"change {cid} was broadcast for applying but is {st}")
+        # The others may already have finished (DONE) or failed (FAILED) it: a leaver does
+        # not meet them, and a failure is settled by whoever sees it first.
+        if st is None or st.epoch < 0:
+            raise RuntimeError(f"change {cid} was broadcast for applying but its state is {st}")
         before = self.members
-        if self.rank not in st.members:
+        if self.rank in change.remove:
             self._leave(change, st)
+            return
+        if st.status is ChangeStatus.FAILED:
+            self._recover(RuntimeError(f"{cid} failed: {st.detail}"),
+                          Topology(epoch=self.epoch, members=tuple(r for r in before if r in st.members),
+                                   step=self.step))
             return
         joiners = tuple(r for r in st.members if r not in before)
         sources = tuple(r for r in before if r in st.members)

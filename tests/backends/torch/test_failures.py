@@ -38,7 +38,8 @@ def test_member_killed_during_a_join_fails_the_op_and_survivors_continue():
         assert final is not None and final.status in (ChangeStatus.FAILED, ChangeStatus.REJECTED)
 
         # the daemon rolls back: EVICT to the joiner, which is not a member
-        ok, detail = job.ranks[D3].op(job.command(OpKind.EVICT, (D3,), training=(D0, D1, D2), resize_id="r-killed")).result(60)
+        evict = job.command(OpKind.EVICT, (D3,), training=(D0, D1, D2), resize_id="r-killed")
+        ok, detail = job.ranks[D3].op(evict).result(60)
         assert ok, detail
 
         # the survivors train on, as a group of two (a group built after the failure)
