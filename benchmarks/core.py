@@ -140,14 +140,14 @@ def bench_step(events: list[ev.Event], expected: ClusterState, profile: bool) ->
     state = ClusterState()
     facts = commands = 0
     step = core.step
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for e in events:
         state, fs, cs = step(state, e)
         facts += len(fs)
         commands += len(cs)
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     if state.durable() != expected.durable():
-        raise AssertionError("the timed pass did not reach the state of the generating pass: the core is not deterministic")
+        raise AssertionError("the timed pass did not reach the generating pass's state: the core is not deterministic")
 
     # Per event type, one more pass timing each call (adds timer overhead to every number).
     state = ClusterState()
@@ -163,7 +163,9 @@ def bench_step(events: list[ev.Event], expected: ClusterState, profile: bool) ->
     result: dict[str, object] = {
         "events": len(events),
         "seconds": round(elapsed, 3),
+        "cpu_seconds": round(cpu, 3),
         "events_per_s": round(len(events) / elapsed),
+        "events_per_cpu_s": round(len(events) / cpu) if cpu > 0 else None,
         "target_events_per_s": STEP_TARGET_EVENTS_PER_S,
         "facts": facts,
         "commands": commands,
@@ -228,7 +230,9 @@ def bench_append(directory: str, per_step_appends: int) -> dict[str, object]:
     }
 
 
-def build_log(path: str, facts_wanted: int, snapshot_every: int | None, batch: int) -> tuple[ClusterState, dict[str, object]]:
+def build_log(
+    path: str, facts_wanted: int, snapshot_every: int | None, batch: int
+) -> tuple[ClusterState, dict[str, object]]:
     """A log of `facts_wanted` facts from the heartbeat-free workload, appended in batches of
     about `batch`, with snapshots where the daemon would take them."""
     workload = Workload(heartbeats=False, devices=16, heartbeat_every_s=5, progress_every_s=5, flip_every=40,
@@ -270,20 +274,22 @@ def build_log(path: str, facts_wanted: int, snapshot_every: int | None, batch: i
     }
 
 
-def timed_replay(path: str, use_snapshot: bool) -> tuple[float, ClusterState]:
-    started = time.perf_counter()
+def timed_replay(path: str, use_snapshot: bool) -> tuple[float, float, ClusterState]:
+    """Wall and CPU seconds to open the log and replay it (CPU time shows the work when other
+    processes share the machine)."""
+    started, cpu_started = time.perf_counter(), time.process_time()
     recorder = SQLiteRecorder(path)
     state = FactLog(recorder).replay(use_snapshot=use_snapshot)
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     recorder.close()
-    return elapsed, state
+    return elapsed, cpu, state
 
 
 def bench_replay(directory: str, facts: int, snapshot_every: int, batch: int) -> dict[str, object]:
     path = os.path.join(directory, "replay.sqlite")
     live, built = build_log(path, facts, snapshot_every, batch)
-    with_s, from_snapshot = timed_replay(path, use_snapshot=True)
-    without_s, from_scratch = timed_replay(path, use_snapshot=False)
+    with_s, with_cpu, from_snapshot = timed_replay(path, use_snapshot=True)
+    without_s, without_cpu, from_scratch = timed_replay(path, use_snapshot=False)
     matches = from_snapshot.durable() == live.durable() and from_scratch.durable() == live.durable()
     snap = SQLiteRecorder(path, read_only=True)
     latest = snap.load_snapshot("cluster")
@@ -295,6 +301,8 @@ def bench_replay(directory: str, facts: int, snapshot_every: int, batch: int) ->
         "facts_folded_after_snapshot": facts if latest is None else built["facts"] - latest[0],  # type: ignore[operator]
         "replay_s_with_snapshots": round(with_s, 3),
         "replay_s_without_snapshots": round(without_s, 3),
+        "replay_cpu_s_with_snapshots": round(with_cpu, 3),
+        "replay_cpu_s_without_snapshots": round(without_cpu, 3),
         "target_with_snapshots_s": REPLAY_TARGET_S,
         "replay_matches_live_state": matches,
         "note": "replay = open the file (writer, tail check) + load the latest snapshot + read, CRC-check, "
@@ -326,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "core",
         "machine": {
             "cpus": os.cpu_count(),
+            "load_average_1m": round(os.getloadavg()[0], 2),
             "python": platform.python_version(),
             "sqlite": sqlite3.sqlite_version,
             "platform": platform.platform(),

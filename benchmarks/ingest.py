@@ -166,7 +166,7 @@ def start_daemon(tmp: Path, n_devices: int) -> tuple[subprocess.Popen[bytes], st
     write_config(cfg, tmp / "state", worker_ep, control_ep, n_devices)
     proc = subprocess.Popen([sys.executable, "-m", "dynaresized.cli", "serve", "--config", str(cfg)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    from dynaresized.cli import control_request
+    from dynaresized.control import control_request
 
     for _ in range(200):
         try:

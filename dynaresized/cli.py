@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from dynaresized import __version__, wire
+from dynaresized.control import control_request
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NOT_CONFIGURED = 0, 1, 2, 3, 6
 DEFAULT_CONFIG = "/etc/dynaresized/config.toml"
@@ -31,28 +32,6 @@ def _config_for_client(path: str | None):  # type: ignore[no-untyped-def]
     if Path(DEFAULT_CONFIG).exists():
         return load_config(DEFAULT_CONFIG)
     return Config()
-
-
-def control_request(endpoint: str, request: msgspec.Struct, timeout_s: float = 5.0) -> wire.ControlReply:
-    """Send one request to the daemon's control endpoint and wait for its reply."""
-    import zmq
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(wire.encode(request))
-        if not sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"no answer from the daemon's control endpoint {endpoint} within {timeout_s:g}s "
-                               "(is it running? `systemctl status dynaresized`)")
-        reply = wire.reply_decoder().decode(sock.recv())
-    finally:
-        sock.close()
-        ctx.term()
-    if isinstance(reply, wire.Error):
-        raise RuntimeError(f"daemon refused the request: {reply.message}")
-    return reply
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -146,7 +125,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
     from dynaresized.daemon.config import ConfigError
     from dynaresized.daemon.service import EVENTS_FILE
     from dynaresized.explain import explain
-    from dynaresized.store import open_recorder
+    from dynaresized.store import CorruptLogError, open_recorder
 
     try:
         state_dir = args.state_dir or _config_for_client(args.config).daemon.state_dir
@@ -158,7 +137,11 @@ def _cmd_events(args: argparse.Namespace) -> int:
         print(f"dynaresized: no event log at {path} (has the daemon run with this state_dir?)", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
     as_json = args.json or not sys.stdout.isatty()
-    recorder = open_recorder(path, read_only=True)
+    try:
+        recorder = open_recorder(path, read_only=True)
+    except (CorruptLogError, ValueError, OSError) as exc:
+        print(f"dynaresized: cannot read {path}: {exc}", file=sys.stderr)
+        return EXIT_FAIL
     position = args.since
     types = set(args.type) if args.type else None
     try:
@@ -181,6 +164,9 @@ def _cmd_events(args: argparse.Namespace) -> int:
         return EXIT_OK
     except BrokenPipeError:
         return EXIT_OK
+    except CorruptLogError as exc:
+        print(f"dynaresized: {path}: {exc}", file=sys.stderr)
+        return EXIT_FAIL
     finally:
         recorder.close()
 

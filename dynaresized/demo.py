@@ -96,7 +96,7 @@ def _bar(split: Split) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dynaresized.cli import control_request
+    from dynaresized.control import control_request
     from dynaresized.core.facts import decode_fact
     from dynaresized.sim.cluster import VirtualCluster
     from dynaresized.sim.pipeline import best_static, static_total

@@ -60,7 +60,7 @@ Operators send one request (`status`, `pause`, `resume`, `resize`, `drain`) and 
 | `release` | give the device up: engine sleeps or stops, trainer leaves its group and offloads state; the process stays |
 | `join` | take the device: trainer enters the pre-warmed group and receives state, engine wakes or restarts |
 | `restore` | bring state up to date: reload current weights (engine), restore optimizer state (trainer) |
-| `commit` | switch to the new topology (`op.training`, `op.rollout`) at the next step boundary |
+| `commit` | switch to the new topology (`op.training`, `op.rollout`) from the next step boundary; acknowledge as soon as the switch is scheduled, without waiting for the boundary (a step can outlast `op_timeout_s`) |
 | `resume` | undo `drain` |
 | `reclaim` | undo `release` |
 | `evict` | undo `join` |

@@ -5,8 +5,9 @@ workload it thrashes."""
 
 from __future__ import annotations
 
-from dynaresized.core.policy import ObservedView, Proposal, predicted_step_s
 from dynaresized.policies.hysteresis import candidate_splits, mean_work
+
+from dynaresized.core.policy import ObservedView, Proposal, predicted_step_s
 
 
 class GreedyPolicy:

@@ -39,9 +39,11 @@ class HysteresisPolicy:
             raise ValueError("window must be >= 1")
         self.window = window
         self.max_move = max_move
+        self.last_reason = ""  # why the last call proposed nothing (read by the simulator)
 
     def __call__(self, view: ObservedView) -> Proposal | None:
         if not view.recent:
+            self.last_reason = "no step observed on this split yet"
             return None
         rollout_work, train_work, sync = mean_work(view, self.window)
         now = predicted_step_s(rollout_work, train_work, view.split, sync)
@@ -58,7 +60,11 @@ class HysteresisPolicy:
             if best is None or (after, abs(moved)) < (best[0], abs(best[1].rollout - view.split.rollout)):
                 best = (after, split)
         if best is None or best[0] >= now:
+            slower = "rollout" if grow_rollout else "training"
+            self.last_reason = (f"{slower} is slower at step {last.step}, but no allowed split that grows it "
+                                f"predicts less than {now:.1f}s per step")
             return None
+        self.last_reason = ""
         after, target = best
         slower = "rollout" if grow_rollout else "training"
         reason = (

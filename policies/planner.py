@@ -14,9 +14,9 @@ far, newer steps weighing more (half-life `half_life_steps`), with a small ridge
 while only one pool size has been seen the fit is the linear-scaling model (b = 0), and `b`
 is learned once a resize has shown how the stage scales. `level` is the ratio of the last three
 observed stage times to the fit's prediction for them, so the fit gives the shape over pool
-sizes and the latest steps give the level. The core forgets its window of
-step timings at every resize, so the planner keeps its own bounded memory of them; after a
-daemon restart it starts from the linear model again.
+sizes and the latest steps give the level. It fits on `view.history`, the core's window of steps
+across resizes (restored by replay after a daemon restart), so the planner keeps no state of
+its own: its proposals are a pure function of the view.
 
 A move's cost is the planner's prediction of the mixed step it causes (the moving devices
 serve neither pool until the commit), amortised over `horizon_steps` (or the steps left).
@@ -28,10 +28,10 @@ from __future__ import annotations
 import math
 
 import msgspec
+from dynaresized.policies.hysteresis import candidate_splits
 
 from dynaresized.core.policy import ObservedView, Proposal
 from dynaresized.domain import Split, StepTiming
-from dynaresized.policies.hysteresis import candidate_splits
 
 
 class StageFit(msgspec.Struct, frozen=True):
@@ -82,7 +82,7 @@ class PlannerPolicy:
         half_life_steps: float = 25.0,
         horizon_steps: int = 50,
         min_gain: float = 0.03,
-        ridge: float = 0.02,
+        ridge: float = 0.001,
     ) -> None:
         if memory_steps < 2 or half_life_steps <= 0 or horizon_steps < 1 or min_gain < 0 or ridge < 0:
             raise ValueError("planner options: memory_steps >= 2, half_life_steps > 0, horizon_steps >= 1, "
@@ -93,17 +93,14 @@ class PlannerPolicy:
         self.min_gain = min_gain
         self.ridge = ridge
         self.last_reason = ""
-        self._seen: dict[int, StepTiming] = {}
 
     # -- the model ----------------------------------------------------------------------
     def _remember(self, view: ObservedView) -> list[StepTiming]:
-        for t in view.recent:
-            if t.rollout_devices > 0 and t.train_devices > 0:
-                self._seen[t.step] = t
-        steps = sorted(self._seen)
-        for old in steps[: max(len(steps) - self.memory_steps, 0)]:
-            del self._seen[old]
-        return [self._seen[s] for s in sorted(self._seen)]
+        """The steps to fit on: the view's history (its recent window if it has no history),
+        only those that say which pool sizes they ran on."""
+        steps = view.history or view.recent
+        usable = [t for t in steps if t.rollout_devices > 0 and t.train_devices > 0]
+        return usable[-self.memory_steps:]
 
     @staticmethod
     def _scale(t: StepTiming) -> float:

@@ -129,6 +129,7 @@ class Core:
             recent=state.recent,
             costs=costs,
             steps_remaining=remaining,
+            history=state.step_history,
         )
 
 

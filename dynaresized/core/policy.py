@@ -40,6 +40,7 @@ class ObservedView(msgspec.Struct, frozen=True):
     recent: tuple[StepTiming, ...]  # oldest first, bounded window
     costs: ResizeCosts
     steps_remaining: int | None = None  # None when the job length is unknown
+    history: tuple[StepTiming, ...] = ()  # up to 256 steps across resizes, oldest first
 
 
 class Proposal(msgspec.Struct, frozen=True):

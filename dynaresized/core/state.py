@@ -34,7 +34,8 @@ from dynaresized.domain import (
     placed,
 )
 
-RECENT_WINDOW = 32
+RECENT_WINDOW = 32  # steps on the current topology (cleared at every commit)
+HISTORY_WINDOW = 256  # steps across resizes, for policies that learn how stages scale
 
 
 class Phase(str, enum.Enum):
@@ -94,6 +95,7 @@ class ClusterState(msgspec.Struct, frozen=True):
     inflight: InFlight | None = None
     last_step: int = -1
     recent: tuple[StepTiming, ...] = ()
+    step_history: tuple[StepTiming, ...] = ()
     progress: dict[WorkerId, Progress] = {}
     history: History = History()
     paused: bool = False
@@ -222,7 +224,8 @@ def _(s: ClusterState, e: f.WorkerLeft) -> ClusterState:
 @_on(f.StepObserved)
 def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
     recent = (s.recent + (e.timing,))[-RECENT_WINDOW:]
-    return replace(s, last_step=e.timing.step, recent=recent)
+    step_history = (s.step_history + (e.timing,))[-HISTORY_WINDOW:]
+    return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history)
 
 
 @_on(f.ProgressObserved)

@@ -9,6 +9,7 @@ tasks are guarded: one that ends unexpectedly stops the daemon with a non-zero e
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import signal
 import time
@@ -34,7 +35,7 @@ from dynaresized.daemon.notify import Notifier
 from dynaresized.daemon.security import CurveServer, SecurityError
 from dynaresized.domain import Split
 from dynaresized.explain import explain
-from dynaresized.store import FactLog, open_recorder
+from dynaresized.store import CorruptLogError, FactLog, StoreLockedError, open_recorder
 
 log = structlog.get_logger("dynaresized")
 
@@ -87,6 +88,11 @@ class Daemon:
         self._stop_deadline: float | None = None
         self._abort_sent = False
         self._last_watchdog = 0.0
+        # One writer thread keeps appends in order; SQLite releases the GIL while it writes and
+        # fsyncs, so the reactor steps the next batch meanwhile (commands still wait, see _sender).
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynaresized-log")
+        self._outgoing: asyncio.Queue[tuple[asyncio.Future[None] | None, list[f.Fact], ClusterState,
+                                            list[tuple[zmq.asyncio.Socket, bytes, bytes]]] | None] = asyncio.Queue()
         self._worker_decoder = wire.worker_decoder(config.daemon.max_message_bytes)
         self._control_decoder = wire.control_decoder(config.daemon.max_message_bytes)
 
@@ -97,9 +103,16 @@ class Daemon:
             state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StartupError(f"cannot create state_dir {state_dir}: {exc}") from None
-        recorder = open_recorder(state_dir / EVENTS_FILE)
-        self.factlog = FactLog(recorder, snapshot_every=self.config.daemon.snapshot_every)
-        self.state = self.factlog.replay()
+        path = state_dir / EVENTS_FILE
+        try:
+            recorder = open_recorder(path)
+            self.factlog = FactLog(recorder, snapshot_every=self.config.daemon.snapshot_every)
+            self.state = self.factlog.replay()
+        except (CorruptLogError, StoreLockedError) as exc:
+            raise StartupError(f"event log {path}: {exc} (see docs/store.md: python -m dynaresized.store check)") \
+                from None
+        except (ValueError, OSError, msgspec.DecodeError) as exc:
+            raise StartupError(f"event log {path} cannot be read: {exc}") from None
         devices, pools = self.config.initial_pools()
         now = self.clock()
         if not self.state.configured:
@@ -117,7 +130,8 @@ class Daemon:
     def _apply(self, event: ev.Event) -> list[SendOp]:
         """Step the core outside the reactor (start-up only) and record the facts."""
         self.state, facts, commands = self.core.step(self.state, event)
-        self._record(facts)
+        self._persist(facts, self.state)
+        self._observe(facts, self.state)
         return commands
 
     def _bind(self) -> None:
@@ -173,6 +187,7 @@ class Daemon:
             loop.add_signal_handler(signal.SIGINT, self.request_stop)
         tasks = {
             asyncio.create_task(self._reactor(), name="reactor"),
+            asyncio.create_task(self._sender(), name="sender"),
             asyncio.create_task(self._ingress_workers(), name="ingress-workers"),
             asyncio.create_task(self._ingress_control(), name="ingress-control"),
             asyncio.create_task(self._ticker(), name="ticker"),
@@ -208,6 +223,7 @@ class Daemon:
         self.queue.put_nowait([_ControlIn(identity=b"", msg=wire.DrainRequest())])
 
     def _close(self) -> None:
+        self._writer.shutdown(wait=True)
         for sock in (self.workers_sock, self.control_sock):
             if sock is not None:
                 sock.close(linger=500)
@@ -314,10 +330,7 @@ class Daemon:
 
     # -- the reactor -----------------------------------------------------------------
     async def _reactor(self) -> None:
-        outbox: list[tuple[zmq.Socket, bytes, bytes]] = []
-        assert self.workers_sock is not None and self.control_sock is not None
-        raw = {id(self.workers_sock): zmq.Socket.shadow(self.workers_sock.underlying),
-               id(self.control_sock): zmq.Socket.shadow(self.control_sock.underlying)}
+        loop = asyncio.get_running_loop()
         while True:
             items = await self.queue.get()
             while len(items) < _BATCH:
@@ -327,17 +340,40 @@ class Daemon:
                     break
             facts: list[f.Fact] = []
             commands: list[SendOp] = []
+            outbox: list[tuple[zmq.asyncio.Socket, bytes, bytes]] = []
             for item in items:
                 self._handle(item, facts, commands, outbox)
-            self._record(facts)  # durable before anything it implies leaves the daemon
             for command in commands:
                 self._queue_op(command, outbox)
-            for sock, identity, data in outbox:
-                with contextlib.suppress(zmq.ZMQError):  # a peer gone or over its high-water mark
-                    raw[id(sock)].send_multipart([identity, data], zmq.NOBLOCK)
-            outbox.clear()
+            # Facts go to the log first; the sender releases this batch's replies and commands only
+            # once they are durable, and strictly in batch order.
+            durable = loop.run_in_executor(self._writer, self._persist, facts, self.state) if facts else None
+            self._outgoing.put_nowait((durable, facts, self.state, outbox))
             if self._stop_deadline is not None and self._drained():
+                self._outgoing.put_nowait(None)  # the sender ends after flushing what is queued
+                await self._outgoing.join()
                 return
+
+    async def _sender(self) -> None:
+        assert self.workers_sock is not None and self.control_sock is not None
+        raw = {id(self.workers_sock): zmq.Socket.shadow(self.workers_sock.underlying),
+               id(self.control_sock): zmq.Socket.shadow(self.control_sock.underlying)}
+        while True:
+            entry = await self._outgoing.get()
+            if entry is None:
+                self._outgoing.task_done()
+                await asyncio.Event().wait()  # everything before it is sent; the reactor ends the daemon
+            try:
+                assert entry is not None
+                durable, facts, state, outbox = entry
+                if durable is not None:
+                    await durable  # an append that fails ends this task, and so the daemon
+                    self._observe(facts, state)
+                for sock, identity, data in outbox:
+                    with contextlib.suppress(zmq.ZMQError):  # a peer gone or over its high-water mark
+                        raw[id(sock)].send_multipart([identity, data], zmq.NOBLOCK)
+            finally:
+                self._outgoing.task_done()
 
     def _drained(self) -> bool:
         if self.state.inflight is None:
@@ -485,21 +521,23 @@ class Daemon:
         log.info("op sent", op_id=op.op_id, op=op.kind.value, worker=command.worker_id,
                  resize_id=command.resize_id)
 
-    def _record(self, facts: list[f.Fact]) -> None:
-        if not facts:
-            return
+    def _persist(self, facts: list[f.Fact], state: ClusterState) -> None:
+        """Append facts durably (and snapshot now and then). Runs in the writer thread."""
         assert self.factlog is not None
         self.factlog.append(facts)
-        self.factlog.maybe_snapshot(self.state)
-        self.metrics.observe(self.state, facts)
+        self.factlog.maybe_snapshot(state)
+
+    def _observe(self, facts: list[f.Fact], state: ClusterState) -> None:
+        """Metrics and one log line per fact, once the facts are durable."""
+        self.metrics.observe(state, facts)
         for fact in facts:
             if isinstance(fact, f.ProgressObserved):
                 continue  # too chatty for the log; it is in the event store
             level = "warning" if isinstance(fact, f.OpFailed | f.WorkerLost | f.ResizeAborted) else "info"
             if isinstance(fact, f.Degraded):
                 level = "error"
-            resize = self.state.inflight.plan.resize_id if self.state.inflight else None
-            with structlog.contextvars.bound_contextvars(resize_id=resize, phase=self.state.phase.value):
+            resize = state.inflight.plan.resize_id if state.inflight else None
+            with structlog.contextvars.bound_contextvars(resize_id=resize, phase=state.phase.value):
                 getattr(log, level)(explain(fact), fact=f.fact_type(fact))
 
 

@@ -15,10 +15,17 @@ from typing import Any, TextIO
 import msgspec
 
 from dynaresized.core.policy import UnknownPolicyError, available_policies
+from dynaresized.sim.plot import PlotUnavailable
 from dynaresized.sim.profile import ProfileError, builtin_profiles, load_profile
 from dynaresized.sim.run import BENCH_POLICIES, SimReport, bench, scenario_shape, simulate
-from dynaresized.sim.workload import DYNAMIC_SCENARIOS, SCENARIOS, TraceError, UnknownScenarioError, load_trace, \
-    scenario_trace
+from dynaresized.sim.workload import (
+    DYNAMIC_SCENARIOS,
+    SCENARIOS,
+    TraceError,
+    UnknownScenarioError,
+    load_trace,
+    scenario_trace,
+)
 
 DEFAULT_PROFILE = "qwen3-8b-h20x8"
 
@@ -75,7 +82,8 @@ def add_parsers(subparsers: Any) -> None:
     source.add_argument("--trace", metavar="FILE", help="JSON Lines trace, one line per RL step")
     source.add_argument("--scenario", metavar="NAME", help=f"built-in scenario: {', '.join(SCENARIOS)}")
     sim.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE",
-                     help=f"cluster profile: {', '.join(builtin_profiles())} or a TOML file (default {DEFAULT_PROFILE})")
+                     help=f"cluster profile: {', '.join(builtin_profiles())} or a TOML file "
+                          f"(default {DEFAULT_PROFILE})")
     sim.add_argument("--policy", default="hysteresis", metavar="NAME",
                      help="installed policy (static, greedy, hysteresis, planner, ...); default hysteresis")
     sim.add_argument("--gpus", type=int, metavar="N", help="devices in the cluster (default: the profile's)")
@@ -89,7 +97,7 @@ def add_parsers(subparsers: Any) -> None:
                      help="override a hysteresis guard, e.g. cooldown_steps=5")
     sim.add_argument("--json", action="store_true", help="print exactly one JSON object")
     sim.add_argument("--plot", metavar="FILE.png", help="write a PNG: pools over time, stage times, resizes")
-    sim.set_defaults(sim_command="simulate")
+    sim.set_defaults(sim_command="simulate", run=run_cli)
 
     b = subparsers.add_parser("bench", help="run every built-in scenario x policy and print a table",
                               description="Run every built-in scenario with every built-in policy on one profile.")
@@ -100,7 +108,7 @@ def add_parsers(subparsers: Any) -> None:
     b.add_argument("--scenarios", default=",".join(DYNAMIC_SCENARIOS), help="comma-separated scenario names")
     b.add_argument("--policies", default=",".join(BENCH_POLICIES), help="comma-separated policy names")
     b.add_argument("--json", action="store_true", help="print JSON lines, one per row")
-    b.set_defaults(sim_command="bench")
+    b.set_defaults(sim_command="bench", run=run_cli)
 
 
 def run_cli(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -109,9 +117,16 @@ def run_cli(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if args.sim_command == "simulate":
             return _simulate(args, out)
         return _bench(args, out)
-    except (ProfileError, TraceError, UnknownScenarioError, UnknownPolicyError, ValueError) as exc:
+    except (ProfileError, TraceError, UnknownScenarioError, UnknownPolicyError, ValueError, PlotUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _require_policies(names: list[str]) -> None:
+    installed = available_policies()
+    for name in names:
+        if name not in installed:
+            raise UnknownPolicyError(f"unknown policy {name!r}; installed policies: {', '.join(installed)}")
 
 
 def _positive(value: int | None, flag: str) -> None:
@@ -137,8 +152,7 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
             profile = profile.with_samples(args.samples)
         trace = scenario_trace(args.scenario, scenario_shape(profile), seed=args.seed, steps=args.steps)
         seed = args.seed
-    if args.policy not in available_policies():
-        raise UnknownPolicyError(f"unknown policy {args.policy!r}; installed policies: {', '.join(available_policies())}")
+    _require_policies([args.policy])
     result = simulate(
         trace,
         profile,
@@ -190,9 +204,7 @@ def _bench(args: argparse.Namespace, out: TextIO) -> int:
     for name in scenarios:
         if name not in SCENARIOS:
             raise UnknownScenarioError(f"unknown scenario {name!r}; built-in scenarios: {', '.join(SCENARIOS)}")
-    for name in policies:
-        if name not in available_policies():
-            raise UnknownPolicyError(f"unknown policy {name!r}; installed policies: {', '.join(available_policies())}")
+    _require_policies(policies)
     rows = bench(profile, scenarios=scenarios, policies=policies, seed=args.seed, steps=args.steps,
                  naive=args.naive, progress=ProgressBar(f"bench {profile.name}"))
     if args.json:

@@ -34,7 +34,7 @@ from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.core.guards import GuardConfig
 from dynaresized.core.policy import Policy, ResizeCosts
-from dynaresized.domain import FORWARD_ORDER, OpKind, Pool, Split, StepTiming, WorkerKind
+from dynaresized.domain import FORWARD_ORDER, OpKind, Pool, ResizePlan, Split, StepTiming, WorkerKind
 from dynaresized.sim.stages import StageModel
 
 Progress = Callable[[int, int], None]
@@ -112,6 +112,8 @@ class DynamicRun(msgspec.Struct, frozen=True):
     windows: tuple[Window, ...]
     facts: tuple[f.Fact, ...]
     final_split: Split
+    state: ClusterState
+    """The core's state at the end; folding `facts` from an empty state gives it back."""
     held: tuple[tuple[int, str], ...]
     """(step, reason) whenever the policy proposed nothing, if it says why (`last_reason`)."""
 
@@ -179,7 +181,7 @@ class DynamicPipeline:
         for command in commands:
             self._schedule(command, event.at)
 
-    def facts_plan(self, resize_id: str):  # noqa: ANN201 - ResizePlan, kept local to the run
+    def facts_plan(self, resize_id: str) -> ResizePlan:
         for fact in reversed(self.facts):
             if isinstance(fact, f.ResizeStarted) and fact.plan.resize_id == resize_id:
                 return fact.plan
@@ -284,5 +286,6 @@ class DynamicPipeline:
             windows=tuple(windows),
             facts=tuple(self.facts),
             final_split=self.state.split,
+            state=self.state,
             held=tuple(held),
         )

@@ -83,6 +83,10 @@ class SimReport(msgspec.Struct, frozen=True):
     cooldown_steps: int
     min_steps_between_resizes: int | None
     rejections: dict[str, int]
+    """Proposals the core's guards held back, by guard."""
+    policy_holds: int
+    """Steps where the policy was asked and proposed nothing (reason: `last_hold_reason`)."""
+    last_hold_reason: str
     resize_events: list[ResizeEvent]
 
 
@@ -205,6 +209,8 @@ def simulate(
         cooldown_steps=guards.cooldown_steps,
         min_steps_between_resizes=spacing,
         rejections=dict(sorted(rejections.items())),
+        policy_holds=len(run.held),
+        last_hold_reason=run.held[-1][1] if run.held else "",
         resize_events=events,
     )
     return SimRun(report=report, run=run, model=model)

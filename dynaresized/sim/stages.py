@@ -74,7 +74,8 @@ class StageModel:
             mean_ctx = self._ctx[i] / max(self._sum_l[i], 1.0)
             self.batch_limit[i] = max(1, min(r.max_num_seqs, int(r.kv_cache_tokens // max(mean_ctx, 1.0))))
             # Alone on an engine, a request still pays the whole iteration cost for each token.
-            alone = (r.iter_base_s + r.iter_per_seq_s) * length + r.iter_per_ctx_token_s * ctx + r.prefill_per_token_s * p
+            alone = ((r.iter_base_s + r.iter_per_seq_s) * length + r.iter_per_ctx_token_s * ctx
+                     + r.prefill_per_token_s * p)
             self.longest_request_s[i] = float(alone.max())
             seq = p + length
             train_tokens[i] = (seq * (1.0 + seq / attn)).sum() if attn > 0 else seq.sum()

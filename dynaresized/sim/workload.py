@@ -8,7 +8,6 @@ trace, bit for bit.
 
 from __future__ import annotations
 
-import enum
 import math
 import zlib
 from collections.abc import Callable, Iterator
@@ -98,7 +97,9 @@ def load_trace(path: str | Path) -> Trace:
                 missing = f"step {expected} is missing" if rec.step == expected + 1 else (
                     f"steps {expected}..{rec.step - 1} are missing")
                 raise TraceError(f"{where}: step {rec.step} where step {expected} was expected ({missing})")
-            raise TraceError(f"{where}: step {rec.step} where step {expected} was expected (steps must be 0, 1, 2, … in order)")
+            raise TraceError(
+                f"{where}: step {rec.step} where step {expected} was expected (steps must be 0, 1, 2, … in order)"
+            )
         if len(rec.prompt_tokens) != len(rec.response_tokens):
             raise TraceError(
                 f"{where}: prompt_tokens has {len(rec.prompt_tokens)} entries but response_tokens has "
@@ -273,8 +274,3 @@ def scenario_trace(name: str, shape: Shape, *, seed: int = 0, steps: int | None 
     # One stream per (scenario, seed): adding a scenario never changes another's trace.
     rng = np.random.default_rng([zlib.crc32(name.encode()), seed])
     return Trace(name, tuple(scenario.draw(rng, k, count, shape) for k in range(count)))
-
-
-class TraceSource(enum.Enum):
-    FILE = "file"
-    SCENARIO = "scenario"

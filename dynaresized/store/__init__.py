@@ -17,7 +17,8 @@ from dynaresized.store.recorder import (
     RecorderClosedError,
     StoredEvent,
 )
-from dynaresized.store.sqlite import SalvageReport, SQLiteRecorder, StoreLockedError, salvage
+from dynaresized.store.recovery import SalvageReport, salvage
+from dynaresized.store.sqlite import SQLiteRecorder, StoreLockedError
 
 MEMORY = ":memory:"
 

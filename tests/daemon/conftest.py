@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from dynaresized import wire
-from dynaresized.cli import control_request
+from dynaresized.control import control_request
 
 DEVICES = ["node0:cpu0", "node0:cpu1", "node0:cpu2", "node0:cpu3"]
 

@@ -71,6 +71,7 @@ async def test_register_heartbeat_and_report(make_daemon) -> None:
         assert 'dynaresized_pool_devices{pool="training"} 2.0' in metrics
     finally:
         await close_all(clients)
+    await until(lambda: all(w["status"] == "gone" for w in daemon.status()["workers"]), what="goodbyes recorded")
     facts = read_facts(daemon.state_dir)
     kinds = [type(x) for x in facts]
     assert kinds.count(f.WorkerRegistered) == 8

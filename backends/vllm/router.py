@@ -1,0 +1,347 @@
+"""The request router: places a step's samples over the engines in the rollout pool.
+
+Samples wait in one queue per step; each admitted engine holds at most `max_inflight`
+of them, so an engine that joins mid-step starts pulling work at once and one that leaves
+stops. On `drain` the engine is no longer admitted; its requests that will finish soon
+(at most `finish_within_tokens` tokens left) finish there, the rest are aborted and go back
+to the front of the queue for the remaining engines. An engine that dies is handled the
+same way, except nothing is waited for.
+
+Hand-over drops partial outputs and regenerates the sample from scratch, with the same
+request (prompt, per-sample seed, sampling parameters) and the same policy version: every
+engine admitted during a step holds that step's version (the router loads it before
+admitting), so the regenerated sample is a fresh draw from exactly the policy that the step
+was assigned, and its tokens and log-probs come from one policy, never a prefix from one
+engine glued to a suffix from another. The cost is recomputing the dropped tokens, which
+`finish_within_tokens` bounds from the other side.
+
+Every placement goes through the step's `StepLedger`; `run_step` checks it at the step
+boundary and raises `LedgerError` if any sample is missing, duplicated or off-version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import msgspec
+import structlog
+
+from dynaresized.backends.vllm.engine import EngineFailure, EngineState, RolloutEngine, SampleRequest
+from dynaresized.backends.vllm.ledger import Attempt, LedgerSummary, SampleResult, StepLedger
+from dynaresized.backends.vllm.weights import WeightStore
+from dynaresized.domain import StepTiming
+
+log = structlog.get_logger("dynaresized.backends.vllm")
+
+SampleListener = Callable[[SampleResult, int], None]  # (result, samples in the step)
+LossListener = Callable[[str, str], None]  # (engine id, reason)
+
+
+class DrainReport(msgspec.Struct, frozen=True):
+    engine_id: str
+    handed_over: int  # aborted here and placed again elsewhere
+    finished: int  # left to finish here because they were close to done
+    seconds: float  # from the drain command to no request left on the engine
+
+
+class StepResult(msgspec.Struct, frozen=True):
+    step: int
+    policy_version: int
+    samples: tuple[SampleResult, ...]
+    ledger: LedgerSummary
+    rollout_s: float  # from the step's start to its last sample, weight sync included
+    weight_sync_s: float
+    engines: tuple[str, ...]  # engines that produced at least one sample
+
+    def timing(self, train_s: float = 0.0, train_devices: int = 0) -> StepTiming:
+        """The step's timing as the daemon takes it; the trainer side supplies `train_s`."""
+        return StepTiming(
+            step=self.step,
+            rollout_s=self.rollout_s,
+            train_s=train_s,
+            weight_sync_s=self.weight_sync_s,
+            rollout_devices=len(self.engines),
+            train_devices=train_devices,
+            samples=len(self.samples),
+            response_tokens=self.ledger.response_tokens,
+        )
+
+
+class _Step:
+    def __init__(self, ledger: StepLedger, requests: Sequence[SampleRequest]) -> None:
+        self.ledger = ledger
+        self.requests = {r.sample_id: r for r in requests}
+        self.pending: deque[str] = deque(r.sample_id for r in requests)
+        self.tasks: dict[Attempt, asyncio.Task[None]] = {}
+        self.progress: dict[Attempt, int] = {}  # response tokens so far, per in-flight attempt
+        self.finished = asyncio.Event()
+        self.failure: BaseException | None = None
+        if not requests:
+            self.finished.set()
+
+
+class RequestRouter:
+    """Places samples over admitted engines, hands them over on drain, re-places on loss."""
+
+    def __init__(
+        self,
+        weights: WeightStore,
+        *,
+        max_inflight: int = 64,
+        finish_within_tokens: int = 8,
+    ) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if finish_within_tokens < 0:
+            raise ValueError(f"finish_within_tokens must be >= 0, got {finish_within_tokens}")
+        self.weights = weights
+        self.max_inflight = max_inflight
+        self.finish_within_tokens = finish_within_tokens
+        self.engines: dict[str, RolloutEngine] = {}
+        self.admitted: set[str] = set()
+        self.version: int | None = None  # the policy version of the current (or last) step
+        self._step: _Step | None = None
+        self._membership = asyncio.Lock()  # admit vs. a step's weight sync
+        self._sample_listeners: list[SampleListener] = []
+        self._loss_listeners: list[LossListener] = []
+        self._cancelled: list[asyncio.Task[None]] = []
+
+    # -- membership --------------------------------------------------------------------
+    def add(self, engine: RolloutEngine) -> None:
+        """Know an engine (not yet admitted)."""
+        if engine.engine_id in self.engines and self.engines[engine.engine_id] is not engine:
+            raise ValueError(f"another engine is already known as {engine.engine_id!r}")
+        self.engines[engine.engine_id] = engine
+
+    def _engine(self, engine_id: str) -> RolloutEngine:
+        try:
+            return self.engines[engine_id]
+        except KeyError:
+            raise KeyError(f"unknown engine {engine_id!r} (known: {sorted(self.engines)})") from None
+
+    def in_flight(self, engine_id: str | None = None) -> dict[str, int]:
+        """Samples of the running step in flight (on `engine_id`, or anywhere) → tokens so far."""
+        step = self._step
+        if step is None:
+            return {}
+        return {a.sample_id: step.progress.get(a, 0) for a in step.ledger.in_flight(engine_id)}
+
+    @property
+    def step_running(self) -> bool:
+        return self._step is not None
+
+    def on_sample(self, listener: SampleListener) -> None:
+        self._sample_listeners.append(listener)
+
+    def on_lost(self, listener: LossListener) -> None:
+        self._loss_listeners.append(listener)
+
+    async def admit(self, engine_id: str) -> float:
+        """Let an engine take samples, after loading the current policy version into it.
+
+        Returns the seconds spent reloading weights (0 if it already held the version).
+        """
+        engine = self._engine(engine_id)
+        async with self._membership:
+            if engine.state is not EngineState.RUNNING:
+                raise EngineFailure(engine_id, f"cannot admit: state {engine.state.value}")
+            seconds = 0.0
+            target = self.version if self.version is not None else self.weights.latest()
+            if target is not None and engine.loaded_version != target:
+                seconds = await engine.reload(target, self.weights.path(target))
+            self.admitted.add(engine_id)
+        log.info("engine admitted", engine=engine_id, version=engine.loaded_version)
+        self._dispatch()
+        return seconds
+
+    async def drain(self, engine_id: str, *, timeout_s: float | None = None) -> DrainReport:
+        """Stop admitting to an engine and empty it: near-done requests finish, the rest move.
+
+        Requests still running on it when `timeout_s` passes are handed over as well.
+        """
+        engine = self._engine(engine_id)
+        started = time.perf_counter()
+        self.admitted.discard(engine_id)
+        step = self._step
+        if step is None:
+            return DrainReport(engine_id, 0, 0, time.perf_counter() - started)
+        staying: list[Attempt] = []
+        moving: list[Attempt] = []
+        for attempt in step.ledger.in_flight(engine_id):
+            left = step.requests[attempt.sample_id].max_tokens - step.progress.get(attempt, 0)
+            (staying if left <= self.finish_within_tokens else moving).append(attempt)
+        await self._hand_over(step, engine, moving)
+        finished = 0
+        if staying:
+            tasks = [step.tasks[a] for a in staying if a in step.tasks]
+            _, late = await asyncio.wait(tasks, timeout=timeout_s) if tasks else (set(), set())
+            late_attempts = [a for a in staying if step.tasks.get(a) in late]
+            await self._hand_over(step, engine, late_attempts)
+            finished = len(staying) - len(late_attempts)
+            moving += late_attempts
+        # the device is free only once the aborted requests have left the engine too
+        leftover = self._tasks_on(step, engine_id)
+        if leftover:
+            await asyncio.wait(leftover)
+        report = DrainReport(engine_id, len(moving), finished, time.perf_counter() - started)
+        log.info("engine drained", engine=engine_id, handed_over=report.handed_over,
+                 finished=report.finished, seconds=round(report.seconds, 3))
+        return report
+
+    def _tasks_on(self, step: _Step, engine_id: str) -> set[asyncio.Task[None]]:
+        return {t for a, t in step.tasks.items() if a.engine_id == engine_id}
+
+    async def _hand_over(self, step: _Step, engine: RolloutEngine, attempts: list[Attempt]) -> None:
+        """Supersede the attempts, queue their samples first in line, abort them on the engine."""
+        moved = [a for a in attempts if step.ledger.supersede(a, lost=False)]
+        for attempt in reversed(moved):
+            step.pending.appendleft(attempt.sample_id)
+        self._dispatch()
+        try:
+            await engine.abort([a.request_id for a in moved])
+        except Exception as exc:  # the samples are already re-placed; the engine is the problem
+            log.warning("abort failed on draining engine", engine=engine.engine_id, error=repr(exc))
+            self.lose(engine.engine_id, f"abort failed: {exc!r}")
+
+    def lose(self, engine_id: str, reason: str) -> int:
+        """An engine died or stopped answering: re-place all its samples. Returns how many."""
+        engine = self._engine(engine_id)
+        engine.mark_dead()
+        was_admitted = engine_id in self.admitted
+        self.admitted.discard(engine_id)
+        moved = 0
+        step = self._step
+        if step is not None:
+            superseded = [a for a in step.ledger.in_flight(engine_id) if step.ledger.supersede(a, lost=True)]
+            moved = len(superseded)
+            for attempt in superseded:
+                task = step.tasks.pop(attempt, None)
+                step.progress.pop(attempt, None)
+                if task is not None and task is not asyncio.current_task():
+                    task.cancel()
+                    self._cancelled.append(task)
+            for attempt in reversed(superseded):
+                step.pending.appendleft(attempt.sample_id)
+        if was_admitted or moved:
+            log.warning("engine lost", engine=engine_id, reason=reason, replaced=moved)
+            for listener in self._loss_listeners:
+                listener(engine_id, reason)
+        self._dispatch()
+        return moved
+
+    # -- a step ----------------------------------------------------------------------------
+    async def run_step(self, step: int, policy_version: int, requests: Sequence[SampleRequest]) -> StepResult:
+        """Generate every sample of a step with `policy_version`; returns when all are done."""
+        if self._step is not None:
+            raise RuntimeError(f"step {self._step.ledger.step} is still running; steps do not overlap")
+        started = time.perf_counter()
+        ledger = StepLedger(step, policy_version, [r.sample_id for r in requests])
+        path = self.weights.path(policy_version)
+        async with self._membership:
+            self.version = policy_version
+            stale = [self.engines[e] for e in sorted(self.admitted) if self.engines[e].loaded_version != policy_version]
+            outcomes = await asyncio.gather(*(e.reload(policy_version, path) for e in stale), return_exceptions=True)
+        for engine, outcome in zip(stale, outcomes, strict=True):
+            if isinstance(outcome, EngineFailure):
+                self.lose(engine.engine_id, outcome.reason)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+        weight_sync_s = time.perf_counter() - started
+        current = _Step(ledger, requests)
+        self._step = current
+        try:
+            self._dispatch()
+            await current.finished.wait()
+            if current.failure is not None:
+                raise current.failure
+            summary = ledger.check()
+        finally:
+            self._step = None
+            for task in current.tasks.values():
+                task.cancel()
+                self._cancelled.append(task)
+            await self._reap()
+        results = tuple(ledger.results())
+        return StepResult(
+            step=step,
+            policy_version=policy_version,
+            samples=results,
+            ledger=summary,
+            rollout_s=time.perf_counter() - started,
+            weight_sync_s=weight_sync_s,
+            engines=tuple(sorted({r.engine_id for r in results})),
+        )
+
+    async def _reap(self) -> None:
+        """Collect tasks cancelled by `lose`; an error other than the engine's death is a bug."""
+        cancelled, self._cancelled = self._cancelled, []
+        for outcome in await asyncio.gather(*cancelled, return_exceptions=True):
+            if isinstance(outcome, BaseException) and not isinstance(
+                outcome, asyncio.CancelledError | EngineFailure
+            ):
+                raise outcome
+
+    def _pick(self, step: _Step) -> str | None:
+        load = {e: 0 for e in self.admitted}
+        for attempt in step.tasks:
+            if attempt.engine_id in load:
+                load[attempt.engine_id] += 1
+        open_ = [(n, e) for e, n in load.items() if n < self.max_inflight]
+        return min(open_)[1] if open_ else None
+
+    def _dispatch(self) -> None:
+        step = self._step
+        if step is None:
+            return
+        while step.pending:
+            engine_id = self._pick(step)
+            if engine_id is None:
+                return
+            attempt = step.ledger.place(step.pending.popleft(), engine_id)
+            step.progress[attempt] = 0
+            step.tasks[attempt] = asyncio.create_task(self._run(step, attempt), name=attempt.request_id)
+
+    async def _run(self, step: _Step, attempt: Attempt) -> None:
+        engine = self.engines[attempt.engine_id]
+        request = step.requests[attempt.sample_id]
+
+        def grew(n: int) -> None:
+            step.progress[attempt] = n
+
+        try:
+            generated = await engine.generate(request, attempt.request_id, grew)
+        except EngineFailure as exc:
+            step.tasks.pop(attempt, None)
+            self.lose(attempt.engine_id, exc.reason)
+            return
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                step.failure = exc  # a bug, not an engine failure: end the step loudly
+                step.finished.set()
+            raise
+        step.tasks.pop(attempt, None)
+        step.progress.pop(attempt, None)
+        if generated.finish_reason == "abort":
+            if step.ledger.current(attempt.sample_id) == attempt:
+                # aborted by someone other than the router (e.g. the engine stopped under it)
+                self.lose(attempt.engine_id, "request aborted by the engine")
+            self._dispatch()
+            return
+        result = SampleResult(
+            sample_id=attempt.sample_id,
+            step=step.ledger.step,
+            policy_version=generated.policy_version,
+            engine_id=attempt.engine_id,
+            attempt=attempt.number,
+            token_ids=generated.token_ids,
+            finish_reason=generated.finish_reason,
+        )
+        if step.ledger.complete(attempt, result):
+            for listener in self._sample_listeners:
+                listener(result, len(step.requests))
+            if step.ledger.finished:
+                step.finished.set()
+        self._dispatch()

@@ -1,0 +1,322 @@
+"""The engine worker: one rollout engine attached to the daemon, executing resize operations.
+
+Each op is one async method taking the daemon's `OpRequest` and returning a short detail
+(raising reports the op failed); `handlers()` maps op kinds to them for
+`WorkerClient.on_all`. The rollout side of a resize (DESIGN.md §5):
+
+| op      | rollout -> training (engine is the source) | training -> rollout (engine is the destination) |
+|---------|---------------------------------------------|--------------------------------------------------|
+| drain   | stop admitting; hand requests over          |                                                  |
+| release | GPU: sleep(level); CPU: shut down           |                                                  |
+| join    |                                             | GPU: wake_up; CPU: start                         |
+| restore |                                             | reload the current policy version                |
+| commit  | leaves the router (no-op if drained)        | admitted by the router                           |
+| resume  | undo drain: admitted again                  |                                                  |
+| reclaim | undo release: wake/start + reload           |                                                  |
+| evict   |                                             | undo join: leave the router, sleep/shut down     |
+
+Every op is idempotent: a repeated op finds the work done and says so. The worker also
+reports its engine's per-sample progress, and watches the engine's health: a dead engine
+(EngineDeadError) or one that misses `missed_heartbeats` pings in a row is reported lost,
+its requests are re-placed by the router, and the worker stops heartbeating to the daemon
+so that the daemon marks it lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import structlog
+
+from dynaresized.backends.vllm.engine import EngineState, RolloutEngine
+from dynaresized.backends.vllm.ledger import SampleResult
+from dynaresized.backends.vllm.router import RequestRouter, StepResult
+from dynaresized.domain import OpKind, Pool, StepTiming
+
+log = structlog.get_logger("dynaresized.backends.vllm")
+
+OpHandler = Callable[[Any], Awaitable[str]]
+
+
+class Progress(msgspec.Struct, frozen=True):
+    """What this engine did in a step: `done` of the step's `total` samples, `tokens` generated."""
+
+    step: int
+    done: int
+    total: int
+    tokens: int
+
+
+class OpMismatch(ValueError):
+    """An op that is not for this worker (wrong device or direction)."""
+
+
+class EngineWorker:
+    """One engine's worker: executes ops on it, reports its progress, watches its health."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        router: RequestRouter,
+        devices: tuple[str, ...],
+        *,
+        worker_id: str | None = None,
+        heartbeat_interval_s: float = 1.0,
+        missed_heartbeats: int = 3,
+        drain_timeout_s: float | None = None,
+    ) -> None:
+        if not devices:
+            raise ValueError(f"engine {engine.engine_id}: a worker needs at least one device")
+        if heartbeat_interval_s <= 0 or missed_heartbeats < 1:
+            raise ValueError("heartbeat_interval_s must be > 0 and missed_heartbeats >= 1")
+        self.engine = engine
+        self.router = router
+        self.devices = tuple(devices)
+        self.worker_id = worker_id or engine.engine_id
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.missed_heartbeats = missed_heartbeats
+        self.drain_timeout_s = drain_timeout_s
+        self.lost_reason: str | None = None
+        self.progress = Progress(step=-1, done=0, total=0, tokens=0)
+        self.client: Any = None  # a dynaresized.client.WorkerClient once attached
+        self._progress_changed = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._reporter: asyncio.Task[None] | None = None
+        router.add(engine)
+        router.on_sample(self._sample_done)
+        router.on_lost(self._engine_lost)
+
+    # -- ops -------------------------------------------------------------------------------
+    def handlers(self) -> dict[OpKind, OpHandler]:
+        return {
+            OpKind.DRAIN: self.drain,
+            OpKind.RELEASE: self.release,
+            OpKind.JOIN: self.join,
+            OpKind.RESTORE: self.restore,
+            OpKind.COMMIT: self.commit,
+            OpKind.RESUME: self.resume,
+            OpKind.RECLAIM: self.reclaim,
+            OpKind.EVICT: self.evict,
+        }
+
+    def _check(self, op: Any, *, leaving: bool) -> None:
+        """The op must name this worker's device, and move it the way this op kind can."""
+        if not set(self.devices) & set(op.devices):
+            raise OpMismatch(
+                f"{op.kind.value} {op.op_id} is for devices {list(op.devices)}, "
+                f"but worker {self.worker_id} owns {list(self.devices)}"
+            )
+        if leaving and op.from_pool is not Pool.ROLLOUT:
+            raise OpMismatch(
+                f"{op.kind.value} {op.op_id} moves {op.from_pool.value}->{op.to_pool.value}; a rollout "
+                f"engine only does {op.kind.value} when its device leaves the rollout pool"
+            )
+        if not leaving and op.to_pool is not Pool.ROLLOUT:
+            raise OpMismatch(
+                f"{op.kind.value} {op.op_id} moves {op.from_pool.value}->{op.to_pool.value}; a rollout "
+                f"engine only does {op.kind.value} when its device joins the rollout pool"
+            )
+
+    async def drain(self, op: Any) -> str:
+        self._check(op, leaving=True)
+        if self.engine.engine_id not in self.router.admitted:
+            return f"{self.engine.engine_id} already out of the pool"
+        timeout = self.drain_timeout_s if self.drain_timeout_s is not None else max(op.timeout_s / 2, 0.0)
+        report = await self.router.drain(self.engine.engine_id, timeout_s=timeout)
+        return (
+            f"drained {self.engine.engine_id} in {report.seconds:.3f}s: "
+            f"{report.handed_over} handed over, {report.finished} finished here"
+        )
+
+    async def release(self, op: Any) -> str:
+        self._check(op, leaving=True)
+        if self.engine.engine_id in self.router.admitted:
+            raise RuntimeError(f"release before drain: {self.engine.engine_id} is still admitting samples")
+        if self.engine.state in (EngineState.STOPPED, EngineState.SLEEPING):
+            return f"{self.engine.engine_id} already released ({self.engine.state.value})"
+        seconds = await self.engine.release()
+        return f"released {self.engine.engine_id} ({self.engine.state.value}) in {seconds:.3f}s"
+
+    async def join(self, op: Any) -> str:
+        self._check(op, leaving=False)
+        if self.engine.state is EngineState.RUNNING:
+            return f"{self.engine.engine_id} already running"
+        seconds = await self.engine.join()
+        self.lost_reason = None
+        return f"{self.engine.engine_id} up ({self.engine.device_type.value}) in {seconds:.3f}s"
+
+    async def restore(self, op: Any) -> str:
+        self._check(op, leaving=False)
+        return await self._restore()
+
+    async def _restore(self) -> str:
+        target = self.router.version if self.router.version is not None else self.router.weights.latest()
+        if target is None:
+            return f"{self.engine.engine_id} keeps its base weights: no policy version published yet"
+        if self.engine.loaded_version == target:
+            return f"{self.engine.engine_id} already at policy version {target}"
+        seconds = await self.engine.reload(target, self.router.weights.path(target))
+        return f"{self.engine.engine_id} reloaded policy version {target} in {seconds:.3f}s"
+
+    async def commit(self, op: Any) -> str:
+        """The pools switch: this engine is admitted iff one of its devices is in the rollout pool.
+
+        Commit goes to every worker of the new topology, not only to those on the moved devices.
+        """
+        if not set(self.devices) & (set(op.rollout) | set(op.training)):
+            raise OpMismatch(
+                f"commit {op.op_id} places neither pool on worker {self.worker_id}'s devices {list(self.devices)}"
+            )
+        if set(self.devices) & set(op.rollout):
+            if self.engine.engine_id in self.router.admitted:
+                return f"{self.engine.engine_id} already in the pool"
+            await self.router.admit(self.engine.engine_id)
+            return f"{self.engine.engine_id} admitted at policy version {self.engine.loaded_version}"
+        if self.engine.engine_id in self.router.admitted:
+            raise RuntimeError(
+                f"commit puts {list(self.devices)} outside the rollout pool, but {self.engine.engine_id} "
+                "was never drained"
+            )
+        return f"{self.engine.engine_id} out of the rollout pool"
+
+    async def resume(self, op: Any) -> str:
+        """Undo drain: the engine (still loaded) takes samples again."""
+        self._check(op, leaving=True)
+        if self.engine.engine_id in self.router.admitted:
+            return f"{self.engine.engine_id} already admitting"
+        await self.router.admit(self.engine.engine_id)
+        return f"{self.engine.engine_id} admitting again"
+
+    async def reclaim(self, op: Any) -> str:
+        """Undo release: wake or restart the engine and bring its weights up to date."""
+        self._check(op, leaving=True)
+        seconds = await self.engine.join()
+        self.lost_reason = None
+        restored = await self._restore()
+        return f"{self.engine.engine_id} reclaimed in {seconds:.3f}s; {restored}"
+
+    async def evict(self, op: Any) -> str:
+        """Undo join: the engine gives the device back."""
+        self._check(op, leaving=False)
+        if self.engine.engine_id in self.router.admitted:
+            await self.router.drain(self.engine.engine_id, timeout_s=0.0)
+        if self.engine.state in (EngineState.STOPPED, EngineState.SLEEPING):
+            return f"{self.engine.engine_id} already released"
+        seconds = await self.engine.release()
+        return f"evicted {self.engine.engine_id} ({self.engine.state.value}) in {seconds:.3f}s"
+
+    async def recover(self) -> str:
+        """Bring a lost engine back: restart, reload the current version, admit it again.
+
+        The daemon learns about it when the worker attaches again with a fresh client.
+        """
+        seconds = await self.engine.join()
+        restored = await self._restore()
+        await self.router.admit(self.engine.engine_id)
+        self.lost_reason = None
+        return f"{self.engine.engine_id} recovered in {seconds:.3f}s; {restored}"
+
+    # -- reporting ---------------------------------------------------------------------------
+    def _sample_done(self, result: SampleResult, total: int) -> None:
+        if result.engine_id != self.engine.engine_id:
+            return
+        p = self.progress
+        if p.step != result.step:
+            p = Progress(step=result.step, done=0, total=total, tokens=0)
+        self.progress = Progress(p.step, p.done + 1, total, p.tokens + len(result.token_ids))
+        self._progress_changed.set()
+
+    async def report_step(self, result: StepResult, train_s: float = 0.0) -> StepTiming:
+        """Send a step's timing to the daemon; one party per step should do this."""
+        timing = result.timing(train_s=train_s)
+        if self.client is not None:
+            await self.client.report_step(timing)
+        return timing
+
+    async def _report_progress(self, client: Any) -> None:
+        """Send the latest progress whenever it changed; bursts coalesce into one report."""
+        while True:
+            await self._progress_changed.wait()
+            self._progress_changed.clear()
+            p = self.progress
+            await client.report_progress(p.step, p.done, p.total, p.tokens)
+
+    # -- health ------------------------------------------------------------------------------
+    def _engine_lost(self, engine_id: str, reason: str) -> None:
+        if engine_id != self.engine.engine_id or self.lost_reason is not None:
+            return
+        self.lost_reason = reason
+        log.error("engine lost", engine=engine_id, worker=self.worker_id, reason=reason)
+        if self.client is not None:
+            # Stop heartbeating without a goodbye: the daemon marks the worker LOST (it may come back).
+            client, self.client = self.client, None
+            if self._reporter is not None:
+                self._reporter.cancel()
+                self._tasks.append(self._reporter)
+                self._reporter = None
+            self._tasks.append(asyncio.create_task(client.close(say_bye=False), name=f"{self.worker_id}-lost"))
+
+    async def _watch(self) -> None:
+        missed = 0
+        starts = self.engine.starts
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            if self.engine.starts != starts:  # a fresh engine: count its misses from zero
+                starts, missed = self.engine.starts, 0
+            if self.engine.changing:
+                missed = 0  # starting, stopping or reloading: silence is expected
+                continue
+            if self.engine.state is not EngineState.RUNNING and not (
+                self.engine.state is EngineState.DEAD and self.lost_reason is None
+            ):
+                missed = 0  # stopped, asleep, or already reported lost: nothing to watch
+                continue
+            if await self.engine.ping(self.heartbeat_interval_s):
+                missed = 0
+                continue
+            missed += 1
+            if self.engine.state is EngineState.DEAD or missed >= self.missed_heartbeats:
+                why = "engine died" if self.engine.state is EngineState.DEAD else f"missed {missed} heartbeats"
+                self.router.lose(self.engine.engine_id, why)
+                self._engine_lost(self.engine.engine_id, why)  # also when it was not admitted
+                missed = 0
+
+    async def start(self) -> None:
+        """Start watching the engine's health."""
+        self._tasks.append(asyncio.create_task(self._watch(), name=f"{self.worker_id}-watch"))
+
+    async def attach(self, client: Any) -> None:
+        """Attach to the daemon through a `WorkerClient`: its ops come here, progress goes there."""
+        if self.client is not None:
+            raise RuntimeError(f"worker {self.worker_id} is already attached; detach first")
+        if tuple(client.devices) != self.devices:
+            raise ValueError(f"client devices {list(client.devices)} differ from the worker's {list(self.devices)}")
+        client.on_all(self.handlers())
+        await client.start()
+        self.client = client
+        self._reporter = asyncio.create_task(self._report_progress(client), name=f"{self.worker_id}-progress")
+
+    async def detach(self, reason: str = "engine worker detaching") -> None:
+        """Say goodbye to the daemon; the engine keeps running."""
+        client, self.client = self.client, None
+        reporter, self._reporter = self._reporter, None
+        if reporter is not None:
+            reporter.cancel()
+            outcome = (await asyncio.gather(reporter, return_exceptions=True))[0]
+            if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+                log.error("progress reporting had failed", worker=self.worker_id, error=repr(outcome))
+        if client is not None:
+            await client.close(reason=reason)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        outcomes = await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+                log.error("worker task ended with an error", worker=self.worker_id, error=repr(outcome))
+        await self.detach("engine worker closing")

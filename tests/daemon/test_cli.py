@@ -1,0 +1,104 @@
+"""The operator's CLI against a real daemon: readable output, JSON for tools, systemd exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from dynaresized.cli import main
+
+from .conftest import write_config
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dynaresized.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_status_pause_resume_resize_and_events(make_daemon) -> None:
+    daemon = make_daemon()
+    ctl = ["--control", daemon.control_endpoint]
+    out = cli("status", *ctl)
+    assert out.returncode == 0, out.stderr
+    assert "phase       steady" in out.stdout and "train 2 : rollout 2" in out.stdout
+    assert "node0:cpu3" in out.stdout
+    data = json.loads(cli("status", "--json", *ctl).stdout)
+    assert data["split"] == {"train": 2, "rollout": 2}
+
+    assert cli("pause", *ctl, "--reason", "maintenance").returncode == 0
+    assert json.loads(cli("status", "--json", *ctl).stdout)["paused"] is True
+    assert cli("resume", *ctl).returncode == 0
+    assert json.loads(cli("status", "--json", *ctl).stdout)["paused"] is False
+
+    refused = cli("resize", "4:0", *ctl)  # min_rollout is 1: refused, with the guard's words
+    assert refused.returncode == 1 and "min_pool" in refused.stdout and "min_rollout=1" in refused.stdout
+    bad = cli("resize", "four:zero", *ctl)
+    assert bad.returncode == 2 and "not a 'train:rollout' split" in bad.stderr
+
+    events = cli("events", "--state-dir", str(daemon.state_dir))  # piped: JSON lines
+    lines = [json.loads(line) for line in events.stdout.splitlines()]
+    types = [e["type"] for e in lines]
+    assert types[0] == "cluster_configured"
+    assert "resizing_paused" in types and "resizing_resumed" in types and "proposal_rejected" in types
+    assert all(e["position"] == i + 1 for i, e in enumerate(lines))
+    only = cli("events", "--state-dir", str(daemon.state_dir), "--type", "proposal_rejected")
+    assert [json.loads(x)["guard"] for x in only.stdout.splitlines()] == ["min_pool"]
+    since = cli("events", "--state-dir", str(daemon.state_dir), "--since", "2")
+    assert json.loads(since.stdout.splitlines()[0])["position"] == 3
+
+
+def test_events_as_text_on_a_terminal(make_daemon, capsys, monkeypatch) -> None:
+    daemon = make_daemon()
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert main(["events", "--state-dir", str(daemon.state_dir)]) == 0
+    text = capsys.readouterr().out
+    assert "cluster_configured" in text and "cluster configured: 4 devices" in text
+
+
+def test_exit_codes_follow_systemd_conventions(tmp_path: Path) -> None:
+    down = cli("status", "--control", "tcp://127.0.0.1:9", "--timeout", "0.3")
+    assert down.returncode == 3 and "no answer from the daemon" in down.stderr
+    missing = cli("serve", "--config", str(tmp_path / "missing.toml"))
+    assert missing.returncode == 6 and "no such file" in missing.stderr
+    assert cli("events", "--state-dir", str(tmp_path)).returncode == 6
+    good = write_config(tmp_path / "ok.toml", {"cluster": {"devices": ["a:gpu0", "a:gpu1"]}})
+    assert cli("check-config", "--config", str(good)).returncode == 0
+    assert cli("--help").returncode == 0 and "demo" in cli("--help").stdout
+
+
+def test_keygen_writes_a_usable_key_pair(tmp_path: Path) -> None:
+    out = cli("keygen", "trainer-0", "--dir", str(tmp_path))
+    assert out.returncode == 0
+    secret = tmp_path / "trainer-0.key_secret"
+    assert (tmp_path / "trainer-0.key").exists() and secret.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_second_daemon_on_the_same_log_refuses_to_start(make_daemon) -> None:
+    first = make_daemon()
+    second = make_daemon(start=False)
+    second.sections["daemon"]["state_dir"] = first.sections["daemon"]["state_dir"]
+    write_config(second.config_path, second.sections)
+    second.start(wait=False)
+    assert second.proc.wait(timeout=30) == 6
+    assert "events.sqlite" in second.output()
+    assert first.status()["phase"] == "steady"
+
+
+def test_events_follow_prints_facts_as_they_are_recorded(make_daemon) -> None:
+    import time
+
+    daemon = make_daemon()
+    follow = subprocess.Popen([sys.executable, "-m", "dynaresized.cli", "events", "--follow", "--state-dir",
+                               str(daemon.state_dir), "--type", "resizing_paused"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)  # it has printed the (empty) past and is waiting for more
+        assert cli("pause", "--control", daemon.control_endpoint, "--reason", "tailing").returncode == 0
+        line = follow.stdout.readline()  # blocks until the follower sees the new fact
+        event = json.loads(line)
+        assert event["type"] == "resizing_paused" and event["reason"] == "tailing"
+    finally:
+        follow.terminate()
+        follow.wait(timeout=10)

@@ -1,0 +1,146 @@
+"""`simulate` and `bench` as a user runs them."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dynaresized.sim.cli import ProgressBar, add_parsers, run_cli
+from dynaresized.sim.profile import load_profile
+from dynaresized.sim.run import scenario_shape
+from dynaresized.sim.workload import dump_trace, scenario_trace
+
+REQUIRED = {"policy", "gpus", "steps", "total_time_s", "mean_step_s", "resizes", "best_static",
+            "colocated_total_time_s", "lower_bound_s", "speedup_vs_best_static", "gap_to_lower_bound"}
+
+
+def cli(*argv: str) -> tuple[int, str]:
+    parser = argparse.ArgumentParser()
+    add_parsers(parser.add_subparsers(dest="command", required=True))
+    out = io.StringIO()
+    code = run_cli(parser.parse_args(list(argv)), out=out)
+    return code, out.getvalue()
+
+
+def test_simulate_json_is_exactly_one_object_with_the_documented_fields():
+    code, text = cli("simulate", "--scenario", "longtail-drift", "--profile", "qwen3-8b-h20x8",
+                     "--policy", "hysteresis", "--steps", "30", "--json")
+    assert code == 0
+    lines = text.splitlines()
+    assert len(lines) == 1
+    report = json.loads(lines[0])
+    assert REQUIRED <= set(report)
+    assert set(report["best_static"]) == {"train", "rollout", "total_time_s"}
+    assert report["steps"] == 30 and report["gpus"] == 8 and report["policy"] == "hysteresis"
+    assert report["speedup_vs_best_static"] == pytest.approx(report["best_static"]["total_time_s"]
+                                                             / report["total_time_s"], rel=1e-3)
+    assert report["gap_to_lower_bound"] == pytest.approx(report["total_time_s"] / report["lower_bound_s"] - 1,
+                                                         abs=1e-3)
+
+
+def test_simulate_summary_is_readable():
+    code, text = cli("simulate", "--scenario", "noisy", "--policy", "greedy", "--steps", "12", "--gpus", "4")
+    assert code == 0
+    assert "best static split" in text and "lower bound" in text and "resize r1" in text
+
+
+def test_simulate_a_users_trace_file(tmp_path):
+    profile = load_profile("qwen3-8b-h20x8")
+    path = tmp_path / "run.jsonl"
+    dump_trace(scenario_trace("bimodal", scenario_shape(profile), steps=8), path)
+    code, text = cli("simulate", "--trace", str(path), "--policy", "planner", "--json", "--guard", "cooldown_steps=2")
+    assert code == 0
+    report = json.loads(text)
+    assert report["workload"] == "run" and report["steps"] == 8 and report["seed"] is None
+    assert report["cooldown_steps"] == 2
+
+
+def test_a_bad_trace_line_is_an_error_naming_the_line(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"step": 0, "prompt_tokens": [1], "response_tokens": [5]}\n{"step": 1}\n')
+    code, _ = cli("simulate", "--trace", str(path), "--json")
+    assert code == 2
+    assert "bad.jsonl:2:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("simulate", "--scenario", "nope"), "unknown scenario"),
+        (("simulate", "--scenario", "noisy", "--policy", "nope"), "unknown policy"),
+        (("simulate", "--scenario", "noisy", "--profile", "nope"), "no profile"),
+        (("simulate", "--scenario", "noisy", "--steps", "0"), "--steps must be >= 1"),
+        (("simulate", "--scenario", "noisy", "--guard", "cooldown_steps"), "KEY=VALUE"),
+        (("simulate", "--scenario", "noisy", "--guard", "nope=1", "--steps", "2"), "bad guard setting"),
+        (("simulate", "--scenario", "noisy", "--policy", "planner", "--policy-option", "nope=1", "--steps", "2"),
+         "bad options for policy"),
+        (("bench", "--policies", "static,nope"), "unknown policy"),
+    ],
+)
+def test_bad_input_is_a_clear_error(argv, message, capsys):
+    code, _ = cli(*argv)
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_samples_only_applies_to_scenarios(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"step": 0, "prompt_tokens": [1], "response_tokens": [5]}\n')
+    assert cli("simulate", "--trace", str(path), "--samples", "8")[0] == 2
+    assert "--samples" in capsys.readouterr().err
+
+
+def test_bench_prints_one_row_per_scenario_and_policy():
+    code, text = cli("bench", "--steps", "6", "--json", "--scenarios", "noisy,shrinking", "--policies",
+                     "static,greedy")
+    assert code == 0
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert [(r["workload"], r["policy"]) for r in rows] == [
+        ("noisy", "static"), ("noisy", "greedy"), ("shrinking", "static"), ("shrinking", "greedy")]
+    code, table = cli("bench", "--steps", "6", "--scenarios", "noisy", "--policies", "static")
+    assert code == 0 and "noisy" in table and "gap LB" in table
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs the plot extra")
+    path = tmp_path / "run.png"
+    code, _ = cli("simulate", "--scenario", "shrinking", "--steps", "25", "--policy", "greedy", "--plot", str(path))
+    assert code == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class FakeTty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_only_on_a_terminal():
+    tty, pipe = FakeTty(), io.StringIO()
+    for stream in (tty, pipe):
+        bar = ProgressBar("simulate", stream=stream)
+        for i in range(1, 6):
+            bar(i, 5)
+    assert "\rsimulate [" in tty.getvalue() and "5/5" in tty.getvalue()
+    assert pipe.getvalue() == ""
+
+
+def test_module_entry_point_runs():
+    done = subprocess.run([sys.executable, "-m", "dynaresized.sim", "simulate", "--scenario", "bimodal", "--steps", "5",
+                           "--json"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["steps"] == 5
+    assert done.stderr == ""  # no progress bar when stderr is not a terminal
+    # Another process, the same JSON bit for bit.
+    assert done.stdout == cli("simulate", "--scenario", "bimodal", "--steps", "5", "--json")[1]
+
+
+def test_the_dynaresized_command_runs_simulate(capsys):
+    from dynaresized.cli import main as dynaresized_main
+
+    assert dynaresized_main(["simulate", "--scenario", "bimodal", "--steps", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 4

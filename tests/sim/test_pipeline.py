@@ -1,0 +1,114 @@
+"""The pipeline modes, and the dynamic mode driving the daemon's own core and policies."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynaresized.core import facts as f
+from dynaresized.core import fold
+from dynaresized.core.policy import load_policy
+from dynaresized.domain import FORWARD_ORDER, Split
+from dynaresized.sim.bounds import lower_bound
+from dynaresized.sim.pipeline import DynamicPipeline, best_static, colocated_total, static_total
+from dynaresized.sim.profile import load_profile
+from dynaresized.sim.run import guards_for, scenario_shape
+from dynaresized.sim.stages import StageModel
+from dynaresized.sim.workload import scenario_trace
+
+PROFILE = load_profile("qwen3-8b-h20x8")
+
+
+@pytest.fixture(scope="module")
+def model() -> StageModel:
+    return StageModel(PROFILE, scenario_trace("longtail-drift", scenario_shape(PROFILE), steps=40))
+
+
+def run(model: StageModel, policy: str, *, naive: bool = False, **guards):
+    return DynamicPipeline(model, load_policy(policy), guards=guards_for(model.profile, guards), naive=naive).run()
+
+
+def test_static_policy_through_the_core_equals_the_static_pipeline(model):
+    result = run(model, "static")
+    assert result.total_time_s == pytest.approx(static_total(model, PROFILE.initial_split), rel=1e-12)
+    assert result.final_split == PROFILE.initial_split
+    assert not any(isinstance(x, f.ResizeStarted) for x in result.facts)
+
+
+def test_one_step_off_policy_window_is_max_of_stages_plus_sync(model):
+    split = Split(train=4, rollout=4)
+    expected = model.rollout_seconds(0, 4)
+    for w in range(1, model.steps):
+        expected += max(model.rollout_seconds(w, 4), model.train_seconds(w - 1, 4)) + model.weight_sync_s
+    expected += model.train_seconds(model.steps - 1, 4) + model.weight_sync_s
+    assert static_total(model, split) == pytest.approx(expected, rel=1e-12)
+
+
+def test_colocated_runs_generation_then_switch_then_training(model):
+    expected = sum(model.rollout_seconds(k, 8) + model.colocated_switch_s + model.train_seconds(k, 8)
+                   for k in range(model.steps))
+    assert colocated_total(model, 8) == pytest.approx(expected, rel=1e-12)
+
+
+def test_best_static_tries_every_split(model):
+    split, total = best_static(model, 8)
+    assert total == min(static_total(model, Split(t, 8 - t)) for t in range(1, 8))
+    assert static_total(model, split) == total
+
+
+def test_resizes_run_every_op_through_the_core_and_replay(model):
+    result = run(model, "greedy")
+    started = [x for x in result.facts if isinstance(x, f.ResizeStarted)]
+    committed = [x for x in result.facts if isinstance(x, f.ResizeCommitted)]
+    assert len(started) >= 5 and len(committed) >= len(started) - 1
+    first = started[0].plan.resize_id
+    kinds = [x.op_id.split("-", 1)[1] for x in result.facts if isinstance(x, f.OpCompleted)
+             and x.op_id.startswith(first + "/")]
+    assert kinds == [k.value for k in FORWARD_ORDER]
+    # The log the simulator produced replays to the core's live state (DESIGN.md §4.5).
+    assert fold(result.facts).durable() == result.state.durable()
+
+
+def test_moving_devices_serve_neither_pool_until_commit(model):
+    result = run(model, "greedy")
+    mixed = [w for w in result.windows if w.moving]
+    assert mixed
+    for w in result.windows:
+        assert w.rollout_devices + w.train_devices + w.moving == 8
+    first = next(x for x in result.facts if isinstance(x, f.ResizeStarted))
+    window = next(w for w in result.windows if w.start_s == first.at)
+    assert window.moving == len(first.plan.devices)
+
+
+def test_naive_costs_stop_the_pipeline_and_cost_more(model):
+    pipelined = run(model, "greedy")
+    naive = run(model, "greedy", naive=True)
+    assert naive.total_time_s > pipelined.total_time_s
+    assert all(w.moving == 0 for w in naive.windows)  # nothing runs while devices move
+    # Every window starts where the previous ended, except after a naive resize: a pause.
+    gaps = [b.start_s - a.end_s for a, b in zip(naive.windows, naive.windows[1:], strict=False)]
+    assert max(gaps) >= sum(PROFILE.op_seconds(k, p, naive=True) for k in FORWARD_ORDER
+                            for p in [started_pool(naive)]) - 1e-6
+
+
+def started_pool(result):
+    return next(x for x in result.facts if isinstance(x, f.ResizeStarted)).plan.to_pool
+
+
+@pytest.mark.parametrize("policy", ["static", "greedy", "hysteresis", "planner"])
+@pytest.mark.parametrize("naive", [False, True])
+def test_no_run_beats_the_lower_bound(model, policy, naive):
+    bound = lower_bound(model, 8).total_s
+    assert run(model, policy, naive=naive).total_time_s >= bound
+    assert colocated_total(model, 8) >= bound
+    assert all(static_total(model, Split(t, 8 - t)) >= bound for t in range(1, 8))
+
+
+def test_lower_bound_holds_on_every_scenario_and_other_cluster_sizes():
+    for name in ("longtail-stationary", "shrinking", "bimodal", "noisy"):
+        for gpus in (4, 8, 12):
+            profile = PROFILE.with_gpus(gpus)
+            m = StageModel(profile, scenario_trace(name, scenario_shape(profile), steps=12))
+            bound = lower_bound(m, gpus).total_s
+            assert min(static_total(m, Split(t, gpus - t)) for t in range(1, gpus)) >= bound
+            assert colocated_total(m, gpus) >= bound
+            assert run(m, "greedy").total_time_s >= bound

@@ -1,0 +1,93 @@
+"""The stage cost model: the closed-form decode time against an iteration-by-iteration
+simulation, and the properties the lower bound relies on."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynaresized.sim.profile import load_profile
+from dynaresized.sim.run import scenario_shape
+from dynaresized.sim.stages import StageModel, fifo_makespan
+from dynaresized.sim.workload import StepBatch, Trace, scenario_trace
+
+PROFILE = load_profile("qwen3-8b-h20x8")
+
+
+def engine_by_iteration(prompts: list[int], lengths: list[int], slots: int) -> float:
+    """One engine, one decode iteration at a time: FCFS admission up to `slots` running."""
+    r = PROFILE.rollout
+    waiting = list(range(len(lengths)))
+    running: dict[int, int] = {}
+    seconds = 0.0
+    while waiting or running:
+        while waiting and len(running) < slots:
+            i = waiting.pop(0)
+            running[i] = 0
+            seconds += r.prefill_per_token_s * prompts[i]
+        context = sum(prompts[i] + done for i, done in running.items())
+        seconds += r.iter_base_s + r.iter_per_seq_s * len(running) + r.iter_per_ctx_token_s * context
+        for i in list(running):
+            running[i] += 1
+            if running[i] == lengths[i]:
+                del running[i]
+    return seconds
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=30), st.integers(1, 8))
+def test_fifo_makespan_matches_iterations(lengths, slots):
+    iterations = 0
+    waiting = list(lengths)
+    running: list[int] = []
+    while waiting or running:
+        while waiting and len(running) < slots:
+            running.append(waiting.pop(0))
+        iterations += 1
+        running = [left - 1 for left in running if left > 1]
+    assert fifo_makespan(lengths, slots) == iterations
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 60)), min_size=1, max_size=24), st.integers(1, 3))
+def test_closed_form_rollout_equals_iteration_simulation(samples, engines):
+    prompts = [p for p, _ in samples]
+    lengths = [n for _, n in samples]
+    batch = StepBatch(0, np.array(prompts, dtype=np.int64), np.array(lengths, dtype=np.int64))
+    model = StageModel(PROFILE, Trace("t", (batch,)))
+    slots = int(model.batch_limit[0])
+    # Round robin: request j on engine j % engines; the slowest engine sets the rollout time.
+    expected = max(
+        engine_by_iteration(prompts[e::engines], lengths[e::engines], slots)
+        for e in range(engines)
+        if prompts[e::engines]
+    )
+    assert np.isclose(model.rollout_seconds(0, engines), expected, rtol=1e-9)
+
+
+def test_small_kv_cache_limits_the_running_batch():
+    tight = msgspec.structs.replace(PROFILE, rollout=msgspec.structs.replace(PROFILE.rollout, kv_cache_tokens=5000))
+    batch = StepBatch(0, np.full(64, 100, dtype=np.int64), np.full(64, 900, dtype=np.int64))
+    model = StageModel(tight, Trace("t", (batch,)))
+    assert model.batch_limit[0] == 5000 // (100 + 899 / 2)  # mean context of a running request
+    assert model.rollout_seconds(0, 1) > StageModel(PROFILE, Trace("t", (batch,))).rollout_seconds(0, 1)
+
+
+def test_work_and_longest_request_bound_every_pool_size():
+    trace = scenario_trace("longtail-stationary", scenario_shape(PROFILE), steps=3)
+    model = StageModel(PROFILE, trace)
+    for n in range(1, 9):
+        for k in range(3):
+            r = model.rollout_seconds(k, n)
+            assert model.rollout_work(k) <= n * r * (1 + 1e-12)
+            assert model.longest_request_s[k] <= r * (1 + 1e-12)
+
+
+def test_training_gets_faster_with_more_devices_and_slower_with_more_tokens():
+    trace = scenario_trace("longtail-drift", scenario_shape(PROFILE), steps=10)
+    model = StageModel(PROFILE, trace)
+    times = [model.train_seconds(9, n) for n in range(1, 9)]
+    assert all(a > b for a, b in zip(times, times[1:], strict=False))
+    assert model.train_seconds(9, 4) > model.train_seconds(0, 4)
