@@ -409,8 +409,10 @@ class TrainerRank:
         try:
             decision = torch.zeros(2, dtype=torch.int64)
             if self.rank == self.members[0]:
-                claimed = self._leader_scan()
-                decision = torch.tensor([claimed, self._stop_step()], dtype=torch.int64)
+                stop = self._stop_step()
+                if stop < 0 or self.step < stop:  # no change is claimed at the last boundary
+                    claimed = self._leader_scan()
+                decision = torch.tensor([claimed, stop], dtype=torch.int64)
             self.group.broadcast(decision, self.members[0])
         except (CollectiveFailed, PeerDied, WaitTimeout) as exc:
             if claimed:
@@ -709,12 +711,16 @@ class TrainerRank:
                 return True
             return False
 
+        def finished() -> str | None:
+            return "training has finished" if self.registry.finished() is not None else None
+
         try:
             self.watch.wait_until(settled, watch=lambda: (), timeout_s=max(0.0, deadline - time.time()),
                                   what=f"waiting for the members to take {change.cid} at a step boundary",
-                                  names=self._names)
-        except WaitTimeout as exc:
-            cancelled = ChangeState(ChangeStatus.CANCELLED, detail="the join timed out before a step boundary")
+                                  names=self._names, cancelled=finished)
+        except (WaitTimeout, Cancelled) as exc:
+            why = "training finished" if isinstance(exc, Cancelled) else "the join timed out before a step boundary"
+            cancelled = ChangeState(ChangeStatus.CANCELLED, detail=why)
             final = self.registry.settle(change.cid, cancelled)
             if final.status is not ChangeStatus.APPLYING:
                 self._set_view(RankState.IDLE)
