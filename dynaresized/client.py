@@ -159,6 +159,9 @@ class WorkerClient:
 
     # -- reporting -------------------------------------------------------------------
     async def report_step(self, timing: StepTiming) -> None:
+        """Report one completed RL step. Exactly one worker of the job reports each step
+        (trainer rank 0, or the driver's worker): the daemon refuses a second report of a step
+        it has already observed (`stale_step`), since it would count the step twice."""
         await self._send(wire.StepReport(worker_id=self.worker_id, timing=timing, sent_at=time.time()))
 
     async def report_progress(self, step: int, done: int, total: int, tokens: int = 0) -> None:

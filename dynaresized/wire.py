@@ -63,7 +63,8 @@ class Heartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat"):
 
 
 class StepReport(_Msg, frozen=True, kw_only=True, tag="step_report"):
-    """Stage timings of one completed RL step (usually sent by trainer rank 0 or the driver)."""
+    """Stage timings of one completed RL step, sent by exactly one worker of the job (trainer
+    rank 0 or the driver); a second report of the same step is refused as `stale_step`."""
 
     worker_id: Name
     timing: StepTiming

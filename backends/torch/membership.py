@@ -166,13 +166,18 @@ class Registry:
         return self._cas(self._k("chg", cid, "state"), _enc.encode(expected), _enc.encode(new)) == _enc.encode(new)
 
     def settle(self, cid: str, new: ChangeState) -> ChangeState:
-        """Move a change that is not final yet to `new`; returns the state it ends in."""
+        """Move a change that is not final yet to `new` (keeping the epoch and memberships of
+        a claim, for whoever reads it later); returns the state it ends in."""
         while True:
             current = self.state(cid)
             if current is None or current.status.final:
                 return current or new
-            if self.transition(cid, current, new):
-                return new
+            final = new
+            if new.epoch < 0 and current.epoch >= 0:
+                final = msgspec.structs.replace(new, epoch=current.epoch, members=current.members,
+                                                before=current.before)
+            if self.transition(cid, current, final):
+                return final
 
     def seq(self) -> int:
         return int(self.store.add(self._k("req", "seq"), 0))

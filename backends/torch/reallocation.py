@@ -416,7 +416,7 @@ def reallocate(plan: ReallocationPlan, space: FlatSpace, source: Layout, target:
             assert local is not None
             data = _gather(local, mine_src, intervals(t.intervals))
             sends.append((data, group.isend(data, t.dst, _TAG)))
-    for data, work in sends:
+    for _, work in sends:
         group.wait("reallocation send", work)
     received = 0
     for t, buf, work in recvs:

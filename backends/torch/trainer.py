@@ -126,7 +126,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             problems.append(f"device {self.device!r} is not one of devices {list(self.devices)}")
         if not self.initial:
             problems.append("initial is empty: at least one device must train from step 0")
-        for name, devs in [("initial", self.initial), *((f"candidates[{i}]", c) for i, c in enumerate(self.candidates))]:
+        named = [("initial", self.initial), *((f"candidates[{i}]", c) for i, c in enumerate(self.candidates))]
+        for name, devs in named:
             unknown = [d for d in devs if d not in self.devices]
             if unknown:
                 problems.append(f"{name} names unknown devices {unknown}")
@@ -332,6 +333,8 @@ class TrainerRank:
 
     def close(self) -> None:
         self._closing.set()
+        if not hasattr(self, "heartbeat"):  # never prepared
+            return
         if self._thread is not None:
             self._thread.join(timeout=self.config.collective_timeout_s + 5)
         self.heartbeat.stop()
@@ -340,8 +343,10 @@ class TrainerRank:
             self.state.released.unlink(missing_ok=True)
 
     def request_stop(self, step: int) -> None:
-        """Every member stops after finishing `step` steps (the leader broadcasts it)."""
-        self.registry.request_stop(step)
+        """Every member stops after finishing `step` steps (the leader broadcasts it).
+        Callable from any thread: it uses the handlers' store connection, not the loop's."""
+        with self._handler_lock:
+            self._handler_registry.request_stop(step)
 
     @property
     def view(self) -> RankView:
@@ -404,8 +409,10 @@ class TrainerRank:
         try:
             decision = torch.zeros(2, dtype=torch.int64)
             if self.rank == self.members[0]:
-                claimed = self._leader_scan()
-                decision = torch.tensor([claimed, self._stop_step()], dtype=torch.int64)
+                stop = self._stop_step()
+                if stop < 0 or self.step < stop:  # no change is claimed at the last boundary
+                    claimed = self._leader_scan()
+                decision = torch.tensor([claimed, stop], dtype=torch.int64)
             self.group.broadcast(decision, self.members[0])
         except (CollectiveFailed, PeerDied, WaitTimeout) as exc:
             if claimed:
@@ -484,11 +491,18 @@ class TrainerRank:
         change = self.registry.change(cid)
         st = self.registry.state(cid)
         self.cursor = index
-        if st is None or st.status is not ChangeStatus.APPLYING:
-            raise RuntimeError(f"change {cid} was broadcast for applying but is {st}")
+        # The others may already have finished (DONE) or failed (FAILED) it: a leaver does
+        # not meet them, and a failure is settled by whoever sees it first.
+        if st is None or st.epoch < 0:
+            raise RuntimeError(f"change {cid} was broadcast for applying but its state is {st}")
         before = self.members
-        if self.rank not in st.members:
+        if self.rank in change.remove:
             self._leave(change, st)
+            return
+        if st.status is ChangeStatus.FAILED:
+            self._recover(RuntimeError(f"{cid} failed: {st.detail}"),
+                          Topology(epoch=self.epoch, members=tuple(r for r in before if r in st.members),
+                                   step=self.step))
             return
         joiners = tuple(r for r in st.members if r not in before)
         sources = tuple(r for r in before if r in st.members)
@@ -697,12 +711,16 @@ class TrainerRank:
                 return True
             return False
 
+        def finished() -> str | None:
+            return "training has finished" if self.registry.finished() is not None else None
+
         try:
             self.watch.wait_until(settled, watch=lambda: (), timeout_s=max(0.0, deadline - time.time()),
                                   what=f"waiting for the members to take {change.cid} at a step boundary",
-                                  names=self._names)
-        except WaitTimeout as exc:
-            cancelled = ChangeState(ChangeStatus.CANCELLED, detail="the join timed out before a step boundary")
+                                  names=self._names, cancelled=finished)
+        except (WaitTimeout, Cancelled) as exc:
+            why = "training finished" if isinstance(exc, Cancelled) else "the join timed out before a step boundary"
+            cancelled = ChangeState(ChangeStatus.CANCELLED, detail=why)
             final = self.registry.settle(change.cid, cancelled)
             if final.status is not ChangeStatus.APPLYING:
                 self._set_view(RankState.IDLE)

@@ -49,6 +49,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="standalone: comma list of grow@STEP / shrink@STEP")
     p.add_argument("--steps", type=int, default=15, help="standalone: stop after this many steps")
     p.add_argument("--daemon", help="attach to this daemon worker endpoint instead of following --schedule")
+    p.add_argument("--train-sizes", default="",
+                   help="with --daemon: training-pool sizes of the daemon's candidate splits (default: "
+                        "initial .. nproc-1, as in daemon.toml)")
     return p.parse_args(argv)
 
 
@@ -111,7 +114,7 @@ def with_daemon(args: argparse.Namespace, devices: tuple[str, ...]) -> int:
         cmd = [sys.executable, str(HERE / "train.py"), "--daemon", args.daemon, "--store", str(host.address),
                "--devices", ",".join(devices), "--initial", str(args.initial), "--device", device,
                "--micro-batches", str(args.micro_batches),
-               "--train-sizes", ",".join(str(k) for k in range(args.initial, len(devices) + 1)),
+               "--train-sizes", args.train_sizes or ",".join(str(k) for k in range(args.initial, len(devices))),
                "--job-options", json.dumps({"width": args.width, "depth": args.depth})]
         if args.deterministic:
             cmd.append("--deterministic")

@@ -84,3 +84,21 @@ def test_a_second_daemon_on_the_same_log_refuses_to_start(make_daemon) -> None:
     assert second.proc.wait(timeout=30) == 6
     assert "events.sqlite" in second.output()
     assert first.status()["phase"] == "steady"
+
+
+def test_events_follow_prints_facts_as_they_are_recorded(make_daemon) -> None:
+    import time
+
+    daemon = make_daemon()
+    follow = subprocess.Popen([sys.executable, "-m", "dynaresized.cli", "events", "--follow", "--state-dir",
+                               str(daemon.state_dir), "--type", "resizing_paused"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)  # it has printed the (empty) past and is waiting for more
+        assert cli("pause", "--control", daemon.control_endpoint, "--reason", "tailing").returncode == 0
+        line = follow.stdout.readline()  # blocks until the follower sees the new fact
+        event = json.loads(line)
+        assert event["type"] == "resizing_paused" and event["reason"] == "tailing"
+    finally:
+        follow.terminate()
+        follow.wait(timeout=10)

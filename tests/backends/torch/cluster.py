@@ -57,7 +57,8 @@ def by_step(histories: dict[str, list[dict[str, Any]]]) -> dict[int, dict[str, d
     return dict(sorted(steps.items()))
 
 
-def assert_lockstep(histories: dict[str, list[dict[str, Any]]], micro_batches: int = 8) -> list[tuple[int, ...]]:
+def assert_lockstep(histories: dict[str, list[dict[str, Any]]], micro_batches: int = 8,
+                    devices: tuple[str, ...] = DEVICES) -> list[tuple[int, ...]]:
     """Every step was taken by exactly its members, who split the global batch without gaps
     or overlaps and ended with bitwise identical parameters and optimizer state. Returns the
     sequence of memberships."""
@@ -66,8 +67,8 @@ def assert_lockstep(histories: dict[str, list[dict[str, Any]]], micro_batches: i
         members = {tuple(r["members"]) for r in recs.values()}
         assert len(members) == 1, f"step {step}: ranks disagree on the membership: {members}"
         (m,) = members
-        alive = [r for r in m if DEVICES[r] in histories]  # a killed rank's records died with it
-        assert sorted(DEVICES.index(d) for d in recs) == alive, f"step {step}: taken by {sorted(recs)}, members {m}"
+        alive = [r for r in m if devices[r] in histories]  # a killed rank's records died with it
+        assert sorted(devices.index(d) for d in recs) == alive, f"step {step}: taken by {sorted(recs)}, members {m}"
         shares = [mb for r in recs.values() for mb in r["micro_batches"]]
         if len(alive) == len(m):
             assert sorted(shares) == list(range(micro_batches)), f"step {step}: micro-batches {shares}"

@@ -23,7 +23,7 @@ from dynaresized.client import OpRequest, WorkerClient  # noqa: E402
 from dynaresized.core import facts as f  # noqa: E402
 from dynaresized.domain import OpKind, WorkerKind  # noqa: E402
 
-from ...daemon.conftest import DEVICES, make_daemon, read_facts, until  # noqa: E402, F401  (make_daemon: fixture)
+from ...daemon.conftest import DEVICES, read_facts, until  # noqa: E402
 from .cluster import JOB, JOB_OPTIONS  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
@@ -86,7 +86,8 @@ async def test_trainer_ranks_grow_and_shrink_on_the_daemons_command(make_daemon,
     facts = read_facts(daemon.state_dir)
     assert [type(x) for x in facts if isinstance(x, f.ResizeCommitted | f.ResizeAborted)] == [f.ResizeCommitted] * 2
     assert not [x for x in facts if isinstance(x, f.OpFailed)]
-    acks = {(x.op_id.split("/", 1)[1].split("-", 1)[1], x.worker_id): x.detail for x in facts if isinstance(x, f.OpAcked)}
+    acks = {(x.op_id.split("/", 1)[1].split("-", 1)[1], x.worker_id): x.detail
+            for x in facts if isinstance(x, f.OpAcked)}
     # the device that moved in (highest rollout id: node0:cpu3) was joined, with a verified transfer
     assert "joined epoch" in acks[("join", "trainer3")] and "verified" in acks[("join", "trainer3")]
     assert "training on" in acks[("commit", "trainer0")]

@@ -1,6 +1,7 @@
-"""A trainer SIGKILLed in the middle of a join: the join fails with an error naming it (what the
-worker client reports to the daemon), the survivors rebuild their group and keep training, and
-the resize can be retried on the survivors."""
+"""Trainers SIGKILLed in the middle of a join. A member: the join fails with an error naming it
+(what the worker client reports to the daemon), the survivors rebuild their group and keep
+training, and the resize can be retried on the survivors. The joiner itself: its op dies with
+it (the daemon sees the worker lost), and the members carry on without it."""
 
 from __future__ import annotations
 
@@ -16,17 +17,18 @@ from .cluster import DEVICES, assert_lockstep, finish, start, trainer_config, wa
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
-D0, D1, D2, D3 = DEVICES
+FIVE = (*DEVICES, "node0:cpu4")
+D0, D1, D2, D3, D4 = FIVE
 
 
-def test_member_killed_during_a_join_fails_the_op_and_survivors_continue():
-    # Slow steps, so the joiner waits for a step boundary while the victim is killed.
-    config = trainer_config(initial=DEVICES[:3], candidates=(DEVICES[:3], DEVICES), step_delay_s=0.3,
+def test_members_or_joiners_killed_during_a_join_leave_the_survivors_training():
+    # Slow steps (1 s), so the joiner is still waiting for a step boundary when the victim dies.
+    config = trainer_config(devices=FIVE, initial=FIVE[:3], candidates=(FIVE[:3], FIVE[:4]), step_delay_s=1.0,
                             peer_timeout_s=1.0)
     job = start(config, op_timeout_s=60.0)
     try:
         registry = Registry(connect_store(job.host.address), job.host.address.prefix)
-        join = job.command(OpKind.JOIN, (D3,), training=DEVICES, resize_id="r-killed")
+        join = job.command(OpKind.JOIN, (D3,), training=FIVE[:4], resize_id="r-killed")
         pending = job.ranks[D3].op(join)
         wait_for(lambda: registry.state("r-killed/join") is not None, what="the join request in the store")
         job.ranks[D1].kill()
@@ -38,7 +40,8 @@ def test_member_killed_during_a_join_fails_the_op_and_survivors_continue():
         assert final is not None and final.status in (ChangeStatus.FAILED, ChangeStatus.REJECTED)
 
         # the daemon rolls back: EVICT to the joiner, which is not a member
-        ok, detail = job.ranks[D3].op(job.command(OpKind.EVICT, (D3,), training=(D0, D1, D2), resize_id="r-killed")).result(60)
+        evict = job.command(OpKind.EVICT, (D3,), training=(D0, D1, D2), resize_id="r-killed")
+        ok, detail = job.ranks[D3].op(evict).result(60)
         assert ok, detail
 
         # the survivors train on, as a group of two (a group built after the failure)
@@ -51,9 +54,22 @@ def test_member_killed_during_a_join_fails_the_op_and_survivors_continue():
         # and the resize can be retried with the survivors: 0, 2 and the joiner
         retry = job.grow(D3)
         assert retry.ok, retry.failures()
+
+        # now the joiner dies while it waits for the members' step boundary
+        pending = job.ranks[D4].op(job.command(OpKind.JOIN, (D4,), training=(D0, D2, D3, D4), resize_id="r-joiner"))
+        wait_for(lambda: registry.state("r-joiner/join") is not None, what="the second join request")
+        job.ranks[D4].kill()
+        with pytest.raises(RuntimeError, match="exited"):
+            pending.result(60)  # the op dies with its process: the daemon sees the worker lost
+        wait_for(lambda: (s := registry.state("r-joiner/join")) is not None and s.status.final,
+                 what="the members to give up on the dead joiner")
+        assert registry.state("r-joiner/join").status is ChangeStatus.FAILED
+        step = job.ranks[D0].view()["step"]
+        wait_for(lambda: job.ranks[D3].view()["step"] >= step + 2, what="two more steps on 0, 2, 3")
+        assert job.ranks[D0].view()["members"] == (0, 2, 3)
         histories = finish(job)
     finally:
         job.close()
 
-    memberships = assert_lockstep(histories)  # the dead rank's records are gone with it
+    memberships = assert_lockstep(histories, devices=FIVE)  # the dead ranks' records are gone with them
     assert memberships[-2:] == [(0, 2), (0, 2, 3)]
