@@ -133,6 +133,7 @@ class Driver:
         self.requested: dict[int, list[str]] = {}
         self.produced: dict[int, list[tuple[str, int]]] = {}  # step -> (sample id, policy version)
         self._position = 0
+        self.forcing: list[asyncio.Task[None]] = []
 
     def say(self, text: str) -> None:
         if not self.cfg.quiet:
@@ -302,17 +303,31 @@ op_timeout_s = 240.0
         finally:
             recorder.close()
 
-    async def force_resize(self, kind: str) -> None:
-        while self.status()["phase"] != "steady":  # one resize at a time: wait for the one in flight
+    async def settle(self) -> dict[str, Any]:
+        """Wait until no resize is in flight (the daemon's phase is steady); its status."""
+        while (status := self.status())["phase"] != "steady":
+            self.check_trainers()
             self.tail_events()
             await asyncio.sleep(0.2)
-        split = self.status()["split"]
+        return status
+
+    async def force_resize(self, kind: str) -> None:
+        """Ask the daemon, through its control endpoint, for one more (grow) or one fewer
+        (shrink) training device, once no other resize is in flight; returns when it started.
+
+        Never await this between two steps: a trainer takes a join or a drain only at a step
+        boundary, and it reaches the next boundary only when it has the next step's samples.
+        The loop runs it as a background task so that rollout (and so training) goes on."""
+        split = (await self.settle())["split"]
         train, rollout = split["train"], split["rollout"]
         train, rollout = (train + 1, rollout - 1) if kind == "grow" else (train - 1, rollout + 1)
         reply = control_request(self.control_ep, wire.ResizeRequest(train=train, rollout=rollout,
                                                                     reason=f"forced {kind} (example --force)"), 10)
         self.say(f"    >> asked the daemon for {train}:{rollout} ({kind} training): "
                  f"{'accepted' if reply.ok else 'refused: ' + reply.message}")
+        if reply.ok:
+            while (status := self.status())["phase"] == "steady" and status["split"] == split:
+                await asyncio.sleep(0.05)
 
     async def loop(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -322,7 +337,7 @@ op_timeout_s = 240.0
             version = max(step - 1, 0)  # one step off-policy: step k+1 generates while step k trains
             await self.wait_version(version)
             if step in forced:
-                await self.force_resize(forced[step])
+                self.forcing.append(asyncio.create_task(self.force_resize(forced[step])))
             if step in self.hooks:
                 await self.hooks[step](self, step)
             prompts = task.prompts_for_step(cfg.seed, step, cfg.prompts, curriculum)
@@ -355,6 +370,11 @@ op_timeout_s = 240.0
                      f"max_len {curriculum.max_len(step)}")
             self.tail_events()
         await self.wait_version(cfg.steps)
+        for t in self.forcing:
+            if not t.done():
+                t.cancel()
+                self.say("    >> a forced resize was never asked: the run ended first (more --steps?)")
+        await asyncio.gather(*self.forcing, return_exceptions=True)
         return self.collect()
 
     def collect(self) -> dict[str, Any]:
@@ -410,6 +430,9 @@ op_timeout_s = 240.0
         loop_started = time.monotonic()
         checks = await self.loop()
         loop_s = time.monotonic() - loop_started
+        # A resize still in flight ends now: its engine-side ops finish it, or (a join that
+        # needed one more training step) it rolls back. Either way the daemon says why.
+        await asyncio.wait_for(self.settle(), cfg.step_timeout_s)
         after = await self.evaluate(cfg.steps, 1)
         self.tail_events()
         status = self.status()
