@@ -85,8 +85,9 @@ def grpo_loss(model: nn.Module, samples: Sequence[TrainSample]) -> torch.Tensor:
     """Mean over `samples` of -A * sum log pi(response) / max_tokens (right-padded batch)."""
     rows = [list(s.prompt) + list(s.response) for s in samples]
     width = max(len(r) for r in rows)
-    ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows])
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    device = next(model.parameters()).device
+    ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows], device=device)
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
     logits = model(input_ids=ids, attention_mask=mask).logits.float()
     logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     take = torch.zeros_like(logp)
@@ -94,8 +95,8 @@ def grpo_loss(model: nn.Module, samples: Sequence[TrainSample]) -> torch.Tensor:
         start = len(s.prompt) - 1
         take[i, start:start + len(s.response)] = 1.0
     per_sample = (logp * take).sum(dim=1)
-    adv = torch.tensor([s.advantage for s in samples], dtype=per_sample.dtype)
-    norm = torch.tensor([float(s.max_tokens) for s in samples], dtype=per_sample.dtype)
+    adv = torch.tensor([s.advantage for s in samples], dtype=per_sample.dtype, device=device)
+    norm = torch.tensor([float(s.max_tokens) for s in samples], dtype=per_sample.dtype, device=device)
     return -(adv * per_sample / norm).mean()
 
 

@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -80,6 +81,8 @@ class RunConfig:
         "imbalance_threshold": 0.2})
     quiet: bool = False
     step_timeout_s: float = 300.0
+    gpu: bool = False  # device i = GPU i: trainers on NCCL/cuda:i, engine i pinned to GPU i, sleep mode
+    kv_cache_bytes: int = 32 << 20
 
 
 @dataclass
@@ -109,6 +112,39 @@ def sample_hash(prompt: tuple[int, ...], response: tuple[int, ...], version: int
     return hashlib.sha256(data).hexdigest()[:16]
 
 
+_PIN_LOCK = threading.Lock()
+
+
+def _pinned_engine_class() -> Any:
+    from dynaresized.backends.vllm.engine import RolloutEngine
+
+    class PinnedEngine(RolloutEngine):
+        """A GPU engine that sees only its own GPU: CUDA_VISIBLE_DEVICES is set while vLLM
+        spawns its engine-core process (which reads it at start-up)."""
+
+        def __init__(self, engine_id: str, config: Any, *, gpu: int) -> None:
+            super().__init__(engine_id, config)
+            self.gpu = gpu
+
+        def _make_llm(self) -> Any:
+            with _PIN_LOCK:
+                previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+                os.environ["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
+                try:
+                    return super()._make_llm()
+                finally:
+                    if previous is None:
+                        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                    else:
+                        os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+    return PinnedEngine
+
+
+def PinnedEngine(engine_id: str, config: Any, *, gpu: int) -> Any:  # noqa: N802 - a class, built lazily
+    return _pinned_engine_class()(engine_id, config, gpu=gpu)
+
+
 class Driver:
     """The RL loop: owns the daemon subprocess (unless given one), trainers, engines, the loop."""
 
@@ -124,7 +160,7 @@ class Driver:
         self.hooks = hooks or {}
         self.temp = cfg.work is None
         self.work = Path(cfg.work or tempfile.mkdtemp(prefix="grpo-tiny-"))
-        self.devices = tuple(f"node0:cpu{i}" for i in range(cfg.devices))
+        self.devices = tuple(f"node0:{'gpu' if cfg.gpu else 'cpu'}{i}" for i in range(cfg.devices))
         self.training0 = self.devices[: cfg.initial_train]
         self.daemon_proc: subprocess.Popen[bytes] | None = None
         self.trainers: list[subprocess.Popen[bytes]] = []
@@ -134,6 +170,7 @@ class Driver:
         self.produced: dict[int, list[tuple[str, int]]] = {}  # step -> (sample id, policy version)
         self._position = 0
         self.forcing: list[asyncio.Task[None]] = []
+        self._last_guard = ""
 
     def say(self, text: str) -> None:
         if not self.cfg.quiet:
@@ -204,6 +241,8 @@ op_timeout_s = 240.0
                    "--micro-batches", str(self.cfg.micro_batches), "--lr", str(self.cfg.lr)]
             if self.cfg.deterministic:
                 cmd.append("--deterministic")
+            if self.cfg.gpu:
+                cmd += ["--backend", "nccl", "--torch-device", f"cuda:{self.devices.index(device)}"]
             log = (self.work / f"trainer-{device.replace(':', '-')}.log").open("ab")
             self.trainers.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
 
@@ -217,12 +256,13 @@ op_timeout_s = 240.0
 
         self.weights = WeightStore(self.work / "weights")
         self.router = RequestRouter(self.weights, max_inflight=64, finish_within_tokens=4)
-        config = EngineConfig(model=str(self.work / "model"), kv_cache_memory_bytes=32 << 20, seed=self.cfg.seed,
-                              max_model_len=64)
+        config = EngineConfig(model=str(self.work / "model"), kv_cache_memory_bytes=self.cfg.kv_cache_bytes,
+                              seed=self.cfg.seed, max_model_len=64)
         self.engines: dict[str, Any] = {}
         self.workers: dict[str, Any] = {}
         for i, device in enumerate(self.devices):
-            engine = RolloutEngine(f"engine{i}", config)
+            engine = (PinnedEngine(f"engine{i}", config, gpu=i) if self.cfg.gpu
+                      else RolloutEngine(f"engine{i}", config))
             self.router.add(engine)
             self.engines[device] = engine
             self.workers[device] = EngineWorker(engine, self.router, (device,), heartbeat_interval_s=1.0,
@@ -300,12 +340,16 @@ op_timeout_s = 240.0
                     line = explain(fact)
                     self.events.append(f"{type(fact).__name__}: {line}")
                     self.say(f"    >> {line}")
+                elif isinstance(fact, f.ProposalRejected) and fact.guard != self._last_guard:
+                    self._last_guard = fact.guard  # one line per change of reason, not one per step
+                    self.say(f"    .. {explain(fact)}")
         finally:
             recorder.close()
 
     async def settle(self) -> dict[str, Any]:
-        """Wait until no resize is in flight (the daemon's phase is steady); its status."""
-        while (status := self.status())["phase"] != "steady":
+        """Wait until no resize is in flight (the daemon's phase is steady, or degraded: a
+        rollback failed and an operator must look); its status."""
+        while (status := self.status())["phase"] not in ("steady", "degraded"):
             self.check_trainers()
             self.tail_events()
             await asyncio.sleep(0.2)
@@ -442,7 +486,7 @@ op_timeout_s = 240.0
             "train_reward_first3": round(sum(x.reward for x in self.lines[:3]) / 3, 4),
             "train_reward_last3": round(sum(x.reward for x in self.lines[-3:]) / 3, 4),
             "loop_s": round(loop_s, 2), "setup_s": round(setup_s, 2),
-            "resizes": status.get("resizes", {}), "final_split": status.get("split"),
+            "resizes": status.get("resizes", {}), "final_split": status.get("split"), "phase": status.get("phase"),
             "ledger_ok": not checks["ledger_problems"], "ledger_problems": checks["ledger_problems"][:10],
             "events": self.events,
         }
@@ -457,6 +501,7 @@ op_timeout_s = 240.0
         return self.summary
 
     async def close(self) -> None:
+        (self.work / "stop").touch()  # the trainers detach from the daemon and exit
         for worker in getattr(self, "workers", {}).values():
             await worker.close()
         for engine in getattr(self, "engines", {}).values():
@@ -508,6 +553,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--daemon", help="use a running daemon: its worker endpoint (then --control too)")
     p.add_argument("--control", help="the running daemon's control endpoint")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line at the end")
+    p.add_argument("--gpu", action="store_true", help="device i = GPU i (NCCL trainers, pinned engines, sleep mode)")
+    p.add_argument("--kv-cache-mib", type=int, default=32)
     return p.parse_args(argv)
 
 
@@ -523,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
                     prompts=args.prompts, group=args.group, micro_batches=args.micro_batches, seed=args.seed,
                     deterministic=args.deterministic, force=tuple(force),
                     work=Path(args.work) if args.work else None, keep=bool(args.work),
-                    daemon=args.daemon, control=args.control)
+                    daemon=args.daemon, control=args.control, gpu=args.gpu, kv_cache_bytes=args.kv_cache_mib << 20)
     summary = asyncio.run(run_once(cfg))
     result = {k: v for k, v in summary.items() if k not in ("params_sha", "sample_hashes", "versions")}
     if args.compare_static:

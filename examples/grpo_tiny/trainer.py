@@ -12,7 +12,8 @@ After each optimizer step every rank appends what it trained (step, micro-batche
 ids) to `DIR/trained/rank<r>.jsonl` (the trained-once half of the ledger), and the group's
 leader publishes the new policy version to the `WeightStore` at `DIR/weights` (atomic rename;
 the engines reload it at the next step boundary) and writes `DIR/trained/step-<k>.json`
-(seconds, members, loss, parameter digest).
+(seconds, members, loss, parameter digest). When training ends it stays attached until the
+driver creates `DIR/stop`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--collective-timeout", type=float, default=600.0)
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument("--torch-device", default="cpu", help="cpu or cuda:N")
     return p.parse_args(argv)
 
 
@@ -67,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         devices=devices, device=args.device, initial=devices[: args.initial],
         candidates=reachable_memberships(devices, devices[: args.initial], tuple(range(1, len(devices) + 1))),
         micro_batches=args.micro_batches, deterministic=args.deterministic, steps_total=args.steps,
-        record_digests=args.deterministic, collective_timeout_s=args.collective_timeout, peer_timeout_s=5.0)
+        record_digests=args.deterministic, collective_timeout_s=args.collective_timeout, peer_timeout_s=5.0,
+        backend=args.backend, torch_device=args.torch_device)
     job = GRPOJob(str(work / "model"), str(work / "samples"), args.micro_batches, lr=args.lr)
     rank = TrainerRank(config, job, StoreAddress.parse(args.store))
     weights = WeightStore(work / "weights")
@@ -100,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         rank.start()
         try:
             await asyncio.get_running_loop().run_in_executor(None, rank.wait)
+            # Stay attached until the driver says the run is over: the daemon aborts a resize
+            # in flight when a training-pool worker says goodbye, and the last resize of a
+            # run may still be starting an engine when training ends.
+            while not (work / "stop").exists():
+                await asyncio.sleep(0.1)
         finally:
             await client.close(reason="training ended")
 

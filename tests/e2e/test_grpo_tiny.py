@@ -64,6 +64,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
 def test_every_sample_is_produced_once_and_trained_on_once(runs: dict[str, dict[str, Any]]) -> None:
     for name, summary in runs.items():
         assert summary["ledger_ok"], (name, summary["ledger_problems"])
+        assert summary["phase"] == "steady", (name, summary["events"])
         assert len(summary["sample_hashes"]) == STEPS
         assert all(len(h) == PROMPTS * 8 for h in summary["sample_hashes"])
 
