@@ -111,9 +111,9 @@ def test_a_killed_daemon_mid_resize_and_a_killed_engine_do_not_break_the_ledger(
         engine_id = worker.engine.engine_id
 
         async def killer() -> None:
-            while not driver.router.in_flight(engine_id).get(engine_id):
+            while not driver.router.in_flight(engine_id):  # mid-generation: samples on it
                 await asyncio.sleep(0.005)
-            pids = worker.engine.core_pids()
+            pids = worker.engine.core_pids
             assert pids, "no engine-core process to kill"
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)
@@ -133,6 +133,9 @@ def test_a_killed_daemon_mid_resize_and_a_killed_engine_do_not_break_the_ledger(
     summary = asyncio.run(run_once(config(tmp_path / "crash"), hooks={2: kill_daemon_mid_resize,
                                                                       6: kill_an_engine_while_it_generates}))
     assert seen.get("restarted") and seen["phase_at_kill"] != "steady"
+    task = seen["task"]
+    assert task.done() and not task.cancelled(), "the engine was never killed: the run ended first"
+    task.result()  # re-raises what went wrong in the killer, if anything
     assert "killed" in seen and "recovered" in seen
     assert summary["ledger_ok"], summary["ledger_problems"]
     assert len(summary["sample_hashes"]) == STEPS
