@@ -41,6 +41,7 @@ log = structlog.get_logger("dynaresized")
 
 EVENTS_FILE = "events.sqlite"
 _BATCH = 512
+_PENDING_MAX = 16  # stepped batches awaiting the log before the reactor waits for it (backpressure)
 
 
 class StartupError(Exception):
@@ -88,11 +89,14 @@ class Daemon:
         self._stop_deadline: float | None = None
         self._abort_sent = False
         self._last_watchdog = 0.0
-        # One writer thread keeps appends in order; SQLite releases the GIL while it writes and
-        # fsyncs, so the reactor steps the next batch meanwhile (commands still wait, see _sender).
+        # Group commit: the reactor queues each stepped batch (its facts, the state after it and
+        # the replies and commands it implies); the log writer appends everything queued in one
+        # transaction from a thread (SQLite releases the GIL while it writes and fsyncs), then
+        # sends what those facts imply. The reactor steps on meanwhile, at most _PENDING_MAX ahead.
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynaresized-log")
-        self._outgoing: asyncio.Queue[tuple[asyncio.Future[None] | None, list[f.Fact], ClusterState,
-                                            list[tuple[zmq.asyncio.Socket, bytes, bytes]]] | None] = asyncio.Queue()
+        self._pending: list[tuple[list[f.Fact], ClusterState, list[tuple[zmq.asyncio.Socket, bytes, bytes]]]] = []
+        self._pending_changed = asyncio.Event()
+        self._writing = False
         self._worker_decoder = wire.worker_decoder(config.daemon.max_message_bytes)
         self._control_decoder = wire.control_decoder(config.daemon.max_message_bytes)
 
@@ -187,7 +191,7 @@ class Daemon:
             loop.add_signal_handler(signal.SIGINT, self.request_stop)
         tasks = {
             asyncio.create_task(self._reactor(), name="reactor"),
-            asyncio.create_task(self._sender(), name="sender"),
+            asyncio.create_task(self._log_writer(), name="log-writer"),
             asyncio.create_task(self._ingress_workers(), name="ingress-workers"),
             asyncio.create_task(self._ingress_control(), name="ingress-control"),
             asyncio.create_task(self._ticker(), name="ticker"),
@@ -330,7 +334,6 @@ class Daemon:
 
     # -- the reactor -----------------------------------------------------------------
     async def _reactor(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             items = await self.queue.get()
             while len(items) < _BATCH:
@@ -345,35 +348,44 @@ class Daemon:
                 self._handle(item, facts, commands, outbox)
             for command in commands:
                 self._queue_op(command, outbox)
-            # Facts go to the log first; the sender releases this batch's replies and commands only
-            # once they are durable, and strictly in batch order.
-            durable = loop.run_in_executor(self._writer, self._persist, facts, self.state) if facts else None
-            self._outgoing.put_nowait((durable, facts, self.state, outbox))
+            self._pending.append((facts, self.state, outbox))
+            self._pending_changed.set()
+            while len(self._pending) > _PENDING_MAX:  # the log is the bottleneck: let it catch up
+                await self._log_progress()
             if self._stop_deadline is not None and self._drained():
-                self._outgoing.put_nowait(None)  # the sender ends after flushing what is queued
-                await self._outgoing.join()
+                while self._pending or self._writing:
+                    await self._log_progress()
                 return
 
-    async def _sender(self) -> None:
+    async def _log_progress(self) -> None:
+        self._pending_changed.clear()
+        await self._pending_changed.wait()
+
+    async def _log_writer(self) -> None:
+        """Append what the reactor has stepped, durably and in order; only then send the replies
+        and commands it implies. Facts are durable before anything they imply leaves."""
         assert self.workers_sock is not None and self.control_sock is not None
+        loop = asyncio.get_running_loop()
         raw = {id(self.workers_sock): zmq.Socket.shadow(self.workers_sock.underlying),
                id(self.control_sock): zmq.Socket.shadow(self.control_sock.underlying)}
         while True:
-            entry = await self._outgoing.get()
-            if entry is None:
-                self._outgoing.task_done()
-                await asyncio.Event().wait()  # everything before it is sent; the reactor ends the daemon
-            try:
-                assert entry is not None
-                durable, facts, state, outbox = entry
-                if durable is not None:
-                    await durable  # an append that fails ends this task, and so the daemon
-                    self._observe(facts, state)
+            if not self._pending:
+                await self._log_progress()
+                continue
+            batches, self._pending = self._pending, []
+            self._writing = True
+            facts = [fact for batch_facts, _, _ in batches for fact in batch_facts]
+            if facts:
+                # An append that fails ends this task, and so the daemon: nothing it implied was sent.
+                await loop.run_in_executor(self._writer, self._persist, facts, batches[-1][1])
+            self._writing = False
+            for batch_facts, state, outbox in batches:
+                if batch_facts:
+                    self._observe(batch_facts, state)
                 for sock, identity, data in outbox:
                     with contextlib.suppress(zmq.ZMQError):  # a peer gone or over its high-water mark
                         raw[id(sock)].send_multipart([identity, data], zmq.NOBLOCK)
-            finally:
-                self._outgoing.task_done()
+            self._pending_changed.set()
 
     def _drained(self) -> bool:
         if self.state.inflight is None:
