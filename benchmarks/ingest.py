@@ -153,11 +153,14 @@ def bench_ceiling(clients: int, workers: int, messages: int) -> dict[str, float]
     server = ctx.Process(target=_ceiling, args=(endpoint, total, out_q))
     server.start()
     time.sleep(0.5)
+    cpu0 = cpu_seconds(server.pid)
     t0, sent = run_clients(endpoint, clients, workers, messages, register=False)
     got, first, last = out_q.get(timeout=300)
+    cpu1 = cpu_seconds(server.pid)
     server.join(timeout=30)
     lat = [got[(w, i)] - ts for w, i, ts in sent if (w, i) in got]
-    return {"messages": len(got), "messages_per_s": round(len(got) / max(last - t0, 1e-9)), **_percentiles(lat)}
+    return {"messages": len(got), "messages_per_s": round(len(got) / max(last - t0, 1e-9)),
+            "cpu_us_per_message": round((cpu1 - cpu0) / max(len(got), 1) * 1e6, 2), **_percentiles(lat)}
 
 
 def start_daemon(tmp: Path, n_devices: int) -> tuple[subprocess.Popen[bytes], str, str]:
@@ -184,6 +187,7 @@ def bench_daemon(clients: int, workers: int, messages: int) -> dict[str, float]:
         tmp = Path(d)
         proc, worker_ep, _ = start_daemon(tmp, max(clients * workers, 2))
         try:
+            cpu0 = cpu_seconds(proc.pid)
             t0, sent = run_clients(worker_ep, clients, workers, messages, register=True)
             expected = {(w, i) for w, i, _ in sent}
             rec = open_recorder(tmp / "state" / "events.sqlite", read_only=True)
@@ -197,13 +201,15 @@ def bench_daemon(clients: int, workers: int, messages: int) -> dict[str, float]:
                     recorded[(fact["worker_id"], fact["done"])] = e.recorded_at
                 time.sleep(0.2)
             rec.close()
+            cpu1 = cpu_seconds(proc.pid)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
     last = max(recorded.values()) if recorded else t0
     lat = [recorded[(w, i)] - ts for w, i, ts in sent if (w, i) in recorded]
     return {"messages": len(recorded), "lost": len(expected) - len(recorded),
-            "messages_per_s": round(len(recorded) / max(last - t0, 1e-9)), **_percentiles(lat)}
+            "messages_per_s": round(len(recorded) / max(last - t0, 1e-9)),
+            "cpu_us_per_message": round((cpu1 - cpu0) / max(len(recorded), 1) * 1e6, 2), **_percentiles(lat)}
 
 
 def _heartbeaters(endpoint: str, index: int, count: int, seconds: float, ready_q) -> None:

@@ -41,6 +41,7 @@ log = structlog.get_logger("dynaresized")
 
 EVENTS_FILE = "events.sqlite"
 _BATCH = 512
+_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: IntFlag arithmetic costs more than the receive
 _PENDING_MAX = 16  # stepped batches awaiting the log before the reactor waits for it (backpressure)
 
 
@@ -251,7 +252,7 @@ class Daemon:
             batch: list[_WorkerIn] = []
             for _ in range(_BATCH):
                 try:
-                    frames = raw.recv_multipart(zmq.NOBLOCK, copy=copy)
+                    frames = raw.recv_multipart(_NOBLOCK, copy=copy)
                 except zmq.Again:
                     break
                 item = self._admit(raw, frames)
@@ -330,7 +331,7 @@ class Daemon:
         ref_type = type(ref).__struct_config__.tag if ref is not None else ""
         err = wire.Error(code=code, message=message, reason=reason, ref_type=ref_type)
         with contextlib.suppress(zmq.ZMQError):  # a peer gone or over its high-water mark
-            raw.send_multipart([identity, wire.encode(err)], zmq.NOBLOCK)
+            raw.send_multipart([identity, wire.encode(err)], _NOBLOCK)
 
     # -- the reactor -----------------------------------------------------------------
     async def _reactor(self) -> None:
@@ -384,7 +385,8 @@ class Daemon:
                     self._observe(batch_facts, state)
                 for sock, identity, data in outbox:
                     with contextlib.suppress(zmq.ZMQError):  # a peer gone or over its high-water mark
-                        raw[id(sock)].send_multipart([identity, data], zmq.NOBLOCK)
+                        raw[id(sock)].send_multipart([identity, data], _NOBLOCK)
+            self.metrics.flush_messages()
             self._pending_changed.set()
 
     def _drained(self) -> bool:
@@ -412,7 +414,7 @@ class Daemon:
         assert self.workers_sock is not None
         msg = item.msg
         sock = self.workers_sock
-        self.metrics.message(type(msg).__struct_config__.tag)
+        self.metrics.message(type(msg))
         try:
             match msg:
                 case wire.Hello():
