@@ -246,24 +246,27 @@ class Daemon:
         assert self.workers_sock is not None
         sock = self.workers_sock
         raw = zmq.Socket.shadow(sock.underlying)
-        copy = self.curve is None  # CURVE needs the frame object for its User-Id property
         while True:
             await sock.poll(flags=zmq.POLLIN)
             batch: list[_WorkerIn] = []
             for _ in range(_BATCH):
                 try:
-                    frames = raw.recv_multipart(_NOBLOCK, copy=copy)
+                    # Frames, not bytes: `Frame.more` is an attribute, where recv_multipart asks
+                    # the socket for RCVMORE through the Python layer for every frame.
+                    frames = [raw.recv(_NOBLOCK, copy=False)]
                 except zmq.Again:
                     break
+                while frames[-1].more:
+                    frames.append(raw.recv(0, copy=False))
                 item = self._admit(raw, frames)
                 if item is not None:
                     batch.append(item)
             if batch:
                 self.queue.put_nowait(batch)
 
-    def _admit(self, raw: zmq.Socket, frames: list) -> _WorkerIn | None:  # type: ignore[type-arg]
+    def _admit(self, raw: zmq.Socket, frames: list[zmq.Frame]) -> _WorkerIn | None:
         """Decode and authenticate one frame set; bad ones are answered here and go no further."""
-        identity = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+        identity = frames[0].bytes
         if len(frames) != 2:
             self._count_decode_error(wire.ErrorCode.MALFORMED)
             self._send_error(raw, identity, wire.ErrorCode.MALFORMED,
@@ -271,7 +274,7 @@ class Daemon:
             return None
         payload = frames[1]
         try:
-            msg = self._worker_decoder.decode(payload if isinstance(payload, bytes) else payload.buffer)
+            msg = self._worker_decoder.decode(payload.buffer)
         except wire.WireError as exc:
             self._count_decode_error(exc.kind)
             log.warning("refused frame", peer=identity.hex()[:16], kind=exc.kind.value, error=exc.message)
