@@ -46,6 +46,12 @@ OpRequest = wire.OpCommand
 OpHandler = Callable[[OpRequest], Awaitable[str]]
 
 
+def op_handlers(worker: object) -> dict[OpKind, OpHandler]:
+    """A backend's handlers by naming convention: the async method named after each op kind
+    (`drain`, `release`, `join`, ...) that the object has."""
+    return {kind: getattr(worker, kind.value) for kind in OpKind if callable(getattr(worker, kind.value, None))}
+
+
 class DaemonRejected(Exception):
     """The daemon refused this worker for good (wrong version, bad key, unknown or taken device)."""
 

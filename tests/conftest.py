@@ -1,5 +1,5 @@
-"""Suite-wide rules. On a laptop without an optional extra (torch, vllm) those tests skip with a
-reason; in CI (CI=true) every test must run, so a skip for a missing import fails the run."""
+"""Suite-wide rules. On a laptop without an optional extra (torch, vllm, plot, systemd-analyze)
+those tests skip with a reason; in CI (CI=true) every test must run, so any skip fails the run."""
 
 from __future__ import annotations
 
@@ -7,21 +7,20 @@ import os
 
 import pytest
 
-_import_skips: list[str] = []
+_skips: list[str] = []
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.skipped and isinstance(report.longrepr, tuple):
-        reason = str(report.longrepr[2])
-        if "could not import" in reason or "No module named" in reason:
-            _import_skips.append(f"{report.nodeid}: {reason}")
+    if report.skipped:
+        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skips.append(f"{report.nodeid}: {reason}")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if os.environ.get("CI") and _import_skips:
+    if os.environ.get("CI") and _skips:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
-            reporter.write_line("CI must run every test, but these skipped for a missing extra:", red=True)
-            for line in _import_skips[:20]:
+            reporter.write_line(f"CI must run every test, but {len(_skips)} skipped:", red=True)
+            for line in _skips[:20]:
                 reporter.write_line(f"  {line}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -64,6 +64,7 @@ from dynaresized.backends.torch.state import (
     send_tensors,
 )
 from dynaresized.backends.torch.store import StoreAddress, connect_store
+from dynaresized.client import op_handlers
 from dynaresized.domain import OpKind
 
 log = structlog.get_logger("dynaresized.backends.torch")
@@ -1150,16 +1151,7 @@ class TrainerRank:
         return await self._leave_request(change)
 
     def handlers(self) -> dict[OpKind, OpHandler]:
-        return {
-            OpKind.DRAIN: self.drain,
-            OpKind.RELEASE: self.release,
-            OpKind.JOIN: self.join,
-            OpKind.RESTORE: self.restore,
-            OpKind.COMMIT: self.commit,
-            OpKind.RESUME: self.resume,
-            OpKind.RECLAIM: self.reclaim,
-            OpKind.EVICT: self.evict,
-        }
+        return op_handlers(self)
 
 
 def _resolve(future: concurrent.futures.Future, result: Any = None, *, exc: BaseException | None = None) -> None:  # type: ignore[type-arg]

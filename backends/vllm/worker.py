@@ -34,6 +34,7 @@ import structlog
 from dynaresized.backends.vllm.engine import EngineState, RolloutEngine
 from dynaresized.backends.vllm.ledger import SampleResult
 from dynaresized.backends.vllm.router import RequestRouter, StepResult
+from dynaresized.client import op_handlers
 from dynaresized.domain import OpKind, Pool, StepTiming
 
 log = structlog.get_logger("dynaresized.backends.vllm")
@@ -91,16 +92,7 @@ class EngineWorker:
 
     # -- ops -------------------------------------------------------------------------------
     def handlers(self) -> dict[OpKind, OpHandler]:
-        return {
-            OpKind.DRAIN: self.drain,
-            OpKind.RELEASE: self.release,
-            OpKind.JOIN: self.join,
-            OpKind.RESTORE: self.restore,
-            OpKind.COMMIT: self.commit,
-            OpKind.RESUME: self.resume,
-            OpKind.RECLAIM: self.reclaim,
-            OpKind.EVICT: self.evict,
-        }
+        return op_handlers(self)
 
     def _check(self, op: Any, *, leaving: bool) -> None:
         """The op must name this worker's device, and move it the way this op kind can."""

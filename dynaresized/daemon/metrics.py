@@ -30,14 +30,17 @@ class Metrics:
         self.stage_seconds = Gauge("dynaresized_stage_seconds", "Last observed stage time", ["stage"], registry=r)
         self.facts = Counter("dynaresized_facts_total", "Facts appended to the log", registry=r)
 
-        self._message_children: dict[str, Counter] = {}
+        self._message_counts: dict[type, int] = {}
 
-    def message(self, kind: str) -> None:
-        """Count one valid message; label children are cached (a lookup costs more than the count)."""
-        child = self._message_children.get(kind)
-        if child is None:
-            child = self._message_children[kind] = self.messages.labels(kind)
-        child.inc()
+    def message(self, kind: type) -> None:
+        """Count one valid message of this wire type; `flush_messages` passes the counts to
+        Prometheus once per batch (each Prometheus increment takes a lock)."""
+        self._message_counts[kind] = self._message_counts.get(kind, 0) + 1
+
+    def flush_messages(self) -> None:
+        for kind, count in self._message_counts.items():
+            self.messages.labels(kind.__struct_config__.tag).inc(count)
+        self._message_counts.clear()
 
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)
@@ -45,6 +48,8 @@ class Metrics:
     def observe(self, state: ClusterState, facts: list[f.Fact]) -> None:
         self.facts.inc(len(facts))
         for fact in facts:
+            if type(fact) is f.ProgressObserved:
+                continue  # the bulk of the facts under load; nothing to count beyond the total
             if isinstance(fact, f.ResizeCommitted):
                 self.resizes.labels("committed").inc()
             elif isinstance(fact, f.ResizeRolledBack):

@@ -41,6 +41,8 @@ log = structlog.get_logger("dynaresized")
 
 EVENTS_FILE = "events.sqlite"
 _BATCH = 512
+_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: IntFlag arithmetic costs more than the receive
+_PENDING_MAX = 16  # stepped batches awaiting the log before the reactor waits for it (backpressure)
 
 
 class StartupError(Exception):
@@ -88,11 +90,14 @@ class Daemon:
         self._stop_deadline: float | None = None
         self._abort_sent = False
         self._last_watchdog = 0.0
-        # One writer thread keeps appends in order; SQLite releases the GIL while it writes and
-        # fsyncs, so the reactor steps the next batch meanwhile (commands still wait, see _sender).
+        # Group commit: the reactor queues each stepped batch (its facts, the state after it and
+        # the replies and commands it implies); the log writer appends everything queued in one
+        # transaction from a thread (SQLite releases the GIL while it writes and fsyncs), then
+        # sends what those facts imply. The reactor steps on meanwhile, at most _PENDING_MAX ahead.
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynaresized-log")
-        self._outgoing: asyncio.Queue[tuple[asyncio.Future[None] | None, list[f.Fact], ClusterState,
-                                            list[tuple[zmq.asyncio.Socket, bytes, bytes]]] | None] = asyncio.Queue()
+        self._pending: list[tuple[list[f.Fact], ClusterState, list[tuple[zmq.asyncio.Socket, bytes, bytes]]]] = []
+        self._pending_changed = asyncio.Event()
+        self._writing = False
         self._worker_decoder = wire.worker_decoder(config.daemon.max_message_bytes)
         self._control_decoder = wire.control_decoder(config.daemon.max_message_bytes)
 
@@ -187,7 +192,7 @@ class Daemon:
             loop.add_signal_handler(signal.SIGINT, self.request_stop)
         tasks = {
             asyncio.create_task(self._reactor(), name="reactor"),
-            asyncio.create_task(self._sender(), name="sender"),
+            asyncio.create_task(self._log_writer(), name="log-writer"),
             asyncio.create_task(self._ingress_workers(), name="ingress-workers"),
             asyncio.create_task(self._ingress_control(), name="ingress-control"),
             asyncio.create_task(self._ticker(), name="ticker"),
@@ -241,24 +246,27 @@ class Daemon:
         assert self.workers_sock is not None
         sock = self.workers_sock
         raw = zmq.Socket.shadow(sock.underlying)
-        copy = self.curve is None  # CURVE needs the frame object for its User-Id property
         while True:
             await sock.poll(flags=zmq.POLLIN)
             batch: list[_WorkerIn] = []
             for _ in range(_BATCH):
                 try:
-                    frames = raw.recv_multipart(zmq.NOBLOCK, copy=copy)
+                    # Frames, not bytes: `Frame.more` is an attribute, where recv_multipart asks
+                    # the socket for RCVMORE through the Python layer for every frame.
+                    frames = [raw.recv(_NOBLOCK, copy=False)]
                 except zmq.Again:
                     break
+                while frames[-1].more:
+                    frames.append(raw.recv(0, copy=False))
                 item = self._admit(raw, frames)
                 if item is not None:
                     batch.append(item)
             if batch:
                 self.queue.put_nowait(batch)
 
-    def _admit(self, raw: zmq.Socket, frames: list) -> _WorkerIn | None:  # type: ignore[type-arg]
+    def _admit(self, raw: zmq.Socket, frames: list[zmq.Frame]) -> _WorkerIn | None:
         """Decode and authenticate one frame set; bad ones are answered here and go no further."""
-        identity = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+        identity = frames[0].bytes
         if len(frames) != 2:
             self._count_decode_error(wire.ErrorCode.MALFORMED)
             self._send_error(raw, identity, wire.ErrorCode.MALFORMED,
@@ -266,7 +274,7 @@ class Daemon:
             return None
         payload = frames[1]
         try:
-            msg = self._worker_decoder.decode(payload if isinstance(payload, bytes) else payload.buffer)
+            msg = self._worker_decoder.decode(payload.buffer)
         except wire.WireError as exc:
             self._count_decode_error(exc.kind)
             log.warning("refused frame", peer=identity.hex()[:16], kind=exc.kind.value, error=exc.message)
@@ -326,11 +334,10 @@ class Daemon:
         ref_type = type(ref).__struct_config__.tag if ref is not None else ""
         err = wire.Error(code=code, message=message, reason=reason, ref_type=ref_type)
         with contextlib.suppress(zmq.ZMQError):  # a peer gone or over its high-water mark
-            raw.send_multipart([identity, wire.encode(err)], zmq.NOBLOCK)
+            raw.send_multipart([identity, wire.encode(err)], _NOBLOCK)
 
     # -- the reactor -----------------------------------------------------------------
     async def _reactor(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             items = await self.queue.get()
             while len(items) < _BATCH:
@@ -345,35 +352,45 @@ class Daemon:
                 self._handle(item, facts, commands, outbox)
             for command in commands:
                 self._queue_op(command, outbox)
-            # Facts go to the log first; the sender releases this batch's replies and commands only
-            # once they are durable, and strictly in batch order.
-            durable = loop.run_in_executor(self._writer, self._persist, facts, self.state) if facts else None
-            self._outgoing.put_nowait((durable, facts, self.state, outbox))
+            self._pending.append((facts, self.state, outbox))
+            self._pending_changed.set()
+            while len(self._pending) > _PENDING_MAX:  # the log is the bottleneck: let it catch up
+                await self._log_progress()
             if self._stop_deadline is not None and self._drained():
-                self._outgoing.put_nowait(None)  # the sender ends after flushing what is queued
-                await self._outgoing.join()
+                while self._pending or self._writing:
+                    await self._log_progress()
                 return
 
-    async def _sender(self) -> None:
+    async def _log_progress(self) -> None:
+        self._pending_changed.clear()
+        await self._pending_changed.wait()
+
+    async def _log_writer(self) -> None:
+        """Append what the reactor has stepped, durably and in order; only then send the replies
+        and commands it implies. Facts are durable before anything they imply leaves."""
         assert self.workers_sock is not None and self.control_sock is not None
+        loop = asyncio.get_running_loop()
         raw = {id(self.workers_sock): zmq.Socket.shadow(self.workers_sock.underlying),
                id(self.control_sock): zmq.Socket.shadow(self.control_sock.underlying)}
         while True:
-            entry = await self._outgoing.get()
-            if entry is None:
-                self._outgoing.task_done()
-                await asyncio.Event().wait()  # everything before it is sent; the reactor ends the daemon
-            try:
-                assert entry is not None
-                durable, facts, state, outbox = entry
-                if durable is not None:
-                    await durable  # an append that fails ends this task, and so the daemon
-                    self._observe(facts, state)
+            if not self._pending:
+                await self._log_progress()
+                continue
+            batches, self._pending = self._pending, []
+            self._writing = True
+            facts = [fact for batch_facts, _, _ in batches for fact in batch_facts]
+            if facts:
+                # An append that fails ends this task, and so the daemon: nothing it implied was sent.
+                await loop.run_in_executor(self._writer, self._persist, facts, batches[-1][1])
+            self._writing = False
+            for batch_facts, state, outbox in batches:
+                if batch_facts:
+                    self._observe(batch_facts, state)
                 for sock, identity, data in outbox:
                     with contextlib.suppress(zmq.ZMQError):  # a peer gone or over its high-water mark
-                        raw[id(sock)].send_multipart([identity, data], zmq.NOBLOCK)
-            finally:
-                self._outgoing.task_done()
+                        raw[id(sock)].send_multipart([identity, data], _NOBLOCK)
+            self.metrics.flush_messages()
+            self._pending_changed.set()
 
     def _drained(self) -> bool:
         if self.state.inflight is None:
@@ -400,7 +417,7 @@ class Daemon:
         assert self.workers_sock is not None
         msg = item.msg
         sock = self.workers_sock
-        self.metrics.message(type(msg).__struct_config__.tag)
+        self.metrics.message(type(msg))
         try:
             match msg:
                 case wire.Hello():
