@@ -402,7 +402,8 @@ op_timeout_s = 240.0
             trained = self.train_record(step - 1) if step else None
             train_s = trained["seconds"] if trained else 0.0
             train_n = len(trained["members"]) if trained else len(self.training0)
-            await self.report(result, train_s, train_n)
+            if trained is not None:  # step 0 has no training time yet: a 0 s report would mislead the policy
+                await self.report(result, train_s, train_n)
             line = StepLine(step=step, version=version, reward=sum(rewards) / len(rewards), rollout_s=result.rollout_s,
                             train_s=train_s, train=train_n, rollout=len(result.engines),
                             response_tokens=result.ledger.response_tokens,
