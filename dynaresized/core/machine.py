@@ -484,8 +484,11 @@ def _after_worker_gone(core: Core, tx: _Tx, worker_id: str, how: str, at: float)
     fl = tx.state.inflight
     if fl is None:
         return
-    involved = any(worker_id in op.targets for op in fl.ops[fl.index:])
+    # Only the moving devices' workers carry a resize; one that has nothing left to do but
+    # acknowledge the commit is simply not waited for (`_pending` skips workers no longer live).
+    involved = any(worker_id in op.targets for op in fl.ops[fl.index:] if op.kind is not OpKind.COMMIT)
     if not involved:
+        _advance(core, tx, at)
         return
     if fl.rolling_back or fl.op.kind is OpKind.COMMIT:
         # Nothing to undo or commit on a dead process; the rest goes on without it.

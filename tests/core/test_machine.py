@@ -763,3 +763,25 @@ def test_the_same_process_saying_hello_again_is_a_reconnect_not_a_loss() -> None
     assert kinds(facts) == [f.WorkerRegistered]
     assert [c.op.kind for c in commands] == [OpKind.RELEASE]  # its pending op, re-sent
     assert d.state.inflight is not None
+
+
+def test_a_worker_with_only_the_commit_left_leaving_does_not_abort_the_resize() -> None:
+    d = boot(make_core(), 2, 2)
+    d.force(3, 1)  # node 3 moves to training; trainers 0 and 1 only have to commit
+    d.ack_current()  # drain
+    d.ack_current()  # release
+    assert d.state.phase is Phase.JOINING
+    facts, _ = d.send(ev.WorkerBye(at=d.at(), worker_id=trainer(0)))
+    assert kinds(facts) == [f.WorkerLeft] and d.state.phase is Phase.JOINING
+    d.finish()
+    assert d.state.split == Split(3, 1) and d.state.resizes_committed == 1
+    assert d.state.resizes_rolled_back == 0
+    assert d.replayed().durable() == d.state.durable()
+
+
+def test_a_moving_devices_worker_leaving_still_aborts_the_resize() -> None:
+    d = boot(make_core(), 2, 2)
+    d.force(3, 1)
+    d.ack_current()  # drain done; trainer 3 has the join ahead of it
+    facts, _ = d.send(ev.WorkerBye(at=d.at(), worker_id=trainer(3)))
+    assert f.ResizeAborted in kinds(facts)
