@@ -1062,6 +1062,9 @@ class TrainerRank:
         deadline = time.monotonic() + op.timeout_s
         while True:
             v = self._view
+            if v.state is RankState.FINISHED and v.members == expect:
+                # The last resize of a run may commit after the final step: nothing to switch.
+                return f"training finished at step {v.step} on the committed membership (epoch {v.epoch})"
             if v.state is RankState.TRAINING and v.members == expect:
                 n = self.config.micro_batches
                 split = "/".join(str(len(range(i, n, len(expect)))) for i in range(len(expect)))

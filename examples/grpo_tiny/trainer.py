@@ -24,16 +24,15 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import structlog
 
 from dynaresized.backends.torch.membership import reachable_memberships
 from dynaresized.backends.torch.store import StoreAddress
-from dynaresized.backends.torch.trainer import RankState, StepRecord, TrainerConfig, TrainerRank
+from dynaresized.backends.torch.trainer import StepRecord, TrainerConfig, TrainerRank
 from dynaresized.backends.vllm.weights import WeightStore
 from dynaresized.client import WorkerClient
-from dynaresized.domain import OpKind, WorkerKind
+from dynaresized.domain import WorkerKind
 from examples.grpo_tiny.job import GRPOJob
 
 log = structlog.get_logger("examples.grpo_tiny.trainer")
@@ -100,20 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def serve() -> None:
         client = WorkerClient(args.daemon, f"trainer{config.rank}", WorkerKind.TRAINER_RANK, (args.device,))
-        handlers = rank.handlers()
-        commit = handlers[OpKind.COMMIT]
-
-        async def commit_after_the_end(op: Any) -> str:
-            # The last resize of a run may commit after the final step; a finished rank on
-            # exactly the committed membership has nothing left to confirm. (The backend
-            # refuses a commit on a finished rank; reported to the torch backend.)
-            view = rank.view
-            if view.state is RankState.FINISHED and view.members == rank._expect(op):
-                return f"training finished at step {view.step} on the committed membership (epoch {view.epoch})"
-            return await commit(op)
-
-        handlers[OpKind.COMMIT] = commit_after_the_end
-        client.on_all(handlers)  # type: ignore[arg-type]
+        client.on_all(rank.handlers())  # type: ignore[arg-type]
         await client.start()
         rank.start()
         try:
