@@ -243,9 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reason", default="")
 
     def resize_request(a: argparse.Namespace) -> wire.ResizeRequest:
-        from dynaresized.daemon.config import parse_split
+        from dynaresized.domain import Split
 
-        split = parse_split(a.split)
+        split = Split.parse(a.split)
         return wire.ResizeRequest(train=split.train, rollout=split.rollout, reason=a.reason)
 
     p.set_defaults(run=_simple(resize_request))

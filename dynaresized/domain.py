@@ -105,6 +105,15 @@ class Split(msgspec.Struct, frozen=True, order=True):
     def __str__(self) -> str:
         return f"{self.train}:{self.rollout}"
 
+    @staticmethod
+    def parse(text: str) -> Split:
+        """`"6:2"` -> Split(train=6, rollout=2); a ValueError says what was expected."""
+        try:
+            train, rollout = (int(x) for x in text.split(":"))
+        except ValueError:
+            raise ValueError(f"{text!r} is not a 'train:rollout' split such as '4:4'") from None
+        return Split(train=train, rollout=rollout)
+
 
 class OpKind(str, enum.Enum):
     """The fine-grained operations of a resize (DESIGN.md §5) and their undo operations."""

@@ -88,15 +88,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return devices, tuple(Pool.TRAINING if d in training else Pool.ROLLOUT for d in devices)
 
     def candidate_splits(self) -> tuple[Split, ...]:
-        return tuple(parse_split(c) for c in self.cluster.candidates)
-
-
-def parse_split(text: str) -> Split:
-    try:
-        train, rollout = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise ValueError(f"{text!r} is not a 'train:rollout' split such as '4:4'") from None
-    return Split(train=train, rollout=rollout)
+        return tuple(Split.parse(c) for c in self.cluster.candidates)
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:
@@ -163,7 +155,7 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
          f"min_rollout ({g.min_rollout}) + min_train ({g.min_train}) exceeds the {n} devices in cluster.devices")
     for text in cfg.cluster.candidates:
         try:
-            split = parse_split(text)
+            split = Split.parse(text)
         except ValueError as exc:
             problems.append(("cluster.candidates", str(exc)))
             continue

@@ -188,11 +188,11 @@ class ProfileError(ValueError):
 
 
 def parse_split(text: str) -> Split:
+    """`Split.parse`, with a profile's error."""
     try:
-        train, rollout = (int(part) for part in text.split(":"))
+        return Split.parse(text)
     except ValueError:
         raise ProfileError(f"split {text!r} must look like TRAIN:ROLLOUT, e.g. 6:2") from None
-    return Split(train=train, rollout=rollout)
 
 
 def builtin_profiles() -> list[str]:
