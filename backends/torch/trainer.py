@@ -1117,17 +1117,21 @@ class TrainerRank:
             raise NotReady(f"reclaim {op.op_id}: rank {self.rank} is {self._view.state.value}")
         return await asyncio.wrap_future(self._submit("reclaim"))
 
+    async def _cancel_if_pending(self, cid: str, op: Any) -> bool:
+        """Undo ops first try to cancel the change they undo: True if it had not taken effect yet."""
+        st = await self._call(lambda: self._handler_registry.state(cid))
+        if st is None or st.status is not ChangeStatus.PENDING:
+            return False
+        final = await self._call(lambda: self._handler_registry.settle(
+            cid, ChangeState(ChangeStatus.CANCELLED, detail=f"cancelled by {op.op_id}")))
+        return final.status is ChangeStatus.CANCELLED
+
     async def resume(self, op: Any) -> str:
         """RESUME (undo DRAIN): train again; a pending drain is cancelled, a done one is
         undone by re-joining with a state transfer (the others may have stepped on)."""
         self._movers(op)
-        drain = f"{op.resize_id}/drain"
-        st = await self._call(lambda: self._handler_registry.state(drain))
-        if st is not None and st.status is ChangeStatus.PENDING:
-            final = await self._call(lambda: self._handler_registry.settle(
-                drain, ChangeState(ChangeStatus.CANCELLED, detail=f"cancelled by {op.op_id}")))
-            if final.status is ChangeStatus.CANCELLED:
-                return "drain cancelled before it took effect; still training"
+        if await self._cancel_if_pending(f"{op.resize_id}/drain", op):
+            return "drain cancelled before it took effect; still training"
         if self._view.state is RankState.TRAINING:
             return f"training in epoch {self._view.epoch} {self._fmt(self._view.members)}"
         if self._view.state not in (RankState.DRAINED, RankState.IDLE):
@@ -1138,13 +1142,8 @@ class TrainerRank:
     async def evict(self, op: Any) -> str:
         """EVICT (undo JOIN): a pending join is cancelled; a done one leaves at the next boundary."""
         self._movers(op)
-        join = f"{op.resize_id}/join"
-        st = await self._call(lambda: self._handler_registry.state(join))
-        if st is not None and st.status is ChangeStatus.PENDING:
-            final = await self._call(lambda: self._handler_registry.settle(
-                join, ChangeState(ChangeStatus.CANCELLED, detail=f"cancelled by {op.op_id}")))
-            if final.status is ChangeStatus.CANCELLED:
-                return "join cancelled before it took effect"
+        if await self._cancel_if_pending(f"{op.resize_id}/join", op):
+            return "join cancelled before it took effect"
         deadline = time.monotonic() + op.timeout_s
         while self._view.state is RankState.JOINING and time.monotonic() < deadline:
             await asyncio.sleep(0.01)  # the join is being applied: let it finish, then leave
