@@ -17,7 +17,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -297,32 +297,8 @@ class SQLiteRecorder:
 
     def _read_stream(self, stream: str, after: int, stop: int | None, end: int) -> Iterator[StoredEvent]:
         sql = f"SELECT {COLUMNS} FROM events WHERE stream = ? AND version > ? AND version <= ? ORDER BY version LIMIT ?"
-        while stop is None or stop > 0:
-            n = CHUNK if stop is None else min(CHUNK, stop)
-            rows = self._query(sql, (stream, after, end, n), f"reading stream {stream!r} after version {after}")
-            for row in rows:
-                event = self._event(row)
-                if event.version != after + 1:
-                    raise CorruptLogError(
-                        f"{self.path}: stream {stream!r} jumps from version {after} to {event.version}: "
-                        f"{event.version - after - 1} event(s) are missing from the middle of the log",
-                        path=self.path,
-                        position=event.position,
-                    )
-                after = event.version
-                yield event
-            if stop is not None:
-                stop -= len(rows)
-            if len(rows) < n:
-                if after < end:
-                    # A damaged index page can end a scan early without an error from SQLite.
-                    raise CorruptLogError(
-                        f"{self.path}: reading stream {stream!r} stops at version {after}, but the stream "
-                        f"reaches version {end}: events are missing; `python -m dynaresized.store check "
-                        f"{self.path}` says where",
-                        path=self.path,
-                    )
-                return
+        return self._scan(sql, lambda a, n: (stream, a, end, n), lambda e: e.version, after, end, stop,
+                          gapless=True, subject=f"stream {stream!r}", whole="the stream", unit="version")
 
     def read_all(
         self, after_position: int = 0, types: Collection[str] | None = None, limit: int | None = None
@@ -337,33 +313,43 @@ class SQLiteRecorder:
         self, after: int, wanted: frozenset[str] | None, stop: int | None, end: int
     ) -> Iterator[StoredEvent]:
         if wanted is not None and not wanted:
-            return
+            return iter(())
         type_filter = "" if wanted is None else f" AND type IN ({', '.join('?' * len(wanted))})"
         sql = (
             f"SELECT {COLUMNS} FROM events WHERE position > ? AND position <= ?{type_filter} "
             "ORDER BY position LIMIT ?"
         )
         extra = () if wanted is None else tuple(sorted(wanted))
+        # A filtered read skips positions on purpose: only an unfiltered one can check for gaps.
+        return self._scan(sql, lambda a, n: (a, end, *extra, n), lambda e: e.position, after, end, stop,
+                          gapless=wanted is None, subject="the log", whole="it", unit="position")
+
+    def _scan(self, sql: str, params: Callable[[int, int], tuple[Any, ...]], key: Callable[[StoredEvent], int],
+              after: int, end: int, stop: int | None, *, gapless: bool, subject: str, whole: str,
+              unit: str) -> Iterator[StoredEvent]:
+        """Read in chunks of CHUNK rows ordered by `key`, up to `end`; with `gapless`, a key that
+        skips or a scan that ends before `end` means events are missing (CorruptLogError)."""
         while stop is None or stop > 0:
             n = CHUNK if stop is None else min(CHUNK, stop)
-            rows = self._query(sql, (after, end, *extra, n), f"reading the log after position {after}")
+            rows = self._query(sql, params(after, n), f"reading {subject} after {unit} {after}")
             for row in rows:
                 event = self._event(row)
-                if wanted is None and event.position != after + 1:
+                if gapless and key(event) != after + 1:
                     raise CorruptLogError(
-                        f"{self.path}: the log jumps from position {after} to {event.position}: "
-                        f"{event.position - after - 1} event(s) are missing from the middle of the log",
+                        f"{self.path}: {subject} jumps from {unit} {after} to {key(event)}: "
+                        f"{key(event) - after - 1} event(s) are missing from the middle of the log",
                         path=self.path,
                         position=event.position,
                     )
-                after = event.position
+                after = key(event)
                 yield event
             if stop is not None:
                 stop -= len(rows)
             if len(rows) < n:
-                if wanted is None and after < end:
+                if gapless and after < end:
+                    # A damaged index page can end a scan early without an error from SQLite.
                     raise CorruptLogError(
-                        f"{self.path}: reading the log stops at position {after}, but it reaches position "
+                        f"{self.path}: reading {subject} stops at {unit} {after}, but {whole} reaches {unit} "
                         f"{end}: events are missing; `python -m dynaresized.store check {self.path}` says where",
                         path=self.path,
                     )
