@@ -80,6 +80,11 @@ class SimReport(msgspec.Struct, frozen=True):
     speedup_vs_initial_split: float
     speedup_vs_colocated: float
     gap_to_lower_bound: float
+    headroom_vs_best_static: float
+    """`best_static / oracle`: the most resizing can gain over the best static split on this
+    workload and profile, with free, instant resizes (no policy's speedup exceeds it)."""
+    bound_vs_best_static: float
+    """`best_static / lower_bound`: the most *any* schedule could gain over the best static split."""
     cooldown_steps: int
     min_steps_between_resizes: int | None
     rejections: dict[str, int]
@@ -206,6 +211,8 @@ def simulate(
         speedup_vs_initial_split=_r(initial_s / total, 4),
         speedup_vs_colocated=_r(base.colocated_s / total, 4),
         gap_to_lower_bound=_r(total / base.lower_bound_s - 1.0, 4),
+        headroom_vs_best_static=_r(base.best_static_s / base.oracle_s, 4),
+        bound_vs_best_static=_r(base.best_static_s / base.lower_bound_s, 4),
         cooldown_steps=guards.cooldown_steps,
         min_steps_between_resizes=spacing,
         rejections=dict(sorted(rejections.items())),

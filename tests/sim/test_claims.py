@@ -39,11 +39,13 @@ def test_longtail_drift_gets_close_to_the_lower_bound(drift):
 
 def test_longtail_drift_beats_the_initial_split_and_matches_the_best_static_split(drift):
     # The per-step oracle (best split every step, free resizes) is the most any policy can
-    # reach; on this workload the hindsight-best static split is within ~1% of it, so the
-    # issue's 1.3x over best static is not reachable (see docs/simulator.md, "What it shows").
+    # reach, and the lower bound the most any schedule can; on this workload the hindsight-best
+    # static split is within ~1% of the oracle and 12% of the bound, so the issue's 1.3x over
+    # best static is not reachable by any schedule (docs/simulator.md, "Headroom").
     best = min(drift.values(), key=lambda r: r.total_time_s)
-    oracle_speedup = best.best_static.total_time_s / best.oracle_total_time_s
-    assert best.speedup_vs_best_static <= oracle_speedup
+    assert best.headroom_vs_best_static == round(best.best_static.total_time_s / best.oracle_total_time_s, 4)
+    assert best.speedup_vs_best_static <= best.headroom_vs_best_static <= best.bound_vs_best_static
+    assert best.bound_vs_best_static < 1.3
     assert best.speedup_vs_best_static >= 0.98
     assert best.speedup_vs_initial_split >= 1.3
 
@@ -84,8 +86,9 @@ def test_same_seed_gives_the_same_json_bit_for_bit():
 VERL_PUBLISHED = {32: 790.0, 64: 365.0, 128: 356.0}
 VERL_TOLERANCE = 0.16
 """The issue asks for 15%. The published 32 -> 64 GPU step scales superlinearly (2.16x for 2x
-GPUs); no model in which a stage never gets slower per unit of work on more GPUs fits all
-three points closer than 15.7% (docs/simulator.md, "Calibration"). The profile is fitted to
+GPUs); a model where each stage takes constant + work / N, as the simulator's does (the tail of
+a synchronous generation runs after its bulk), fits the three points no closer than 15.7%
+(docs/simulator.md, "Calibration"). The profile is fitted to
 that limit; this is the documented tolerance."""
 
 

@@ -41,12 +41,16 @@ def test_simulate_json_is_exactly_one_object_with_the_documented_fields():
                                                              / report["total_time_s"], rel=1e-3)
     assert report["gap_to_lower_bound"] == pytest.approx(report["total_time_s"] / report["lower_bound_s"] - 1,
                                                          abs=1e-3)
+    best = report["best_static"]["total_time_s"]
+    assert report["headroom_vs_best_static"] == pytest.approx(best / report["oracle_total_time_s"], rel=1e-3)
+    assert report["bound_vs_best_static"] == pytest.approx(best / report["lower_bound_s"], rel=1e-3)
 
 
 def test_simulate_summary_is_readable():
     code, text = cli("simulate", "--scenario", "noisy", "--policy", "greedy", "--steps", "12", "--gpus", "4")
     assert code == 0
     assert "best static split" in text and "lower bound" in text and "resize r1" in text
+    assert "headroom over best static" in text
 
 
 def test_simulate_a_users_trace_file(tmp_path):

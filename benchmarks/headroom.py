@@ -1,0 +1,71 @@
+"""How much can dynamic resizing gain over the best static split? Headroom, measured two ways.
+
+1. On every built-in scenario, with the simulator's own model: the hindsight-best static split
+   against the per-step oracle (best split every step, free and instant resizes) and against
+   the lower bound (no schedule beats it). Also the swing of the rollout:training work ratio
+   over the run (95th / 5th percentile of the per-step ratio), which is what moves the best
+   split.
+2. An idealised pipeline where both stages are perfectly parallel (stage time = work /
+   devices) and the rollout:training work ratio drifts geometrically by a factor `swing` over
+   the run: the best static split against the per-step oracle, on 8 devices (whole devices)
+   and with fractional splits. This says how large a swing a workload needs before any
+   policy can be 1.3x faster than the best static split.
+
+Prints one JSON object; asserts nothing. Run: python benchmarks/headroom.py
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from dynaresized.sim.profile import load_profile
+from dynaresized.sim.run import baselines, scenario_shape
+from dynaresized.sim.stages import StageModel
+from dynaresized.sim.workload import DYNAMIC_SCENARIOS, scenario_trace
+
+PROFILE = "qwen3-8b-h20x8"
+SWINGS = (1, 2, 3, 4, 6, 9, 12, 16, 25)
+STEPS = 200
+
+
+def scenario_headroom(name: str) -> dict:
+    profile = load_profile(PROFILE)
+    model = StageModel(profile, scenario_trace(name, scenario_shape(profile), seed=0))
+    base = baselines(model)
+    ratio = np.array([model.rollout_work(k) for k in range(model.steps)]) / model.train_table(1)
+    p5, p95 = np.percentile(ratio, [5, 95])
+    return {
+        "scenario": name,
+        "best_static": str(base.best_split),
+        "headroom_vs_best_static": round(base.best_static_s / base.oracle_s, 4),
+        "bound_vs_best_static": round(base.best_static_s / base.lower_bound_s, 4),
+        "work_ratio_swing_p95_p5": round(float(p95 / p5), 3),
+    }
+
+
+def ideal_headroom(swing: float, devices: int = 8) -> dict:
+    # Training work 1 per step, rollout work drifting from 1/sqrt(swing) to sqrt(swing).
+    rho = np.geomspace(1 / np.sqrt(swing), np.sqrt(swing), STEPS)
+    splits = np.arange(1, devices)  # rollout devices
+    per = np.maximum(1.0 / (devices - splits)[:, None], rho[None, :] / splits[:, None])  # [split, step]
+    whole = per.sum(axis=1).min() / per.min(axis=0).sum()
+    frac = np.linspace(0.01, 0.99, 981)
+    per_f = np.maximum(1.0 / (1 - frac)[:, None], rho[None, :] / frac[:, None])
+    fractional = per_f.sum(axis=1).min() / (1.0 + rho).sum()
+    return {"swing": swing, "headroom_whole_devices": round(float(whole), 4),
+            "headroom_fractional": round(float(fractional), 4)}
+
+
+def main() -> None:
+    result = {
+        "benchmark": "headroom",
+        "profile": PROFILE,
+        "scenarios": [scenario_headroom(name) for name in DYNAMIC_SCENARIOS],
+        "ideal_drift": [ideal_headroom(s) for s in SWINGS],
+    }
+    print(msgspec.json.encode(result).decode())
+
+
+if __name__ == "__main__":
+    main()
