@@ -58,6 +58,33 @@ def event_crc(position: int, stream: str, version: int, type: str, data: bytes, 
     return _event_crc(position, stream.encode(), version, type.encode(), data, recorded_at)
 
 
+def event_params(first_position: int, stream: str, first_version: int, events: Sequence[tuple[str, bytes]],
+                 recorded_at: float) -> list[Any]:
+    """The INSERT parameters of consecutive events, flat and in COLUMNS order, each row with its
+    `event_crc` (the same value, computed with the stream's and each type's bytes encoded once)."""
+    pack = _EVENT_HEAD.pack
+    crc32 = zlib.crc32
+    prefix = stream.encode() + b"\0"
+    tails: dict[str, bytes] = {}
+    params: list[Any] = []
+    add = params.extend
+    position, version = first_position, first_version
+    for kind, data in events:
+        tail = tails.get(kind)
+        if tail is None:
+            tail = tails[kind] = prefix + kind.encode() + b"\0"
+        add((position, stream, version, kind, data, recorded_at,
+             crc32(data, crc32(pack(position, version, recorded_at) + tail))))
+        position += 1
+        version += 1
+    return params
+
+
+def insert_events_sql(rows: int) -> str:
+    """One INSERT of `rows` events (multi-row VALUES), taking `event_params` for them."""
+    return f"INSERT INTO events ({COLUMNS}) VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * rows)
+
+
 def row_intact(row: Sequence[Any]) -> bool:
     """Whether an events row as read (in COLUMNS order, text as bytes) matches its CRC. A row
     whose columns have the wrong types (damage SQLite did not notice) does not."""

@@ -128,6 +128,14 @@ def check_events(events: object) -> list[tuple[str, bytes]]:
     """The events of an append as a list of (type, bytes), or a ValueError naming the bad one."""
     if isinstance(events, (str, bytes)) or not isinstance(events, Sequence):
         raise ValueError(f"events must be a sequence of (type, data) pairs, got {type(events).__name__}")
+    # The common case (what FactLog appends): a list of (str, bytes) tuples, kept as they are.
+    fast = list(events)
+    for item in fast:
+        if type(item) is not tuple or len(item) != 2 or type(item[0]) is not str or not item[0] \
+                or type(item[1]) is not bytes:
+            break
+    else:
+        return fast
     checked: list[tuple[str, bytes]] = []
     for i, item in enumerate(events):
         if not isinstance(item, tuple) or len(item) != 2:

@@ -30,7 +30,8 @@ from dynaresized.store.layout import (
     SCHEMA_VERSION,
     as_text,
     create_schema,
-    event_crc,
+    event_params,
+    insert_events_sql,
     is_corruption,
     quote_uri_path,
     row_intact,
@@ -55,6 +56,9 @@ from dynaresized.store.recovery import TAIL_WINDOW, inspect_wal_tail, salvage, v
 log = structlog.get_logger("dynaresized.store")
 
 Verify = Literal["tail", "full"]
+
+_COLUMN_NAMES = COLUMNS.split(", ")
+_MAX_INSERT_ROWS = 256  # rows per INSERT statement (a power of two)
 
 
 class StoreLockedError(RuntimeError):
@@ -122,6 +126,10 @@ class SQLiteRecorder:
             release_writer_lock(self._lock_fd)
             self._lock_fd = None
             raise
+        # As many rows per INSERT as SQLite's limit on bound parameters allows, up to _MAX_INSERT_ROWS.
+        rows = self._conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // len(_COLUMN_NAMES)
+        self._max_insert_rows = 1 << (max(min(rows, _MAX_INSERT_ROWS), 1).bit_length() - 1)
+        self._insert_sql: dict[int, str] = {}
 
     # -- opening ----------------------------------------------------------------------------
 
@@ -265,12 +273,7 @@ class SQLiteRecorder:
                         raise ConcurrencyError(stream, expected_version, actual)
                     last = conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0
                     now = float(self._clock())
-                    rows = []
-                    for i, (kind, data) in enumerate(batch, start=1):
-                        position, version = last + i, expected_version + i
-                        crc = event_crc(position, stream, version, kind, data, now)
-                        rows.append((position, stream, version, kind, data, now, crc))
-                    conn.executemany(f"INSERT INTO events ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+                    self._insert(conn, event_params(last + 1, stream, expected_version + 1, batch, now))
                     conn.execute("COMMIT")  # synchronous=FULL: the WAL is fsynced before this returns
                 except BaseException:
                     if conn.in_transaction:
@@ -285,6 +288,21 @@ class SQLiteRecorder:
                     raise self._corrupt(e, f"appending to stream {stream!r}") from e
                 raise
             return expected_version + len(batch)
+
+    def _insert(self, conn: sqlite3.Connection, params: list[Any]) -> None:
+        """Insert the rows of `event_params` with multi-row INSERTs of _MAX_INSERT_ROWS, then of
+        halving sizes for the rest: a handful of statements (each cached by the connection), where
+        executemany would step once per row and release and re-take the GIL around every step."""
+        width = len(_COLUMN_NAMES)
+        rows, done = len(params) // width, 0
+        while done < rows:
+            n = min(rows - done, self._max_insert_rows)
+            n = 1 << (n.bit_length() - 1)  # a power of two: at most log2(_MAX_INSERT_ROWS) + 1 statements
+            sql = self._insert_sql.get(n)
+            if sql is None:
+                sql = self._insert_sql[n] = insert_events_sql(n)
+            conn.execute(sql, params[done * width:(done + n) * width])
+            done += n
 
     def read(self, stream: str, after_version: int = 0, limit: int | None = None) -> Iterator[StoredEvent]:
         check_stream(stream)

@@ -15,7 +15,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from dynaresized.store import CorruptLogError, SQLiteRecorder, StoreLockedError, salvage
-from dynaresized.store.layout import APPLICATION_ID
+from dynaresized.store.layout import APPLICATION_ID, event_crc
 
 
 def fill(path: Path, n: int, *, stream: str = "cluster") -> None:
@@ -287,3 +287,32 @@ def test_a_damaged_index_page_never_hides_events_from_a_read(tmp_path: Path) -> 
         assert [e.data for e in writer.read("cluster")] == [f"event {i}".encode() for i in range(1, 3001)]
     (salvaged,) = [e for e in logs if e["event"] == "store.salvaged"]
     assert salvaged["last_good_position"] == 3000 and salvaged["lost_events"] == 0
+
+
+@pytest.mark.parametrize("max_rows", [256, 4, 1])
+def test_appends_of_any_size_write_every_row_with_its_crc(tmp_path: Path, max_rows: int) -> None:
+    """Appends go in multi-row INSERTs of power-of-two sizes; every row is the one a row-by-row
+    insert would have written: position, version, columns and the CRC32 docs/store.md describes."""
+    path = tmp_path / "events.sqlite"
+    sizes = [1, 2, 255, 256, 257, 600, 3]
+    with SQLiteRecorder(path, clock=lambda: 1_700_000_000.25) as r:
+        r._max_insert_rows = max_rows
+        version = 0
+        for n in sizes:
+            batch = [(f"type-{i % 3}-é", f"event {version + i}".encode()) for i in range(n)]
+            version = r.append("strëam", version, batch)
+        r.append("other", 0, [("t", bytearray(b"x")), ("t", memoryview(b"y"))])
+    total = sum(sizes)
+    conn = sqlite3.connect(path)
+    rows = conn.execute("SELECT position, stream, version, type, data, recorded_at, crc FROM events "
+                        "ORDER BY position").fetchall()
+    conn.close()
+    assert [row[0] for row in rows] == list(range(1, total + 3))
+    assert [row[2] for row in rows[:total]] == list(range(1, total + 1))
+    for position, stream, version, kind, data, recorded_at, crc in rows:
+        assert crc == event_crc(position, stream, version, kind, data, recorded_at)
+    assert rows[0][1:5] == ("strëam", 1, "type-0-é", b"event 0")
+    assert [row[4] for row in rows[total:]] == [b"x", b"y"]
+    with SQLiteRecorder(path, verify="full") as again:
+        assert [e.data for e in again.read("strëam")] == [f"event {i}".encode() for i in range(total)]
+        assert again.check().events == total + 2
