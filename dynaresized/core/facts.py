@@ -6,6 +6,8 @@ only ever appended, with defaults, so old logs stay readable.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgspec
 
 from dynaresized.domain import DeviceId, OpSpec, Pool, ResizePlan, Split, StepTiming, Worker, WorkerId
@@ -168,6 +170,15 @@ def decode_fact(data: bytes) -> Fact:
 
 def fact_type(fact: Fact) -> str:
     return type(fact).__struct_config__.tag  # type: ignore[return-value]
+
+
+_TAGS: dict[type, str] = {cls: cls.__struct_config__.tag for cls in FACT_TYPES}  # type: ignore[misc]
+
+
+def encode_facts(facts: Iterable[Fact]) -> list[tuple[str, bytes]]:
+    """(fact_type(fact), encode_fact(fact)) for each fact: what the fact log appends."""
+    tags, encode = _TAGS, _encoder.encode
+    return [(tags.get(type(fact)) or fact_type(fact), encode(fact)) for fact in facts]
 
 
 def fact_to_json(fact: Fact) -> bytes:

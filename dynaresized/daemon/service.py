@@ -274,7 +274,7 @@ class Daemon:
             return None
         payload = frames[1]
         try:
-            msg = self._worker_decoder.decode(payload.buffer)
+            msg = self._worker_decoder.decode(payload)  # the frame's buffer, as is: no copy, no memoryview
         except wire.WireError as exc:
             self._count_decode_error(exc.kind)
             log.warning("refused frame", peer=identity.hex()[:16], kind=exc.kind.value, error=exc.message)
@@ -407,19 +407,27 @@ class Daemon:
     def _handle(self, item: Any, facts: list[f.Fact], commands: list[SendOp],
                 outbox: list[tuple[zmq.asyncio.Socket, bytes, bytes]]) -> None:
         now = self.clock()
-        if isinstance(item, _TickIn):
-            self._step(ev.Tick(at=now), facts, commands)
-            self._on_tick(now, facts, commands)
-            return
-        if isinstance(item, _ControlIn):
-            self._control(item, now, facts, commands, outbox)
+        if type(item) is not _WorkerIn:
+            if isinstance(item, _TickIn):
+                self._step(ev.Tick(at=now), facts, commands)
+                self._on_tick(now, facts, commands)
+            elif isinstance(item, _ControlIn):
+                self._control(item, now, facts, commands, outbox)
             return
         assert self.workers_sock is not None
         msg = item.msg
         sock = self.workers_sock
         self.metrics.message(type(msg))
         try:
-            match msg:
+            match msg:  # the message types are disjoint: the most frequent come first
+                case wire.Progress():
+                    self._step(ev.ProgressReported(at=now, worker_id=msg.worker_id, step=msg.step, done=msg.done,
+                                                   total=msg.total, tokens=msg.tokens), facts, commands)
+                case wire.Heartbeat():
+                    self._step(ev.Heartbeat(at=now, worker_id=msg.worker_id), facts, commands)
+                    self.metrics.heartbeats.inc()
+                    outbox.append((sock, item.identity, wire.encode(
+                        wire.HeartbeatAck(seq=msg.seq, boot_id=self.boot_id))))
                 case wire.Hello():
                     if msg.protocol != wire.PROTOCOL_VERSION:
                         raise _Reply(wire.ErrorCode.BAD_VERSION,
@@ -434,16 +442,8 @@ class Daemon:
                         heartbeat_timeout_s=self.config.core.heartbeat_timeout_s,
                         candidates=self.state.candidates))))
                     # The op re-sent to a re-registered worker must follow its Welcome.
-                case wire.Heartbeat():
-                    self._step(ev.Heartbeat(at=now, worker_id=msg.worker_id), facts, commands)
-                    self.metrics.heartbeats.inc()
-                    outbox.append((sock, item.identity, wire.encode(
-                        wire.HeartbeatAck(seq=msg.seq, boot_id=self.boot_id))))
                 case wire.StepReport():
                     self._step(ev.StepReported(at=now, worker_id=msg.worker_id, timing=msg.timing), facts, commands)
-                case wire.Progress():
-                    self._step(ev.ProgressReported(at=now, worker_id=msg.worker_id, step=msg.step, done=msg.done,
-                                                   total=msg.total, tokens=msg.tokens), facts, commands)
                 case wire.OpResult():
                     self._step(ev.OpReported(at=now, worker_id=msg.worker_id, op_id=msg.op_id, ok=msg.ok,
                                              detail=msg.detail), facts, commands)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import msgspec
 import structlog
 
-from dynaresized.core.facts import Fact, decode_fact, encode_fact, fact_type
+from dynaresized.core.facts import Fact, decode_fact, encode_facts
 from dynaresized.core.state import ClusterState, decode_state, encode_state, mutate
 from dynaresized.store.recorder import CorruptLogError, Recorder
 
@@ -41,8 +41,7 @@ class FactLog:
         """Record `facts` as one atomic, durable batch (nothing to do for none)."""
         if not facts:
             return
-        batch = [(fact_type(fact), encode_fact(fact)) for fact in facts]
-        self.version = self.recorder.append(self.stream, self.version, batch)
+        self.version = self.recorder.append(self.stream, self.version, encode_facts(facts))
 
     def replay(self, *, use_snapshot: bool = True) -> ClusterState:
         """The state the log folds to: the latest snapshot (unless `use_snapshot` is False or
