@@ -251,28 +251,34 @@ class Daemon:
             batch: list[_WorkerIn] = []
             for _ in range(_BATCH):
                 try:
-                    # Frames, not bytes: `Frame.more` is an attribute, where recv_multipart asks
-                    # the socket for RCVMORE through the Python layer for every frame.
-                    frames = [raw.recv(_NOBLOCK, copy=False)]
+                    # A ROUTER delivers a message whole, as the sender's routing id and at least
+                    # one frame after it, so the payload is there once the id is. The id as bytes;
+                    # the payload as a Frame: `Frame.more` is an attribute, where recv_multipart
+                    # asks the socket for RCVMORE through the Python layer for every frame.
+                    identity = raw.recv(_NOBLOCK)
+                    payload = raw.recv(_NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                while frames[-1].more:
-                    frames.append(raw.recv(0, copy=False))
-                item = self._admit(raw, frames)
+                if payload.more:
+                    self._refuse_extra_frames(raw, identity)
+                    continue
+                item = self._admit(raw, identity, payload)
                 if item is not None:
                     batch.append(item)
             if batch:
                 self.queue.put_nowait(batch)
 
-    def _admit(self, raw: zmq.Socket, frames: list[zmq.Frame]) -> _WorkerIn | None:
-        """Decode and authenticate one frame set; bad ones are answered here and go no further."""
-        identity = frames[0].bytes
-        if len(frames) != 2:
-            self._count_decode_error(wire.ErrorCode.MALFORMED)
-            self._send_error(raw, identity, wire.ErrorCode.MALFORMED,
-                             f"expected exactly one payload frame, got {len(frames) - 1}")
-            return None
-        payload = frames[1]
+    def _refuse_extra_frames(self, raw: zmq.Socket, identity: bytes) -> None:
+        """Read and drop the rest of a message of several payload frames, and say so."""
+        extra = 1
+        while raw.recv(0, copy=False).more:
+            extra += 1
+        self._count_decode_error(wire.ErrorCode.MALFORMED)
+        self._send_error(raw, identity, wire.ErrorCode.MALFORMED,
+                         f"expected exactly one payload frame, got {extra + 1}")
+
+    def _admit(self, raw: zmq.Socket, identity: bytes, payload: zmq.Frame) -> _WorkerIn | None:
+        """Decode and authenticate one message; bad ones are answered here and go no further."""
         try:
             msg = self._worker_decoder.decode(payload)  # the frame's buffer, as is: no copy, no memoryview
         except wire.WireError as exc:

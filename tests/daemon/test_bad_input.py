@@ -101,6 +101,16 @@ async def test_bad_input_is_refused_clearly_and_changes_nothing(make_daemon) -> 
                 assert text in reply.message, f"{name}: {reply.message!r}"
             finally:
                 peer.close()
+        for frames in ([b"\x80", b"\x80"], [b"a", b"b", b"c"]):  # one message, several payload frames
+            peer = RawPeer(daemon.worker_endpoint, b"mallory")
+            try:
+                peer.send(*frames)
+                reply = peer.reply()
+                replied += 1
+                assert isinstance(reply, wire.Error) and reply.code is wire.ErrorCode.MALFORMED, reply
+                assert f"expected exactly one payload frame, got {len(frames)}" in reply.message, reply.message
+            finally:
+                peer.close()
         # A stale op result from the registered owner is refused by the core, not by auth.
         await owner._send(wire.OpResult(worker_id="owner", op_id="r9/0-drain", ok=True))
         refused = await until(lambda: [e for e in owner.errors if e.reason == "illegal_transition"],
