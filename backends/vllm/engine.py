@@ -143,7 +143,13 @@ class RolloutEngine:
             if self.state is EngineState.DEAD:
                 await self._shutdown_quietly()
             started = time.perf_counter()
-            self._llm = await asyncio.to_thread(self._make_llm)
+            # The engine comes back through a list, not as the thread's result: the thread's
+            # frame that sets the result stays referenced after the start (seen with vLLM 0.32
+            # on CPU) and kept the engine alive until the interpreter's exit, where its __del__
+            # printed a traceback (tests/backends/vllm/test_vllm_worker.py checks the exit).
+            made: list[Any] = []
+            await asyncio.to_thread(lambda: made.append(self._make_llm()))
+            self._llm = made.pop()
             self.state = EngineState.RUNNING
             self.loaded_version = self.config.base_version
             self.starts += 1

@@ -165,8 +165,9 @@ class EngineWorker:
         if set(self.devices) & set(op.rollout):
             if self.engine.engine_id in self.router.admitted:
                 return f"{self.engine.engine_id} already in the pool"
+            revived = await self._revive()
             await self.router.admit(self.engine.engine_id)
-            return f"{self.engine.engine_id} admitted at policy version {self.engine.loaded_version}"
+            return f"{self.engine.engine_id} admitted at policy version {self.engine.loaded_version}{revived}"
         if self.engine.engine_id in self.router.admitted:
             raise RuntimeError(
                 f"commit puts {list(self.devices)} outside the rollout pool, but {self.engine.engine_id} "
@@ -179,8 +180,20 @@ class EngineWorker:
         self._check(op, leaving=True)
         if self.engine.engine_id in self.router.admitted:
             return f"{self.engine.engine_id} already admitting"
+        revived = await self._revive()
         await self.router.admit(self.engine.engine_id)
-        return f"{self.engine.engine_id} admitting again"
+        return f"{self.engine.engine_id} admitting again{revived}"
+
+    async def _revive(self) -> str:
+        """Before the engine takes samples again: restart it if it died (or was stopped) in the
+        meantime, at the current policy version. An undo or a commit that finds its engine dead
+        leaves it serving rather than failing, which would leave the daemon degraded."""
+        if self.engine.state is EngineState.RUNNING:
+            return ""
+        was = self.engine.state.value
+        seconds = await self.engine.join()
+        self.lost_reason = None
+        return f" (it was {was}: restarted in {seconds:.3f}s; {await self._restore()})"
 
     async def reclaim(self, op: Any) -> str:
         """Undo release: wake or restart the engine and bring its weights up to date."""

@@ -8,7 +8,12 @@ through a real daemon).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -47,6 +52,51 @@ async def test_ops_refuse_what_is_not_theirs(rollout: Rollout) -> None:
         await worker.release(op(OpKind.RELEASE))
     assert set(worker.handlers()) == set(OpKind)
     assert "e1" in rollout.router.admitted, "a refused op changed nothing"
+
+
+async def test_undoing_a_drain_restarts_an_engine_that_died_meanwhile(rollout: Rollout) -> None:
+    """A rollback's resume (or a commit into the rollout pool) that finds its engine dead brings
+    it back instead of failing, which would leave the daemon degraded."""
+    await ready(rollout)
+    worker, engine = rollout.workers["e1"], rollout.engines["e1"]
+    assert "drained e1" in await worker.drain(op(OpKind.DRAIN))
+    [pid] = engine.core_pids
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(400):  # the worker's health watch notices within a heartbeat or two
+        if engine.state is EngineState.DEAD and worker.lost_reason is not None:
+            break
+        await asyncio.sleep(0.025)
+    assert engine.state is EngineState.DEAD and "died" in worker.lost_reason
+    detail = await worker.resume(op(OpKind.RESUME))
+    assert detail.startswith("e1 admitting again (it was dead: restarted in "), detail
+    assert engine.state is EngineState.RUNNING and engine.core_pids and engine.core_pids != [pid]
+    assert worker.lost_reason is None and "e1" in rollout.router.admitted
+    result = await rollout.router.run_step(21, rollout.router.version or 0, make_requests(21, 8, random.Random(21)))
+    assert result.engines == ("e0", "e1") and len(result.samples) == 8
+
+
+async def test_an_engine_stopped_before_exit_leaves_no_traceback(tiny_model) -> None:
+    """vLLM's AsyncLLM.__del__ printed 'Exception ignored' at interpreter exit when the engine
+    object outlived its shutdown; a stopped engine must be gone before the exit."""
+    script = textwrap.dedent(f"""
+        import asyncio
+        from dynaresized.backends.vllm.engine import EngineConfig, RolloutEngine
+
+        async def main():
+            engine = RolloutEngine("x", EngineConfig(model={str(tiny_model)!r}, kv_cache_memory_bytes=32 << 20))
+            await engine.start()
+            await engine.stop()
+
+        if __name__ == "__main__":
+            asyncio.run(main())
+            print("stopped cleanly")
+    """)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
+    done = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script], capture_output=True, text=True,
+                                   timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "stopped cleanly" in done.stdout
+    assert "Exception ignored" not in done.stderr, done.stderr[-3000:]
 
 
 async def test_release_join_restore_commit_and_evict_on_cpu(rollout: Rollout) -> None:
