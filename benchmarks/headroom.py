@@ -5,7 +5,10 @@
    the lower bound (no schedule beats it). Also the swing of the rollout:training work ratio
    over the run (95th / 5th percentile of the per-step ratio), which is what moves the best
    split.
-2. An idealised pipeline where both stages are perfectly parallel (stage time = work /
+2. Two traces with abrupt phases of response length, on the same profile: a context-lengthening
+   curriculum (cap 4K -> 8K -> 16K tokens, median 1.2K -> 2.5K -> 5K) and a switch from short
+   answers (median 250) to long reasoning (median 5K) halfway through.
+3. An idealised pipeline where both stages are perfectly parallel (stage time = work /
    devices) and the rollout:training work ratio drifts geometrically by a factor `swing` over
    the run: the best static split against the per-step oracle, on 8 devices (whole devices)
    and with fractional splits. This says how large a swing a workload needs before any
@@ -22,16 +25,35 @@ import numpy as np
 from dynaresized.sim.profile import load_profile
 from dynaresized.sim.run import baselines, scenario_shape
 from dynaresized.sim.stages import StageModel
-from dynaresized.sim.workload import DYNAMIC_SCENARIOS, scenario_trace
+from dynaresized.sim.workload import DYNAMIC_SCENARIOS, StepBatch, Trace, scenario_trace
 
 PROFILE = "qwen3-8b-h20x8"
 SWINGS = (1, 2, 3, 4, 6, 9, 12, 16, 25)
 STEPS = 200
 
 
+# (steps, median response, log-sigma, max response) per phase
+PHASES = {
+    "context-lengthening": ((70, 1200.0, 0.6, 4096), (70, 2500.0, 0.8, 8192), (60, 5000.0, 0.9, 16384)),
+    "short-then-reasoning": ((100, 250.0, 0.5, 16384), (100, 5000.0, 0.5, 16384)),
+}
+
+
+def phased_trace(name: str, phases: tuple[tuple[int, float, float, int], ...]) -> Trace:
+    rng = np.random.default_rng(0)
+    steps: list[StepBatch] = []
+    for count, median, sigma, cap in phases:
+        for _ in range(count):
+            prompt = np.maximum(rng.lognormal(np.log(180.0), 0.45, 128).repeat(8), 8.0)
+            response = np.clip(np.exp(np.log(median) + rng.normal(0.0, sigma, 1024)), 1.0, cap)
+            steps.append(StepBatch(len(steps), np.rint(prompt).astype(np.int64), np.rint(response).astype(np.int64)))
+    return Trace(name, tuple(steps))
+
+
 def scenario_headroom(name: str) -> dict:
     profile = load_profile(PROFILE)
-    model = StageModel(profile, scenario_trace(name, scenario_shape(profile), seed=0))
+    trace = phased_trace(name, PHASES[name]) if name in PHASES else scenario_trace(name, scenario_shape(profile), seed=0)
+    model = StageModel(profile, trace)
     base = baselines(model)
     ratio = np.array([model.rollout_work(k) for k in range(model.steps)]) / model.train_table(1)
     p5, p95 = np.percentile(ratio, [5, 95])
@@ -61,7 +83,7 @@ def main() -> None:
     result = {
         "benchmark": "headroom",
         "profile": PROFILE,
-        "scenarios": [scenario_headroom(name) for name in DYNAMIC_SCENARIOS],
+        "scenarios": [scenario_headroom(name) for name in (*DYNAMIC_SCENARIOS, *PHASES)],
         "ideal_drift": [ideal_headroom(s) for s in SWINGS],
     }
     print(msgspec.json.encode(result).decode())
