@@ -7,7 +7,9 @@
    split.
 2. Two traces with abrupt phases of response length, on the same profile: a context-lengthening
    curriculum (cap 4K -> 8K -> 16K tokens, median 1.2K -> 2.5K -> 5K) and a switch from short
-   answers (median 250) to long reasoning (median 5K) halfway through.
+   answers (median 250) to long reasoning (median 5K) halfway through. And a trace with DAPO's
+   dynamic sampling, where the share of generated samples that are trained falls as accuracy
+   rises (`"trained": false` marks the dropped ones).
 3. An idealised pipeline where both stages are perfectly parallel (stage time = work /
    devices) and the rollout:training work ratio drifts geometrically by a factor `swing` over
    the run: the best static split against the per-step oracle, on 8 devices (whole devices)
@@ -25,11 +27,12 @@ import numpy as np
 from dynaresized.sim.profile import load_profile
 from dynaresized.sim.run import baselines, scenario_shape
 from dynaresized.sim.stages import StageModel
-from dynaresized.sim.workload import DYNAMIC_SCENARIOS, StepBatch, Trace, scenario_trace
+from dynaresized.sim.workload import DYNAMIC_SCENARIOS, TAIL_SIGMA, StepBatch, Trace, scenario_trace
 
 PROFILE = "qwen3-8b-h20x8"
 SWINGS = (1, 2, 3, 4, 6, 9, 12, 16, 25)
 STEPS = 200
+GEN_PROMPTS = 32  # prompts per generation batch in the dynamic-sampling trace
 
 
 # (steps, median response, log-sigma, max response) per phase
@@ -50,9 +53,44 @@ def phased_trace(name: str, phases: tuple[tuple[int, float, float, int], ...]) -
     return Trace(name, tuple(steps))
 
 
+def dynamic_sampling_trace() -> Trace:
+    """DAPO-style dynamic sampling on top of longtail-drift's length growth: groups of 8 whose
+    rewards are all equal are dropped, and the engines generate batches of 32 prompts until
+    128 groups are kept (a fine-grained refill, so the generated share follows the filter). Mean accuracy rises 0.3 -> 0.8 (per-prompt pass rate ~ Beta), so
+    more groups are all-correct and more samples are generated per trained one."""
+    rng = np.random.default_rng(0)
+    steps: list[StepBatch] = []
+    for k in range(STEPS):
+        frac = k / (STEPS - 1)
+        accuracy, median = 0.3 + 0.5 * frac, 600.0 * 6.0 ** frac
+        prompts: list[np.ndarray] = []
+        responses: list[np.ndarray] = []
+        trained: list[np.ndarray] = []
+        kept = 0
+        while kept < 128:
+            pass_rate = rng.beta(accuracy * 2.0, (1.0 - accuracy) * 2.0, GEN_PROMPTS)
+            correct = (rng.random((GEN_PROMPTS, 8)) < pass_rate[:, None]).sum(axis=1)
+            mixed = (correct > 0) & (correct < 8)
+            use = mixed & (np.cumsum(mixed) + kept <= 128)
+            kept += int(use.sum())
+            per_prompt = rng.normal(0.0, TAIL_SIGMA * 0.6, GEN_PROMPTS)[:, None]
+            lengths = np.exp(np.log(median) + per_prompt + rng.normal(0.0, TAIL_SIGMA * 0.8, (GEN_PROMPTS, 8)))
+            prompts.append(np.maximum(rng.lognormal(np.log(180.0), 0.45, GEN_PROMPTS), 8.0).repeat(8))
+            responses.append(np.clip(lengths, 1.0, 16384).ravel())
+            trained.append(use.repeat(8))
+        steps.append(StepBatch(k, np.rint(np.concatenate(prompts)).astype(np.int64),
+                               np.rint(np.concatenate(responses)).astype(np.int64), np.concatenate(trained)))
+    return Trace("dynamic-sampling", tuple(steps))
+
+
 def scenario_headroom(name: str) -> dict:
     profile = load_profile(PROFILE)
-    trace = phased_trace(name, PHASES[name]) if name in PHASES else scenario_trace(name, scenario_shape(profile), seed=0)
+    if name in PHASES:
+        trace = phased_trace(name, PHASES[name])
+    elif name == "dynamic-sampling":
+        trace = dynamic_sampling_trace()
+    else:
+        trace = scenario_trace(name, scenario_shape(profile), seed=0)
     model = StageModel(profile, trace)
     base = baselines(model)
     ratio = np.array([model.rollout_work(k) for k in range(model.steps)]) / model.train_table(1)
@@ -60,6 +98,8 @@ def scenario_headroom(name: str) -> dict:
     return {
         "scenario": name,
         "best_static": str(base.best_split),
+        "generated_per_trained_sample": [round(float(model.samples[k] / max(model.trained_samples[k], 1)), 2)
+                                         for k in (0, model.steps // 2, model.steps - 1)],
         "headroom_vs_best_static": round(base.best_static_s / base.oracle_s, 4),
         "bound_vs_best_static": round(base.best_static_s / base.lower_bound_s, 4),
         "work_ratio_swing_p95_p5": round(float(p95 / p5), 3),
@@ -83,7 +123,7 @@ def main() -> None:
     result = {
         "benchmark": "headroom",
         "profile": PROFILE,
-        "scenarios": [scenario_headroom(name) for name in (*DYNAMIC_SCENARIOS, *PHASES)],
+        "scenarios": [scenario_headroom(name) for name in (*DYNAMIC_SCENARIOS, *PHASES, "dynamic-sampling")],
         "ideal_drift": [ideal_headroom(s) for s in SWINGS],
     }
     print(msgspec.json.encode(result).decode())

@@ -55,6 +55,7 @@ class StageModel:
         k = len(trace)
         self.steps = k
         self.samples = np.array([b.samples for b in trace], dtype=np.int64)
+        self.trained_samples = np.array([int(b.trained_mask.sum()) for b in trace], dtype=np.int64)
         self.response_tokens = np.array([int(b.response_tokens.sum()) for b in trace], dtype=np.int64)
         # Per step: sum L, sum P, sum of contexts over every generated token, batch limit.
         self._sum_l = np.zeros(k)
@@ -77,7 +78,7 @@ class StageModel:
             alone = ((r.iter_base_s + r.iter_per_seq_s) * length + r.iter_per_ctx_token_s * ctx
                      + r.prefill_per_token_s * p)
             self.longest_request_s[i] = float(alone.max())
-            seq = p + length
+            seq = (p + length)[b.trained_mask]  # filtered samples (dynamic sampling) are not trained
             train_tokens[i] = (seq * (1.0 + seq / attn)).sum() if attn > 0 else seq.sum()
         self.train_tokens = train_tokens
         t = profile.training

@@ -25,10 +25,19 @@ class StepBatch:
     step: int
     prompt_tokens: np.ndarray
     response_tokens: np.ndarray
+    trained: np.ndarray | None = None
+    """Which samples the trainer trains on (bool, aligned); None: all of them. Dynamic sampling
+    (DAPO) generates samples it then filters out: they cost rollout time but no training."""
 
     @property
     def samples(self) -> int:
         return int(self.response_tokens.shape[0])
+
+    @property
+    def trained_mask(self) -> np.ndarray:
+        if self.trained is None:
+            return np.ones(self.samples, dtype=bool)
+        return self.trained
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,11 +64,12 @@ class TraceError(ValueError):
     """A trace file is malformed; the message names the file and line."""
 
 
-class _TraceLine(msgspec.Struct):
+class _TraceLine(msgspec.Struct, omit_defaults=True):
     # Unknown fields (rewards, advantages, …) are ignored: users export from their own logs.
     step: int
     prompt_tokens: list[int]
     response_tokens: list[int]
+    trained: list[bool] | None = None
 
 
 _line_decoder = msgspec.json.Decoder(_TraceLine)
@@ -107,6 +117,11 @@ def load_trace(path: str | Path) -> Trace:
             )
         if not rec.response_tokens:
             raise TraceError(f"{where}: step {rec.step} has no samples")
+        if rec.trained is not None and len(rec.trained) != len(rec.response_tokens):
+            raise TraceError(
+                f"{where}: trained has {len(rec.trained)} entries but response_tokens has "
+                f"{len(rec.response_tokens)}; trained needs one true/false per sample"
+            )
         prompt = np.asarray(rec.prompt_tokens, dtype=np.int64)
         response = np.asarray(rec.response_tokens, dtype=np.int64)
         if prompt.min() < 0:
@@ -116,7 +131,8 @@ def load_trace(path: str | Path) -> Trace:
                 f"{where}: response_tokens[{int(response.argmin())}] = {int(response.min())}; "
                 "a response has at least one token"
             )
-        steps.append(StepBatch(rec.step, prompt, response))
+        trained = None if rec.trained is None else np.asarray(rec.trained, dtype=bool)
+        steps.append(StepBatch(rec.step, prompt, response, trained))
     return Trace(path.stem, tuple(steps))
 
 
@@ -125,7 +141,8 @@ def dump_trace(trace: Trace, path: str | Path) -> None:
     enc = msgspec.json.Encoder()
     with open(path, "wb") as out:
         for b in trace:
-            line = _TraceLine(b.step, b.prompt_tokens.tolist(), b.response_tokens.tolist())
+            trained = None if b.trained is None else b.trained.tolist()
+            line = _TraceLine(b.step, b.prompt_tokens.tolist(), b.response_tokens.tolist(), trained)
             out.write(enc.encode(line) + b"\n")
 
 

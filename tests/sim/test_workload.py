@@ -7,6 +7,8 @@ import pytest
 
 from dynaresized.sim.workload import (
     SCENARIOS,
+    StepBatch,
+    Trace,
     Shape,
     TraceError,
     UnknownScenarioError,
@@ -36,6 +38,31 @@ def test_trace_round_trips_through_jsonl(tmp_path):
         assert np.array_equal(a.response_tokens, b.response_tokens)
 
 
+def test_filtered_samples_round_trip_and_cost_rollout_but_no_training(tmp_path):
+    """Dynamic sampling (DAPO): a step generates samples it then drops; they are marked
+    `"trained": false`, cost the engines their decode time and the trainer nothing."""
+    from dynaresized.sim.profile import load_profile
+    from dynaresized.sim.stages import StageModel
+
+    trace = scenario_trace("longtail-stationary", SMALL, seed=1, steps=2)
+    first = trace.steps[0]
+    keep = np.arange(first.samples) % 2 == 0
+    filtered = Trace("f", (StepBatch(0, first.prompt_tokens, first.response_tokens, keep), trace.steps[1]))
+    path = tmp_path / "f.jsonl"
+    dump_trace(filtered, path)
+    assert '"trained"' in path.read_text().splitlines()[0] and '"trained"' not in path.read_text().splitlines()[1]
+    back = load_trace(path)
+    assert np.array_equal(back.steps[0].trained, keep) and back.steps[1].trained is None
+    profile = load_profile("qwen3-8b-h20x8")
+    every, half = StageModel(profile, trace), StageModel(profile, back)
+    assert half.rollout_seconds(0, 4) == every.rollout_seconds(0, 4)
+    seq = (first.prompt_tokens + first.response_tokens).astype(float)
+    expected = (seq * (1 + seq / profile.training.attention_tokens))[keep].sum()
+    assert half.train_tokens[0] == pytest.approx(expected)
+    assert half.train_seconds(0, 4) < every.train_seconds(0, 4)
+    assert half.train_seconds(1, 4) == every.train_seconds(1, 4)
+
+
 def test_unknown_fields_are_ignored(tmp_path):
     path = write(tmp_path, '{"step": 0, "prompt_tokens": [5, 6], "response_tokens": [7, 8], "reward": [1, 0]}\n')
     assert load_trace(path).steps[0].response_tokens.tolist() == [7, 8]
@@ -57,6 +84,9 @@ def test_unknown_fields_are_ignored(tmp_path):
         ('{"step": 0, "prompt_tokens": [], "response_tokens": []}\n', ":1:", "no samples"),
         ('{"prompt_tokens": [1], "response_tokens": [3]}\n', ":1:", "missing required field `step`"),
         ("", "trace.jsonl", "empty"),
+        ('{"step": 0, "prompt_tokens": [1, 2], "response_tokens": [2, 3], "trained": [true]}\n', ":1:",
+         "trained has 1 entries but response_tokens has 2"),
+        ('{"step": 0, "prompt_tokens": [1], "response_tokens": [2], "trained": [1]}\n', ":1:", "Expected `bool`"),
     ],
 )
 def test_malformed_lines_are_reported_with_their_line_number(tmp_path, text, where, what):
