@@ -48,9 +48,13 @@ _SQLITE_CORRUPT = 11
 _SQLITE_NOTADB = 26
 
 
+def _crc(position: int, version: int, recorded_at: float, names: bytes, data: bytes) -> int:
+    """The one layout an event's CRC covers; `names` is stream + NUL + type + NUL, as UTF-8."""
+    return zlib.crc32(_EVENT_HEAD.pack(position, version, recorded_at) + names + data)
+
+
 def _event_crc(position: int, stream: bytes, version: int, type: bytes, data: bytes, recorded_at: float) -> int:
-    head = _EVENT_HEAD.pack(position, version, recorded_at) + stream + b"\0" + type + b"\0"
-    return zlib.crc32(data, zlib.crc32(head))
+    return _crc(position, version, recorded_at, stream + b"\0" + type + b"\0", data)
 
 
 def event_crc(position: int, stream: str, version: int, type: str, data: bytes, recorded_at: float) -> int:
@@ -62,20 +66,16 @@ def event_params(first_position: int, stream: str, first_version: int, events: S
                  recorded_at: float) -> list[Any]:
     """The INSERT parameters of consecutive events, flat and in COLUMNS order, each row with its
     `event_crc` (the same value, computed with the stream's and each type's bytes encoded once)."""
-    pack = _EVENT_HEAD.pack
-    crc32 = zlib.crc32
     prefix = stream.encode() + b"\0"
-    tails: dict[str, bytes] = {}
+    names: dict[str, bytes] = {}
     params: list[Any] = []
     add = params.extend
     position, version = first_position, first_version
     for kind, data in events:
-        tail = tails.get(kind)
-        if tail is None:
-            tail = tails[kind] = prefix + kind.encode() + b"\0"
-        # One crc32 over the concatenation (facts are small): the same value as event_crc's.
-        crc = crc32(pack(position, version, recorded_at) + tail + data)
-        add((position, stream, version, kind, data, recorded_at, crc))
+        both = names.get(kind)
+        if both is None:
+            both = names[kind] = prefix + kind.encode() + b"\0"
+        add((position, stream, version, kind, data, recorded_at, _crc(position, version, recorded_at, both, data)))
         position += 1
         version += 1
     return params

@@ -18,6 +18,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import msgspec
@@ -59,6 +60,20 @@ Verify = Literal["tail", "full"]
 
 _COLUMN_NAMES = COLUMNS.split(", ")
 _MAX_INSERT_ROWS = 256  # rows per INSERT statement (a power of two)
+
+
+@contextmanager
+def _write_transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN IMMEDIATE ... COMMIT; anything raised inside rolls back first. With
+    synchronous=FULL the WAL is fsynced before COMMIT returns."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
 
 
 class StoreLockedError(RuntimeError):
@@ -173,14 +188,8 @@ class SQLiteRecorder:
             )
         conn.execute("PRAGMA synchronous = FULL")
         if not self._check_identity(conn):
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            with _write_transaction(conn):
                 create_schema(conn)
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
 
     def _open_writer(self, verify: Verify) -> sqlite3.Connection:
         problem: str | None = None
@@ -264,8 +273,7 @@ class SQLiteRecorder:
             self._check_writable()
             conn = self._conn
             try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
+                with _write_transaction(conn):  # durable once it ends
                     actual = conn.execute(
                         "SELECT max(version) FROM events WHERE stream = ?", (stream,)
                     ).fetchone()[0] or 0
@@ -274,11 +282,6 @@ class SQLiteRecorder:
                     last = conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0
                     now = float(self._clock())
                     self._insert(conn, event_params(last + 1, stream, expected_version + 1, batch, now))
-                    conn.execute("COMMIT")  # synchronous=FULL: the WAL is fsynced before this returns
-                except BaseException:
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
-                    raise
             except sqlite3.IntegrityError as e:
                 # The UNIQUE (stream, version) key caught a writer the version check did not see.
                 actual = self.last_version(stream)
@@ -387,8 +390,7 @@ class SQLiteRecorder:
             self._check_writable()
             conn = self._conn
             try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
+                with _write_transaction(conn):
                     last = conn.execute("SELECT max(version) FROM events WHERE stream = ?", (stream,)).fetchone()[0]
                     blob = check_snapshot(stream, version, data, last or 0)
                     now = float(self._clock())
@@ -400,11 +402,6 @@ class SQLiteRecorder:
                         "VALUES (?, ?, ?, ?, ?)",
                         (stream, version, blob, now, snapshot_crc(stream, version, blob, now)),
                     )
-                    conn.execute("COMMIT")
-                except BaseException:
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
-                    raise
             except sqlite3.DatabaseError as e:
                 if is_corruption(e):
                     raise self._corrupt(e, f"saving a snapshot of stream {stream!r}") from e
