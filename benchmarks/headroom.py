@@ -1,4 +1,4 @@
-"""How much can dynamic resizing gain over the best static split? Headroom, measured two ways.
+"""How much can dynamic resizing gain over the best static split? Headroom, measured three ways.
 
 1. On every built-in scenario, with the simulator's own model: the hindsight-best static split
    against the per-step oracle (best split every step, free and instant resizes) and against
@@ -56,8 +56,9 @@ def phased_trace(name: str, phases: tuple[tuple[int, float, float, int], ...]) -
 def dynamic_sampling_trace() -> Trace:
     """DAPO-style dynamic sampling on top of longtail-drift's length growth: groups of 8 whose
     rewards are all equal are dropped, and the engines generate batches of 32 prompts until
-    128 groups are kept (a fine-grained refill, so the generated share follows the filter). Mean accuracy rises 0.3 -> 0.8 (per-prompt pass rate ~ Beta), so
-    more groups are all-correct and more samples are generated per trained one."""
+    128 groups are kept (a fine-grained refill, so the generated share follows the filter).
+    Mean accuracy rises 0.3 -> 0.8 (per-prompt pass rate ~ Beta), so more groups are
+    all-correct and more samples are generated per trained one."""
     rng = np.random.default_rng(0)
     steps: list[StepBatch] = []
     for k in range(STEPS):

@@ -191,16 +191,19 @@ class EngineWorker:
         if self.engine.state is EngineState.RUNNING:
             return ""
         was = self.engine.state.value
+        seconds, restored = await self._start_at_current_version()
+        return f" (it was {was}: restarted in {seconds:.3f}s; {restored})"
+
+    async def _start_at_current_version(self) -> tuple[float, str]:
+        """Wake or (re)start the engine and load the current policy version: (seconds, detail)."""
         seconds = await self.engine.join()
         self.lost_reason = None
-        return f" (it was {was}: restarted in {seconds:.3f}s; {await self._restore()})"
+        return seconds, await self._restore()
 
     async def reclaim(self, op: Any) -> str:
         """Undo release: wake or restart the engine and bring its weights up to date."""
         self._check(op, leaving=True)
-        seconds = await self.engine.join()
-        self.lost_reason = None
-        restored = await self._restore()
+        seconds, restored = await self._start_at_current_version()
         return f"{self.engine.engine_id} reclaimed in {seconds:.3f}s; {restored}"
 
     async def evict(self, op: Any) -> str:
