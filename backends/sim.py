@@ -23,8 +23,19 @@ import sys
 import time
 
 from dynaresized.client import OpRequest, WorkerClient
-from dynaresized.domain import OpKind, Pool, WorkerKind
+from dynaresized.domain import ActualState, Holding, OpKind, Pool, WorkerKind
 from dynaresized.sim.cluster import VirtualCluster
+
+HOLDING_AFTER: dict[OpKind, Holding] = {
+    OpKind.DRAIN: Holding.DRAINED,
+    OpKind.RELEASE: Holding.RELEASED,
+    OpKind.JOIN: Holding.SERVING,
+    OpKind.RESTORE: Holding.SERVING,
+    OpKind.RESUME: Holding.SERVING,
+    OpKind.RECLAIM: Holding.DRAINED,
+    OpKind.EVICT: Holding.RELEASED,
+}
+"""What a simulated worker holds after each op on its device (commit changes nothing on it)."""
 
 
 def engine_name(device: str) -> str:
@@ -50,11 +61,27 @@ class SimDevice:
         self.rollout = tuple(d for d, p in pools.items() if p is Pool.ROLLOUT)
         self._pending: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         self.role = pools[device]
-        self.engine = WorkerClient(endpoint, engine_name(device), WorkerKind.ROLLOUT_ENGINE, (device,))
-        self.trainer = WorkerClient(endpoint, trainer_name(device), WorkerKind.TRAINER_RANK, (device,))
-        for client in (self.engine, self.trainer):
-            client.on_all({kind: self._op for kind in OpKind})
+        # What each worker holds, as a fresh process on its launch pool would (after a restart,
+        # the daemon converges it with the log: reconciliation).
+        self.holding = {kind: Holding.SERVING if kind.pool is self.role else Holding.RELEASED for kind in WorkerKind}
+        self.last_op = {kind: "" for kind in WorkerKind}
+        self.engine = self._client(endpoint, WorkerKind.ROLLOUT_ENGINE, engine_name(device))
+        self.trainer = self._client(endpoint, WorkerKind.TRAINER_RANK, trainer_name(device))
         self.ops: list[str] = []
+
+    def _client(self, endpoint: str, kind: WorkerKind, name: str) -> WorkerClient:
+        client = WorkerClient(endpoint, name, kind, (self.device,),
+                              actual=lambda: ActualState(holding=self.holding[kind], last_op=self.last_op[kind]))
+
+        async def run(op: OpRequest) -> str:
+            detail = await self._op(op)
+            if self.device in op.devices and op.kind in HOLDING_AFTER:
+                self.holding[kind] = HOLDING_AFTER[op.kind]
+            self.last_op[kind] = op.op_id
+            return detail
+
+        client.on_all({op_kind: run for op_kind in OpKind})
+        return client
 
     async def _op(self, op: OpRequest) -> str:
         seconds = self.cluster.op_seconds(op.kind, op.to_pool)

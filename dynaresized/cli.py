@@ -85,14 +85,22 @@ def render_status(data: dict[str, Any]) -> str:
         lines.append(f"DEGRADED    {data['degraded_reason']}")
     fl = data["in_flight"]
     if fl:
-        lines.append(f"in flight   {fl['resize_id']} {fl['from']} -> {fl['to']} on {', '.join(fl['devices'])}; "
-                     f"op {fl['op']}{' (rolling back)' if fl['rolling_back'] else ''}")
+        if fl.get("reconciling"):
+            lines.append(f"in flight   reconcile {fl['resize_id']} of {fl['reconciling']}; op {fl['op']}")
+        else:
+            lines.append(f"in flight   {fl['resize_id']} {fl['from']} -> {fl['to']} on {', '.join(fl['devices'])}; "
+                         f"op {fl['op']}{' (rolling back)' if fl['rolling_back'] else ''}")
     lines.append("")
     lines.append(f"{'DEVICE':<20} {'POOL':<28} WORKERS")
     by_device: dict[str, list[str]] = {}
     for w in data["workers"]:
+        held = w.get("actual") or "?"
+        if w.get("desired") and w.get("actual") and w["desired"] != w["actual"]:
+            held += f"!={w['desired']}"  # the worker disagrees with the log: reconciling, or unconverged
+        if w.get("unconverged"):
+            held += " UNCONVERGED"
         for d in w["devices"]:
-            by_device.setdefault(d, []).append(f"{w['id']}({w['kind']},{w['status']})")
+            by_device.setdefault(d, []).append(f"{w['id']}({w['kind']},{w['status']},{held})")
     for device, pool in data["devices"].items():
         lines.append(f"{device:<20} {pool:<28} {' '.join(by_device.get(device, [])) or '-'}")
     return "\n".join(lines)

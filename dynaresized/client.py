@@ -6,9 +6,12 @@
     await client.report_step(StepTiming(...))
     await client.close()
 
-Operations are deduplicated by op id: a command the daemon re-sends after a restart is
-answered from the record of its first run, never run twice. If the daemon restarts (a new
-boot id) or forgets the worker, the client registers again by itself, with backoff.
+Operations are deduplicated by op id: a command the daemon re-sends (after a restart, or
+because no answer came) is answered from the record of its first run, never run twice. If
+the daemon restarts (a new boot id) or forgets the worker, the client registers again by
+itself, with backoff. A worker that can say what it holds passes `actual=` (a function
+returning an `ActualState`): the client sends it with hello, with every op result and when
+the daemon asks, and the daemon then converges the worker with its log (reconciliation).
 `BlockingWorkerClient` offers the same for code without an event loop.
 """
 
@@ -27,16 +30,17 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
 
 from dynaresized import wire
-from dynaresized.domain import OpKind, Pool, StepTiming, WorkerKind
+from dynaresized.domain import ActualState, OpKind, Pool, StepTiming, WorkerKind
 
 log = structlog.get_logger("dynaresized.client")
 
-_PERMANENT = {"unknown_device", "device_owned", "conflict", "bad_request"}
+_PERMANENT = {"unknown_device", "device_owned", "conflict", "bad_request", "duplicate_worker"}
 
 
 OpRequest = wire.OpCommand
@@ -82,7 +86,8 @@ class CurveKeys:
 class WorkerClient:
     def __init__(self, endpoint: str, worker_id: str, kind: WorkerKind, devices: tuple[str, ...], *,
                  curve: CurveKeys | None = None, hello_timeout_s: float = 5.0,
-                 max_backoff_s: float = 5.0, op_records: int = 1024) -> None:
+                 max_backoff_s: float = 5.0, op_records: int = 1024,
+                 actual: Callable[[], ActualState] | None = None) -> None:
         self.endpoint = endpoint
         self.worker_id = worker_id
         self.kind = kind
@@ -94,6 +99,9 @@ class WorkerClient:
         self.incarnation = 0
         self.process = uuid.uuid4().hex  # tells the daemon a restarted worker from a reconnecting one
         self.boot_id = ""
+        self.token = ""  # this registration's token, from the welcome; every later message carries it
+        self.welcome: wire.Welcome | None = None  # the last one: what the daemon says this worker should be
+        self.actual = actual
         self.heartbeat_interval_s = 1.0
         self.heartbeat_timeout_s = 10.0
         self.errors: list[wire.Error] = []  # errors the daemon sent back (for callers and tests)
@@ -123,7 +131,9 @@ class WorkerClient:
     async def start(self) -> wire.Welcome:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        # One routing id per process: a second process under the same worker id (a restart, or a
+        # duplicate started by mistake) never takes this connection's slot at the daemon.
+        self._sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}#{self.process}".encode())
         self._sock.setsockopt(zmq.LINGER, 1000)  # a goodbye leaves before exit
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
@@ -147,7 +157,7 @@ class WorkerClient:
         self._closed = True
         if say_bye and self._sock is not None and self._registered.is_set():
             with contextlib.suppress(zmq.ZMQError):
-                await self._send(wire.Bye(worker_id=self.worker_id, reason=reason))
+                await self._send(wire.Bye(worker_id=self.worker_id, reason=reason, token=self.token))
         for task in [*self._tasks, *self._running.values()]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._running.values(), return_exceptions=True)
@@ -168,11 +178,28 @@ class WorkerClient:
         """Report one completed RL step. Exactly one worker of the job reports each step
         (trainer rank 0, or the driver's worker): the daemon refuses a second report of a step
         it has already observed (`stale_step`), since it would count the step twice."""
-        await self._send(wire.StepReport(worker_id=self.worker_id, timing=timing, sent_at=time.time()))
+        await self._send(wire.StepReport(worker_id=self.worker_id, timing=timing, sent_at=time.time(),
+                                         token=self.token))
 
     async def report_progress(self, step: int, done: int, total: int, tokens: int = 0) -> None:
         await self._send(wire.Progress(worker_id=self.worker_id, step=step, done=done, total=total, tokens=tokens,
-                                       sent_at=time.time()))
+                                       sent_at=time.time(), token=self.token))
+
+    async def report_state(self) -> None:
+        """Tell the daemon what this worker holds now (when it changed by itself, e.g. the engine
+        died); the daemon also asks now and then. Needs `actual=`."""
+        if self.actual is not None and self._registered.is_set():
+            await self._send(wire.StateReport(worker_id=self.worker_id, actual=self.actual(), token=self.token,
+                                              sent_at=time.time()))
+
+    def _actual_now(self) -> ActualState | None:
+        if self.actual is None:
+            return None
+        try:
+            return self.actual()
+        except Exception as exc:  # a backend bug must not stop the client: the daemon then knows nothing
+            log.error("actual-state callback failed", worker=self.worker_id, error=repr(exc), exc_info=exc)
+            return None
 
     # -- internals -------------------------------------------------------------------
     async def _send(self, msg: Any) -> None:
@@ -187,13 +214,15 @@ class WorkerClient:
         self._welcome = loop.create_future()
         await self._send(wire.Hello(protocol=wire.PROTOCOL_VERSION, worker_id=self.worker_id, kind=self.kind,
                                     devices=self.devices, pid=os.getpid(), host=socket.gethostname(),
-                                    sent_at=time.time(), process=self.process))
+                                    sent_at=time.time(), process=self.process, actual=self._actual_now()))
         try:
             welcome = await asyncio.wait_for(self._welcome, timeout)
         except TimeoutError:
             raise DaemonUnavailable(f"no answer from the daemon at {self.endpoint} within {timeout:g}s") from None
         self.incarnation = welcome.incarnation
         self.boot_id = welcome.boot_id
+        self.token = welcome.token
+        self.welcome = welcome
         self.heartbeat_interval_s = welcome.heartbeat_interval_s
         self.heartbeat_timeout_s = welcome.heartbeat_timeout_s
         self._last_ack = time.monotonic()
@@ -222,7 +251,8 @@ class WorkerClient:
             if not self._registered.is_set():
                 continue
             self._seq += 1
-            await self._send(wire.Heartbeat(worker_id=self.worker_id, seq=self._seq, sent_at=time.time()))
+            await self._send(wire.Heartbeat(worker_id=self.worker_id, seq=self._seq, sent_at=time.time(),
+                                            token=self.token))
             if time.monotonic() - self._last_ack > self.heartbeat_timeout_s:
                 asyncio.create_task(self._reregister("no heartbeat answer from the daemon"))
 
@@ -245,11 +275,19 @@ class WorkerClient:
                         asyncio.create_task(self._reregister(f"daemon restarted (boot {msg.boot_id})"))
                 case wire.OpCommand():
                     self._dispatch(msg)
+                case wire.StateQuery():
+                    asyncio.create_task(self.report_state())
                 case wire.Error():
                     self._on_error(msg)
 
     def _on_error(self, err: wire.Error) -> None:
         self.errors.append(err)
+        if err.reason == "stale_token" and err.token and err.token != self.token:
+            return  # about a message sent under an earlier registration: this one is current
+        if err.reason in ("stale_op", "illegal_transition") and err.ref_type == "op_result":
+            # A late answer to a re-sent op: the daemon moved on after the first one.
+            log.info("late answer to a re-sent op refused", worker=self.worker_id, error=err.message)
+            return
         log.warning("daemon error", worker=self.worker_id, code=err.code.value, reason=err.reason,
                     error=err.message)
         fatal = (err.code in (wire.ErrorCode.BAD_VERSION, wire.ErrorCode.UNAUTHORIZED)
@@ -258,13 +296,13 @@ class WorkerClient:
             self._fatal = DaemonRejected(err)
             if self._welcome is not None and not self._welcome.done():
                 self._welcome.set_exception(self._fatal)
-        elif err.reason in ("unknown_worker", "not_registered"):
+        elif err.reason in ("unknown_worker", "not_registered", "stale_token", "missing_token"):
             asyncio.create_task(self._reregister(err.message))
 
     def _dispatch(self, cmd: wire.OpCommand) -> None:
         record = self._records.get(cmd.op_id)
-        if record is not None:  # re-sent after a daemon restart: answer, do not re-run
-            asyncio.create_task(self._send(record))
+        if record is not None:  # re-sent (a daemon restart, a lost answer): answer, do not re-run
+            asyncio.create_task(self._send(msgspec.structs.replace(record, token=self.token, actual=self._actual_now())))
             return
         if cmd.op_id in self._running:
             return  # still running: its result goes out when it ends
@@ -288,7 +326,8 @@ class WorkerClient:
                     ok, detail = False, f"{type(exc).__name__}: {exc}"
                     log.warning("op failed", error=detail, exc_info=exc)
         result = wire.OpResult(worker_id=self.worker_id, op_id=op.op_id, ok=ok, detail=str(detail)[:4000],
-                               duration_s=time.monotonic() - started, sent_at=time.time())
+                               duration_s=time.monotonic() - started, sent_at=time.time(), token=self.token,
+                               actual=self._actual_now())
         self._records[op.op_id] = result
         while len(self._records) > self._op_records:
             self._records.popitem(last=False)
@@ -334,6 +373,9 @@ class BlockingWorkerClient:
     def report_progress(self, step: int, done: int, total: int, tokens: int = 0) -> None:
         self._call(self._client.report_progress(step, done, total, tokens))
 
+    def report_state(self) -> None:
+        self._call(self._client.report_state())
+
     def close(self, reason: str = "") -> None:
         try:
             self._call(self._client.close(reason=reason), timeout=10)
@@ -349,5 +391,5 @@ class BlockingWorkerClient:
         self.close()
 
 
-__all__ = ["BlockingWorkerClient", "CurveKeys", "DaemonRejected", "DaemonUnavailable", "OpHandler", "OpRequest",
+__all__ = ["ActualState", "BlockingWorkerClient", "CurveKeys", "DaemonRejected", "DaemonUnavailable", "OpHandler", "OpRequest",
            "Pool", "WorkerClient"]

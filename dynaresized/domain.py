@@ -65,6 +65,27 @@ def moving(from_pool: Pool, to_pool: Pool) -> Placement:
     return Placement(pool=None, moving_from=from_pool, moving_to=to_pool)
 
 
+class Holding(str, enum.Enum):
+    """What a worker actually does with its device(s), as it reports it (level-triggered
+    reconciliation compares this with what the log says it should do)."""
+
+    SERVING = "serving"  # holds the device and works: engine admitting, trainer in the group
+    DRAINED = "drained"  # holds the device but takes no new work (engine drained, trainer out at a boundary)
+    RELEASED = "released"  # holds nothing: engine asleep or stopped, trainer outside the group
+    DONE = "done"  # its job ended (training finished): nothing to converge
+    FAILED = "failed"  # it cannot act (its loop died): it cannot converge until it restarts
+
+
+class ActualState(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's own account of itself: sent in `hello`, with every op result and on request."""
+
+    holding: Holding
+    last_op: str = ""  # id of the last op this process applied ("" if none)
+    epoch: int = 0  # trainer: its group's membership epoch; engine: 0
+    members: tuple[DeviceId, ...] = ()  # trainer: the devices of the group it is in
+    detail: str = ""  # free text for operators (e.g. why FAILED)
+
+
 class Worker(msgspec.Struct, frozen=True):
     worker_id: WorkerId
     kind: WorkerKind
@@ -73,6 +94,7 @@ class Worker(msgspec.Struct, frozen=True):
     registered_at: float = 0.0
     incarnation: int = 1  # bumped on every re-registration (worker or daemon restart)
     process: str = ""  # the registering process's token (see wire.Hello.process)
+    actual: ActualState | None = None  # its last report (hello, op result, state report); None: never said
 
 
 class StepTiming(msgspec.Struct, frozen=True):

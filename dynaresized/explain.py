@@ -16,8 +16,9 @@ def explain(fact: f.Fact) -> str:
                 "; the resize in flight gets a fresh deadline" if fact.op_deadline else "")
         case f.WorkerRegistered():
             w = fact.worker
+            said = f", reports {w.actual.holding.value}" if w.actual is not None else ""
             return f"worker {w.worker_id} registered as {w.kind.value} on {', '.join(w.devices)} " \
-                   f"(incarnation {w.incarnation})"
+                   f"(incarnation {w.incarnation}{said})"
         case f.WorkerLost():
             return f"worker {fact.worker_id} lost: {fact.reason}"
         case f.WorkerLeft():
@@ -56,4 +57,19 @@ def explain(fact: f.Fact) -> str:
             return f"resizing resumed by {fact.requested_by}"
         case f.ShutdownStarted():
             return "shutdown started: no new resize; the one in flight finishes or rolls back"
+        case f.WorkerReported():
+            a = fact.actual
+            return f"worker {fact.worker_id} reports {a.holding.value}" + (
+                f" after {a.last_op}" if a.last_op else "") + (f": {a.detail}" if a.detail else "")
+        case f.ReconcileStarted():
+            ops = ", ".join(op.kind.value for op in fact.plan.ops)
+            return f"reconcile {fact.plan.resize_id}: worker {fact.worker_id} reports {fact.actual.value} but the " \
+                   f"log says {fact.desired.value}; sending {ops}"
+        case f.ReconcileFinished():
+            if fact.ok:
+                return f"reconcile {fact.resize_id}: worker {fact.worker_id} agrees with the log"
+            return f"reconcile {fact.resize_id} of worker {fact.worker_id} ended unconverged: {fact.reason}"
+        case f.WorkerUnconverged():
+            return f"worker {fact.worker_id} cannot be converged ({fact.reason}); its devices are left out of " \
+                   "resizes until it reports a state that agrees with the log or registers again"
     return f"{type(fact).__name__}"  # pragma: no cover - every fact type is matched above

@@ -6,6 +6,8 @@ keep old and new peers talking:
 
 * `PROTOCOL_VERSION` is sent in `Hello` and `ControlRequest`s; a daemon refuses other versions
   with a clear error (`Error(code="bad_version")`).
+* `Welcome` hands out a per-registration `token`; every later message of that worker carries
+  it, and one with a stale or missing token is refused (`stale_token`, `missing_token`).
 * Fields are only ever appended, always with a default. Unknown fields are ignored (a newer
   peer may send more); unknown message types, wrong types and missing fields are errors.
 * Decoding never raises anything but `WireError`, whose `kind` says what was wrong.
@@ -21,9 +23,9 @@ from typing import Annotated, Any
 
 import msgspec
 
-from dynaresized.domain import OpKind, Pool, Split, StepTiming, WorkerKind
+from dynaresized.domain import ActualState, Holding, OpKind, Pool, Split, StepTiming, WorkerKind
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 * 1024
 """Default size limit of one frame; the daemon also sets ZMQ_MAXMSGSIZE to this."""
 
@@ -52,6 +54,10 @@ class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
     host: Text = ""
     sent_at: float = 0.0
     process: Text = ""  # unique per process run: a new value means the worker restarted
+    actual: ActualState | None = None  # what this process holds now (see docs/protocol.md, reconciliation)
+
+
+Token = Annotated[str, msgspec.Meta(max_length=64)]
 
 
 class Heartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat"):
@@ -60,6 +66,7 @@ class Heartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat"):
     worker_id: Name
     seq: Count = 0
     sent_at: float = 0.0
+    token: Token = ""
 
 
 class StepReport(_Msg, frozen=True, kw_only=True, tag="step_report"):
@@ -69,6 +76,7 @@ class StepReport(_Msg, frozen=True, kw_only=True, tag="step_report"):
     worker_id: Name
     timing: StepTiming
     sent_at: float = 0.0
+    token: Token = ""
 
 
 class Progress(_Msg, frozen=True, kw_only=True, tag="progress"):
@@ -80,6 +88,7 @@ class Progress(_Msg, frozen=True, kw_only=True, tag="progress"):
     total: Count
     tokens: Count = 0
     sent_at: float = 0.0
+    token: Token = ""
 
 
 class OpResult(_Msg, frozen=True, kw_only=True, tag="op_result"):
@@ -91,6 +100,8 @@ class OpResult(_Msg, frozen=True, kw_only=True, tag="op_result"):
     detail: Text = ""
     duration_s: Seconds = 0.0
     sent_at: float = 0.0
+    token: Token = ""
+    actual: ActualState | None = None  # this worker's state after the op
 
 
 class Bye(_Msg, frozen=True, kw_only=True, tag="bye"):
@@ -98,9 +109,19 @@ class Bye(_Msg, frozen=True, kw_only=True, tag="bye"):
 
     worker_id: Name
     reason: Text = ""
+    token: Token = ""
 
 
-WorkerMessage = Hello | Heartbeat | StepReport | Progress | OpResult | Bye
+class StateReport(_Msg, frozen=True, kw_only=True, tag="state_report"):
+    """This worker's actual state: the answer to `StateQuery`, or sent unasked when it changed."""
+
+    worker_id: Name
+    actual: ActualState
+    token: Token = ""
+    sent_at: float = 0.0
+
+
+WorkerMessage = Hello | Heartbeat | StepReport | Progress | OpResult | Bye | StateReport
 
 
 # -- daemon -> worker ---------------------------------------------------------------------
@@ -114,6 +135,9 @@ class Welcome(_Msg, frozen=True, kw_only=True, tag="welcome"):
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
     candidates: tuple[Split, ...] = ()  # the splits a `prepare` may pre-warm communicators for
+    token: str = ""  # carry it in every later message of this registration
+    pool: Pool | None = None  # where the log has this worker's devices (None: moving, or split)
+    desired: Holding | None = None  # what the log says this worker should do now (None: wait for ops)
 
 
 class HeartbeatAck(_Msg, frozen=True, kw_only=True, tag="heartbeat_ack"):
@@ -151,9 +175,16 @@ class Error(_Msg, frozen=True, kw_only=True, tag="error"):
     message: str
     reason: str = ""  # finer code, e.g. "unknown_device", "device_owned", "stale_op"
     ref_type: str = ""  # type of the message that caused it, when known
+    token: str = ""  # the token the refused message carried (tells a stale copy from the current one)
 
 
-DaemonMessage = Welcome | HeartbeatAck | OpCommand | Error
+class StateQuery(_Msg, frozen=True, kw_only=True, tag="state_query"):
+    """Report your actual state (answer with `StateReport`)."""
+
+    boot_id: str = ""
+
+
+DaemonMessage = Welcome | HeartbeatAck | OpCommand | Error | StateQuery
 
 
 # -- operator (CLI) <-> daemon, on the control endpoint -------------------------------------

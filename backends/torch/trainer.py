@@ -65,7 +65,7 @@ from dynaresized.backends.torch.state import (
 )
 from dynaresized.backends.torch.store import StoreAddress, connect_store
 from dynaresized.client import op_handlers
-from dynaresized.domain import OpKind
+from dynaresized.domain import ActualState, Holding, OpKind
 
 log = structlog.get_logger("dynaresized.backends.torch")
 
@@ -192,6 +192,16 @@ class SwitchRecord(msgspec.Struct, frozen=True):
     verify_s: float
     bytes: int
     group_built: bool  # False: a pre-warmed (cached) group was used
+
+
+_HOLDING: dict[RankState, Holding] = {
+    RankState.IDLE: Holding.RELEASED,
+    RankState.JOINING: Holding.SERVING,  # on its way in: the join op is answered once it is in
+    RankState.TRAINING: Holding.SERVING,
+    RankState.DRAINED: Holding.DRAINED,
+    RankState.FINISHED: Holding.DONE,
+    RankState.FAILED: Holding.FAILED,
+}
 
 
 class RankView(msgspec.Struct, frozen=True):
@@ -352,6 +362,15 @@ class TrainerRank:
     @property
     def view(self) -> RankView:
         return self._view
+
+    def actual(self) -> ActualState:
+        """What this rank really does, for the daemon's reconciliation."""
+        v = self._view
+        detail = f"rank {self.rank} {v.state.value} at step {v.step}"
+        if v.state is RankState.FAILED and self.fatal is not None:
+            detail += f": {self.fatal}"
+        return ActualState(holding=_HOLDING[v.state], epoch=v.epoch, detail=detail,
+                           members=tuple(self._names(r) for r in v.members))
 
     def _set_view(self, state: RankState) -> None:
         self._view = RankView(state, self.epoch, self.members, self.step)

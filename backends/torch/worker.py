@@ -42,7 +42,7 @@ async def attach(rank: TrainerRank, endpoint: str, worker_id: str, *, rollout_wo
     """Serve the daemon's ops until training ends. `rollout_work_s` (device-seconds of
     rollout per step) lets a demo without real engines report a rollout time."""
     client = WorkerClient(endpoint, worker_id, WorkerKind.TRAINER_RANK, (rank.config.device,),
-                          hello_timeout_s=hello_timeout_s)
+                          hello_timeout_s=hello_timeout_s, actual=rank.actual)
     client.on_all(rank.handlers())  # type: ignore[arg-type]
     await client.start()
     loop = asyncio.get_running_loop()

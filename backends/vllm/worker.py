@@ -35,7 +35,7 @@ from dynaresized.backends.vllm.engine import EngineState, RolloutEngine
 from dynaresized.backends.vllm.ledger import SampleResult
 from dynaresized.backends.vllm.router import RequestRouter, StepResult
 from dynaresized.client import op_handlers
-from dynaresized.domain import OpKind, Pool, StepTiming
+from dynaresized.domain import ActualState, Holding, OpKind, Pool, StepTiming
 
 log = structlog.get_logger("dynaresized.backends.vllm")
 
@@ -227,6 +227,19 @@ class EngineWorker:
         self.lost_reason = None
         return f"{self.engine.engine_id} recovered in {seconds:.3f}s; {restored}"
 
+    def actual(self) -> ActualState:
+        """What this engine really does, for the daemon's reconciliation: admitting samples
+        (serving), loaded but admitting nothing (drained), or asleep/stopped/dead (released)."""
+        state = self.engine.state
+        if self.engine.engine_id in self.router.admitted and state is EngineState.RUNNING:
+            holding = Holding.SERVING
+        elif state is EngineState.RUNNING:
+            holding = Holding.DRAINED
+        else:
+            holding = Holding.RELEASED
+        return ActualState(holding=holding, detail=f"engine {state.value}" + (
+            f", lost: {self.lost_reason}" if self.lost_reason else ""))
+
     # -- reporting ---------------------------------------------------------------------------
     def _sample_done(self, result: SampleResult, total: int) -> None:
         if result.engine_id != self.engine.engine_id:
@@ -303,6 +316,8 @@ class EngineWorker:
         if tuple(client.devices) != self.devices:
             raise ValueError(f"client devices {list(client.devices)} differ from the worker's {list(self.devices)}")
         client.on_all(self.handlers())
+        if client.actual is None:
+            client.actual = self.actual
         await client.start()
         self.client = client
         self._reporter = asyncio.create_task(self._report_progress(client), name=f"{self.worker_id}-progress")

@@ -5,7 +5,7 @@ arrives inside events. Everything here is deterministic, so replaying the same e
 the same facts, and folding the same facts gives the same state.
 """
 
-from dynaresized.core.machine import Command, Core, CoreConfig, IllegalTransition, Refused, SendOp
+from dynaresized.core.machine import Command, Core, CoreConfig, IllegalTransition, QueryState, Refused, SendOp
 from dynaresized.core.state import ClusterState, Phase, fold, mutate
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "CoreConfig",
     "IllegalTransition",
     "Phase",
+    "QueryState",
     "Refused",
     "SendOp",
     "fold",

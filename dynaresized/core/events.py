@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from dynaresized.domain import DeviceId, Pool, Split, StepTiming, WorkerId, WorkerKind
+from dynaresized.domain import ActualState, DeviceId, Pool, Split, StepTiming, WorkerId, WorkerKind
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,6 +34,17 @@ class WorkerHello(Event, frozen=True):
     kind: WorkerKind
     devices: tuple[DeviceId, ...]
     process: str = ""  # a new value for a live worker means its process restarted
+    actual: ActualState | None = None  # what the worker says it holds; None: it does not say
+    previous_connected: bool = False
+    """The shell found the live registration's own connection still open: a second process
+    under the same id is a duplicate, not a restart."""
+
+
+class StateReported(Event, frozen=True):
+    """A worker's account of its actual state (asked for, or sent when it changed)."""
+
+    worker_id: WorkerId
+    actual: ActualState
 
 
 class Heartbeat(Event, frozen=True):
@@ -62,6 +73,7 @@ class OpReported(Event, frozen=True):
     op_id: str
     ok: bool
     detail: str = ""
+    actual: ActualState | None = None  # the worker's state after the op, when it says
 
 
 class ResizeRequested(Event, frozen=True):

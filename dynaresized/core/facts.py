@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from dynaresized.domain import DeviceId, OpSpec, Pool, ResizePlan, Split, StepTiming, Worker, WorkerId
+from dynaresized.domain import ActualState, DeviceId, Holding, OpSpec, Pool, ResizePlan, Split, StepTiming, Worker, WorkerId
 
 
 class Fact(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -76,6 +76,7 @@ class OpAcked(Fact, frozen=True, tag="op_acked"):
     op_id: str
     worker_id: WorkerId
     detail: str = ""
+    actual: ActualState | None = None  # the worker's state after the op, when it said
 
 
 class OpCompleted(Fact, frozen=True, tag="op_completed"):
@@ -131,6 +132,43 @@ class ShutdownStarted(Fact, frozen=True, tag="shutdown_started"):
     pass
 
 
+class WorkerReported(Fact, frozen=True, tag="worker_reported"):
+    """A live worker's account of its actual state changed (a state report or an op result)."""
+
+    worker_id: WorkerId
+    actual: ActualState
+
+
+class ReconcileStarted(Fact, frozen=True, tag="reconcile_started"):
+    """A worker's actual state differs from what the log says it should be: `plan` holds the
+    ops that converge it. Serialized like a resize; the pools do not change."""
+
+    plan: ResizePlan
+    worker_id: WorkerId
+    desired: Holding
+    actual: Holding
+    op_deadline: float
+
+
+class ReconcileFinished(Fact, frozen=True, tag="reconcile_finished"):
+    """The reconcile in flight ended: converged (`ok`), or not (a `WorkerUnconverged` follows
+    when the worker answered but could not converge)."""
+
+    resize_id: str
+    worker_id: WorkerId
+    ok: bool
+    reason: str = ""
+
+
+class WorkerUnconverged(Fact, frozen=True, tag="worker_unconverged"):
+    """A worker could not be converged (its converging ops failed or timed out, or it reports
+    that it cannot act): its devices are left out of resize plans until it reports a state that
+    agrees with the log, or registers again."""
+
+    worker_id: WorkerId
+    reason: str
+
+
 AnyFact = (
     ClusterConfigured
     | DaemonRestarted
@@ -151,6 +189,10 @@ AnyFact = (
     | ResizingPaused
     | ResizingResumed
     | ShutdownStarted
+    | WorkerReported
+    | ReconcileStarted
+    | ReconcileFinished
+    | WorkerUnconverged
 )
 
 FACT_TYPES: tuple[type[Fact], ...] = AnyFact.__args__  # type: ignore[attr-defined]

@@ -21,7 +21,9 @@ from dynaresized.core.policy import ObservedView, Policy, Proposal, ResizeCosts
 from dynaresized.core.state import ClusterState, Phase, mutate
 from dynaresized.domain import (
     UNDO,
+    ActualState,
     DeviceId,
+    Holding,
     OpKind,
     OpSpec,
     Pool,
@@ -43,6 +45,12 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Job length in RL steps, if known: bounds the payback horizon."""
     costs: ResizeCosts = ResizeCosts()
     """Resize cost per device before any resize has been measured."""
+    op_resend_s: float | None = None
+    """While an op is pending, re-send it to its live targets this often (workers deduplicate by
+    op id and answer a repeat from their record), so a lost message never fails a resize.
+    None: never (the simulator, where no message is lost)."""
+    audit_interval_s: float | None = None
+    """Ask every live worker that reports its actual state for it this often. None: never."""
 
 
 class SendOp(msgspec.Struct, frozen=True):
@@ -57,7 +65,13 @@ class SendOp(msgspec.Struct, frozen=True):
     rollout: tuple[DeviceId, ...]  # the rollout pool once the resize commits
 
 
-Command = SendOp
+class QueryState(msgspec.Struct, frozen=True):
+    """Command: ask `worker_id` for its actual state (it answers with a state report)."""
+
+    worker_id: str
+
+
+Command = SendOp | QueryState
 
 
 class IllegalTransition(Exception):
@@ -105,6 +119,8 @@ class Core:
             raise IllegalTransition(state.phase, event)
         tx = _Tx(state)
         handler(self, tx, event)
+        if tx.state.phase is Phase.STEADY and not tx.state.stopping and any(type(x) in _RECHECK for x in tx.facts):
+            _reconcile_next(self, tx, event.at)
         # A Tick can declare a worker lost after an earlier loss in the same Tick sent it an undo
         # or commit op; such a command contradicts this step's own facts and nobody could answer it
         # (a hello re-sends what is still pending), so only commands to live workers leave.
@@ -186,13 +202,17 @@ def on_hello(core: Core, tx: _Tx, e: ev.WorkerHello) -> None:
             "use another worker id or stop the old worker",
         )
     if old is not None and old.status is WorkerStatus.LIVE and old.process and e.process != old.process:
-        # A new process under a live worker's name: the old one died, with whatever it had
-        # done for a resize in flight (a released device is held again). That is a loss.
+        if e.previous_connected:
+            raise Refused("duplicate_worker",
+                          f"worker {e.worker_id!r} is live in another process whose connection is still open; "
+                          "stop that process first, or give this one another worker id")
+        # A new process under a live worker's name, the old one's connection gone: the old one
+        # died, with whatever it had done for a resize in flight. That is a loss.
         tx.emit(f.WorkerLost(at=e.at, worker_id=e.worker_id, reason="restarted: a new process registered"))
         _after_worker_gone(core, tx, e.worker_id, "restarted", e.at)
         old = tx.state.workers[e.worker_id]
     incarnation = 1 if old is None else old.incarnation + 1
-    worker = Worker(e.worker_id, e.kind, e.devices, WorkerStatus.LIVE, e.at, incarnation, e.process)
+    worker = Worker(e.worker_id, e.kind, e.devices, WorkerStatus.LIVE, e.at, incarnation, e.process, e.actual)
     tx.emit(f.WorkerRegistered(at=e.at, worker=worker))
     fl = tx.state.inflight
     if fl is not None and e.worker_id in fl.op.targets and e.worker_id not in fl.acked:
@@ -210,6 +230,12 @@ def on_bye(core: Core, tx: _Tx, e: ev.WorkerBye) -> None:
     _require_worker(tx.state, e.worker_id)
     tx.emit(f.WorkerLeft(at=e.at, worker_id=e.worker_id))
     _after_worker_gone(core, tx, e.worker_id, "said goodbye", e.at)
+
+
+def on_state_reported(core: Core, tx: _Tx, e: ev.StateReported) -> None:
+    w = _require_worker(tx.state, e.worker_id)
+    if e.actual != w.actual:
+        tx.emit(f.WorkerReported(at=e.at, worker_id=e.worker_id, actual=e.actual))
 
 
 def _observe_step(core: Core, tx: _Tx, e: ev.StepReported) -> None:
@@ -271,8 +297,9 @@ def on_resize_requested_busy(core: Core, tx: _Tx, e: ev.ResizeRequested) -> None
         return
     fl = s.inflight
     assert fl is not None
+    what = f"reconcile {fl.plan.resize_id} of {fl.reconciling}" if fl.reconciling else f"resize {fl.plan.resize_id}"
     _reject(tx, e.at, e.requested_by, e.target, "in_flight",
-            f"resize {fl.plan.resize_id} is in flight (phase {s.phase.value}); one resize at a time")
+            f"{what} is in flight (phase {s.phase.value}); one operation sequence at a time")
 
 
 def on_pause(core: Core, tx: _Tx, e: ev.PauseRequested) -> None:
@@ -292,9 +319,13 @@ def on_shutdown(core: Core, tx: _Tx, e: ev.ShutdownRequested) -> None:
 
 def on_abort_requested(core: Core, tx: _Tx, e: ev.AbortRequested) -> None:
     fl = tx.state.inflight
-    if fl is None or fl.rolling_back or fl.op.kind is OpKind.COMMIT:
+    if fl is None or fl.rolling_back or (fl.index < len(fl.ops) and fl.op.kind is OpKind.COMMIT):
         return  # nothing to abort, or past the point of no return
     reason = f"aborted by {e.requested_by}: {e.reason or 'no reason given'}"
+    if fl.reconciling:  # nothing to undo: the worker is converged again when it next reports
+        tx.emit(f.ReconcileFinished(at=e.at, resize_id=fl.plan.resize_id, worker_id=fl.reconciling, ok=False,
+                                    reason=reason))
+        return
     tx.emit(f.OpFailed(at=e.at, op_id=fl.op.op_id, worker_id=None, reason=reason))
     _abort(core, tx, reason, e.at)
 
@@ -314,22 +345,49 @@ def on_tick(core: Core, tx: _Tx, e: ev.Tick) -> None:
                   f"(op_timeout_s={core.config.op_timeout_s:g}); waiting for {', '.join(waiting) or 'nobody'}")
         tx.emit(f.OpFailed(at=e.at, op_id=fl.op.op_id, worker_id=None, reason=reason))
         _op_failed(core, tx, reason, e.at)
+    _resend_pending(core, tx, e.at)
+    _audit(core, tx, e.at)
+
+
+def _resend_pending(core: Core, tx: _Tx, at: float) -> None:
+    """A lost command or answer costs one re-send interval, not the resize: the pending op
+    goes again to its live targets that have not answered (they answer a repeat from their
+    record, or keep running the first copy)."""
+    fl, every = tx.state.inflight, core.config.op_resend_s
+    if fl is None or every is None or fl.index >= len(fl.ops):
+        return
+    if at - max(tx.state.last_sent, fl.op_started_at) >= every:
+        tx.state = replace(tx.state, last_sent=at)
+        _send(tx, None)
+
+
+def _audit(core: Core, tx: _Tx, at: float) -> None:
+    """Now and then, ask every live worker that reports its state what it holds."""
+    every = core.config.audit_interval_s
+    if every is None or at - tx.state.last_audit < every:
+        return
+    tx.state = replace(tx.state, last_audit=at)
+    for w in sorted(tx.state.workers.values(), key=lambda w: w.worker_id):
+        if w.status is WorkerStatus.LIVE and w.actual is not None:
+            tx.commands.append(QueryState(worker_id=w.worker_id))
 
 
 def on_op_reported(core: Core, tx: _Tx, e: ev.OpReported) -> None:
     _require_worker(tx.state, e.worker_id)
     fl = tx.state.inflight
     assert fl is not None
-    if e.op_id != fl.op.op_id:
+    if e.op_id != fl.op.op_id:  # e.g. a late answer to a re-sent op that has completed
         raise Refused("stale_op", f"operation {e.op_id} is not in flight (current: {fl.op.op_id})")
     if e.worker_id not in fl.op.targets:
         raise Refused("not_a_target", f"operation {e.op_id} was not sent to {e.worker_id!r}")
     if e.worker_id in fl.acked:
         return  # a duplicate answer: the first one counted
     if e.ok:
-        tx.emit(f.OpAcked(at=e.at, op_id=e.op_id, worker_id=e.worker_id, detail=e.detail))
+        tx.emit(f.OpAcked(at=e.at, op_id=e.op_id, worker_id=e.worker_id, detail=e.detail, actual=e.actual))
         _advance(core, tx, e.at)
         return
+    if e.actual is not None and e.actual != tx.state.workers[e.worker_id].actual:
+        tx.emit(f.WorkerReported(at=e.at, worker_id=e.worker_id, actual=e.actual))
     reason = f"{fl.op.kind.value} failed on {e.worker_id}: {e.detail or 'no detail'}"
     tx.emit(f.OpFailed(at=e.at, op_id=e.op_id, worker_id=e.worker_id, reason=reason))
     _op_failed(core, tx, reason, e.at)
@@ -366,10 +424,13 @@ def plan_resize(state: ClusterState, target: Split) -> ResizePlan | str:
     count = abs(delta)
     src_kind, dst_kind = WorkerKind.for_pool(from_pool), WorkerKind.for_pool(to_pool)
     # Highest device ids first: deterministic, and keeps low ids (often the launch ranks) stable.
-    eligible = [d for d in sorted(state.pool_devices(from_pool), reverse=True) if state.live_worker(d, dst_kind)]
+    held_back = {d for w in state.unconverged if w in state.workers for d in state.workers[w].devices}
+    eligible = [d for d in sorted(state.pool_devices(from_pool), reverse=True)
+                if state.live_worker(d, dst_kind) and d not in held_back]
     if len(eligible) < count:
+        note = f" ({len(held_back)} left out: a worker on them has not converged)" if held_back else ""
         return (f"only {len(eligible)} device(s) in the {from_pool.value} pool have a live "
-                f"{dst_kind.value} worker to take them over; {count} needed for {before} -> {target}")
+                f"{dst_kind.value} worker to take them over{note}; {count} needed for {before} -> {target}")
     devices = tuple(sorted(eligible[:count]))
     src = _unique(state.live_worker(d, src_kind) for d in devices)
     dst = _unique(state.live_worker(d, dst_kind) for d in devices)
@@ -423,6 +484,9 @@ def _advance(core: Core, tx: _Tx, at: float, *, fresh: bool = False) -> None:
             tx.emit(f.OpCompleted(at=at, op_id=fl.op.op_id, duration_s=at - fl.op_started_at,
                                   next_deadline=None if last else at + core.config.op_timeout_s))
             continue
+        if fl.reconciling:
+            _finish_reconcile(tx, fl.plan.resize_id, fl.reconciling, at)
+            return
         step = tx.state.last_step
         if fl.rolling_back:
             tx.emit(f.ResizeRolledBack(at=at, resize_id=fl.plan.resize_id, reason=fl.abort_reason, step=step))
@@ -440,8 +504,9 @@ def _send(tx: _Tx, only: list[str] | None) -> None:
     if fl is None or fl.index >= len(fl.ops):
         return
     plan = fl.plan
-    # Where the moving devices land: their destination, or back home once rolling back.
-    landing = plan.from_pool if fl.rolling_back else plan.to_pool
+    # Where the moving devices land: their destination, or back home once rolling back; a
+    # reconcile moves nothing.
+    landing = None if fl.reconciling else plan.from_pool if fl.rolling_back else plan.to_pool
     training = tuple(sorted(d for d, p in s.devices.items()
                             if p.pool is Pool.TRAINING or (d in plan.devices and landing is Pool.TRAINING)))
     rollout = tuple(sorted(d for d in s.devices if d not in training))
@@ -454,6 +519,11 @@ def _op_failed(core: Core, tx: _Tx, reason: str, at: float) -> None:
     fl = tx.state.inflight
     assert fl is not None
     plan = fl.plan
+    if fl.reconciling:
+        tx.emit(f.ReconcileFinished(at=at, resize_id=plan.resize_id, worker_id=fl.reconciling, ok=False,
+                                    reason=reason))
+        tx.emit(f.WorkerUnconverged(at=at, worker_id=fl.reconciling, reason=reason))
+        return
     if fl.rolling_back:
         tx.emit(f.Degraded(at=at, resize_id=plan.resize_id, reason=f"rollback failed: {reason}",
                            placed_in=plan.from_pool, step=tx.state.last_step))
@@ -484,6 +554,10 @@ def _after_worker_gone(core: Core, tx: _Tx, worker_id: str, how: str, at: float)
     fl = tx.state.inflight
     if fl is None:
         return
+    if fl.reconciling == worker_id:  # it is reconciled again when it comes back and says hello
+        tx.emit(f.ReconcileFinished(at=at, resize_id=fl.plan.resize_id, worker_id=worker_id, ok=False,
+                                    reason=f"worker {worker_id} {how}"))
+        return
     # Only the moving devices' workers carry a resize; one that has nothing left to do but
     # acknowledge the commit is simply not waited for (`_pending` skips workers no longer live).
     involved = any(worker_id in op.targets for op in fl.ops[fl.index:] if op.kind is not OpKind.COMMIT)
@@ -499,12 +573,82 @@ def _after_worker_gone(core: Core, tx: _Tx, worker_id: str, how: str, at: float)
     _abort(core, tx, reason, at)
 
 
+# -- reconciliation -------------------------------------------------------------------
+
+_CONVERGE: dict[tuple[Holding, Holding], tuple[OpKind, ...]] = {
+    # (what the log says, what the worker says) -> the ops that take it there, in order. They
+    # are the ops a resize and its undo use, from the worker's home pool: every backend knows
+    # them, and each is idempotent on a worker already where the op leads.
+    (Holding.SERVING, Holding.RELEASED): (OpKind.RECLAIM, OpKind.RESUME),
+    (Holding.SERVING, Holding.DRAINED): (OpKind.RESUME,),
+    (Holding.RELEASED, Holding.SERVING): (OpKind.DRAIN, OpKind.RELEASE),
+    (Holding.RELEASED, Holding.DRAINED): (OpKind.RELEASE,),
+}
+
+_RECHECK = frozenset({f.WorkerRegistered, f.WorkerReported, f.ResizeCommitted, f.ResizeRolledBack,
+                      f.ReconcileFinished, f.ResizingResumed})
+"""Facts after which a live worker may disagree with the log: the core looks for one then."""
+
+
+def divergence(state: ClusterState, worker: Worker) -> tuple[Holding, Holding] | None:
+    """(desired, actual) when `worker` reports a state the log disagrees with and ops can
+    converge it; None when it agrees, does not say, or nothing is to be converged now."""
+    if worker.status is not WorkerStatus.LIVE or worker.actual is None or worker.worker_id in state.unconverged:
+        return None
+    want, have = state.desired(worker), worker.actual.holding
+    if want is None or have is Holding.DONE or have is want:
+        return None
+    return want, have
+
+
+def _reconcile_next(core: Core, tx: _Tx, at: float) -> None:
+    """Level-triggered: start converging the first live worker whose actual state differs from
+    what the log says (one at a time, serialized with resizes)."""
+    for w in sorted(tx.state.workers.values(), key=lambda w: w.worker_id):
+        gap = divergence(tx.state, w)
+        if gap is None:
+            continue
+        want, have = gap
+        if have is Holding.FAILED:
+            detail = w.actual.detail if w.actual is not None else ""
+            tx.emit(f.WorkerUnconverged(at=at, worker_id=w.worker_id,
+                                        reason=f"it reports failed{': ' + detail if detail else ''}"))
+            continue
+        s = tx.state
+        rid = f"c{s.reconciles_started + 1}"
+        home = w.kind.pool
+        ops = tuple(OpSpec(op_id=f"{rid}/{i}-{kind.value}", kind=kind, devices=w.devices, targets=(w.worker_id,),
+                           from_pool=home, to_pool=home.other)
+                    for i, kind in enumerate(_CONVERGE[(want, have)]))
+        plan = ResizePlan(resize_id=rid, devices=w.devices, from_pool=home, to_pool=home.other, ops=ops,
+                          before=s.split, after=s.split)
+        tx.emit(f.ReconcileStarted(at=at, plan=plan, worker_id=w.worker_id, desired=want, actual=have,
+                                   op_deadline=at + core.config.op_timeout_s))
+        _send(tx, None)
+        return
+
+
+def _finish_reconcile(tx: _Tx, resize_id: str, worker_id: str, at: float) -> None:
+    """Every converging op was acknowledged: the worker agrees with the log now, unless what it
+    reported with its answers still says otherwise (then no op can help: it is left out)."""
+    w = tx.state.workers[worker_id]
+    want = tx.state.desired(w)
+    have = w.actual.holding if w.actual is not None else None
+    if have is None or want is None or have is want:
+        tx.emit(f.ReconcileFinished(at=at, resize_id=resize_id, worker_id=worker_id, ok=True))
+        return
+    reason = f"its converging ops succeeded, but it still reports {have.value} (the log says {want.value})"
+    tx.emit(f.ReconcileFinished(at=at, resize_id=resize_id, worker_id=worker_id, ok=False, reason=reason))
+    tx.emit(f.WorkerUnconverged(at=at, worker_id=worker_id, reason=reason))
+
+
 _ALWAYS: dict[type, Handler] = {
     ev.Tick: on_tick,
     ev.DaemonStarted: on_daemon_started,
     ev.WorkerHello: on_hello,
     ev.Heartbeat: on_heartbeat,
     ev.WorkerBye: on_bye,
+    ev.StateReported: on_state_reported,
     ev.ProgressReported: on_progress,
     ev.PauseRequested: on_pause,
     ev.ResumeRequested: on_resume,
@@ -532,6 +676,7 @@ TRANSITIONS: dict[Phase, dict[type, Handler]] = {
     Phase.RESTORING: _RESIZING,
     Phase.COMMITTING: _RESIZING,
     Phase.ROLLING_BACK: _RESIZING,
+    Phase.RECONCILING: _RESIZING,
     Phase.DEGRADED: {
         **_ALWAYS,
         ev.StepReported: on_step_observe,

@@ -1,8 +1,10 @@
 """The cluster state and the one function that folds facts into it.
 
 `mutate(state, fact)` is the only way state changes, live or on replay, so replaying the
-log always gives the live state. The single exception is `last_seen` (heartbeat times), which
-is soft: heartbeats are not facts, and after a restart every worker gets a fresh grace period.
+log always gives the live state. The exceptions are soft timers: `last_seen` (heartbeat
+times: heartbeats are not facts, and after a restart every worker gets a fresh grace period),
+`last_sent` (when the pending op was last sent) and `last_audit` (when every worker was last
+asked for its state): re-sending and asking are commands, not facts.
 `ClusterState.durable()` is the part that replay must reproduce exactly.
 """
 
@@ -18,7 +20,9 @@ from msgspec.structs import replace
 from dynaresized.core import facts as f
 from dynaresized.core.guards import History
 from dynaresized.domain import (
+    ActualState,
     DeviceId,
+    Holding,
     OpKind,
     OpSpec,
     Placement,
@@ -47,6 +51,7 @@ class Phase(str, enum.Enum):
     COMMITTING = "committing"
     ROLLING_BACK = "rolling_back"
     DEGRADED = "degraded"
+    RECONCILING = "reconciling"  # converging one worker's actual state with the log (pools unchanged)
 
 
 PHASE_OF_OP: dict[OpKind, Phase] = {
@@ -72,6 +77,7 @@ class InFlight(msgspec.Struct, frozen=True):
     acked: tuple[WorkerId, ...] = ()
     rolling_back: bool = False
     abort_reason: str = ""
+    reconciling: WorkerId = ""  # set when this is a reconcile of that worker, not a resize
 
     @property
     def op(self) -> OpSpec:
@@ -105,7 +111,11 @@ class ClusterState(msgspec.Struct, frozen=True):
     resizes_rolled_back: int = 0
     cost_per_device_s: dict[str, float] = {}  # learned, by direction "rollout->training"
     degraded_reason: str = ""
+    reconciles_started: int = 0
+    unconverged: dict[WorkerId, str] = {}  # workers that could not converge, and why
     last_seen: dict[WorkerId, float] = {}  # soft state, see module docstring
+    last_sent: float = 0.0  # soft: when the pending op was last sent
+    last_audit: float = 0.0  # soft: when every live worker was last asked for its state
 
     # -- derived views -------------------------------------------------------------
     def pool_devices(self, pool: Pool) -> tuple[DeviceId, ...]:
@@ -131,8 +141,17 @@ class ClusterState(msgspec.Struct, frozen=True):
         w = self.workers.get(worker_id)
         return w is not None and w.status is WorkerStatus.LIVE
 
+    def desired(self, worker: Worker) -> Holding | None:
+        """What the log says `worker` should do: serve when all its devices are in its kind's
+        pool, hold nothing when all are in the other pool; None while any of them is moving or
+        they are split between the pools (nothing to converge then)."""
+        pools = {self.devices[d].pool for d in worker.devices if d in self.devices}
+        if len(pools) != 1 or None in pools:
+            return None
+        return Holding.SERVING if pools == {worker.kind.pool} else Holding.RELEASED
+
     def durable(self) -> ClusterState:
-        return replace(self, last_seen={})
+        return replace(self, last_seen={}, last_sent=0.0, last_audit=0.0)
 
 
 S = TypeVar("S", bound=f.Fact)
@@ -208,7 +227,44 @@ def _(s: ClusterState, e: f.WorkerRegistered) -> ClusterState:
     workers[e.worker.worker_id] = e.worker
     last_seen = dict(s.last_seen)
     last_seen[e.worker.worker_id] = e.at
-    return replace(s, workers=workers, last_seen=last_seen)
+    unconverged = s.unconverged
+    if e.worker.worker_id in unconverged:  # a new registration is a new chance to converge
+        unconverged = {w: r for w, r in unconverged.items() if w != e.worker.worker_id}
+    return replace(s, workers=workers, last_seen=last_seen, unconverged=unconverged)
+
+
+def _set_actual(s: ClusterState, worker_id: WorkerId, actual: ActualState) -> ClusterState:
+    workers = dict(s.workers)
+    workers[worker_id] = replace(workers[worker_id], actual=actual)
+    unconverged = s.unconverged
+    if worker_id in unconverged and s.desired(workers[worker_id]) == actual.holding:
+        unconverged = {w: r for w, r in unconverged.items() if w != worker_id}  # it agrees with the log now
+    return replace(s, workers=workers, unconverged=unconverged)
+
+
+@_on(f.WorkerReported)
+def _(s: ClusterState, e: f.WorkerReported) -> ClusterState:
+    return _set_actual(s, e.worker_id, e.actual)
+
+
+@_on(f.ReconcileStarted)
+def _(s: ClusterState, e: f.ReconcileStarted) -> ClusterState:
+    inflight = InFlight(plan=e.plan, source="reconcile", reason=f"{e.worker_id}: {e.actual.value}, "
+                        f"the log says {e.desired.value}", started_at=e.at, ops=e.plan.ops, index=0,
+                        op_started_at=e.at, op_deadline=e.op_deadline, reconciling=e.worker_id)
+    return replace(s, inflight=inflight, phase=Phase.RECONCILING, reconciles_started=s.reconciles_started + 1)
+
+
+@_on(f.ReconcileFinished)
+def _(s: ClusterState, e: f.ReconcileFinished) -> ClusterState:
+    return replace(s, inflight=None, phase=Phase.STEADY)
+
+
+@_on(f.WorkerUnconverged)
+def _(s: ClusterState, e: f.WorkerUnconverged) -> ClusterState:
+    unconverged = dict(s.unconverged)
+    unconverged[e.worker_id] = e.reason
+    return replace(s, unconverged=unconverged)
 
 
 @_on(f.WorkerLost)
@@ -265,6 +321,8 @@ def _(s: ClusterState, e: f.ResizeStarted) -> ClusterState:
 @_on(f.OpAcked)
 def _(s: ClusterState, e: f.OpAcked) -> ClusterState:
     assert s.inflight is not None
+    if e.actual is not None and e.worker_id in s.workers:
+        s = _set_actual(s, e.worker_id, e.actual)
     return replace(s, inflight=replace(s.inflight, acked=s.inflight.acked + (e.worker_id,)))
 
 
@@ -278,7 +336,10 @@ def _(s: ClusterState, e: f.OpCompleted) -> ClusterState:
     inflight = replace(
         fl, index=nxt, acked=(), op_started_at=e.at, op_deadline=e.next_deadline or e.at
     )
-    phase = Phase.ROLLING_BACK if fl.rolling_back else PHASE_OF_OP[fl.ops[nxt].kind]
+    if fl.reconciling:
+        phase = Phase.RECONCILING
+    else:
+        phase = Phase.ROLLING_BACK if fl.rolling_back else PHASE_OF_OP[fl.ops[nxt].kind]
     return replace(s, inflight=inflight, phase=phase)
 
 

@@ -62,6 +62,8 @@ class CoreSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_timeout_s: float = 10.0
     op_timeout_s: float = 120.0
     steps_total: int | None = None
+    op_resend_s: float = 2.0  # a pending op is re-sent to live targets that have not answered this often
+    audit_interval_s: float = 30.0  # every live worker is asked for its actual state this often; 0: never
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -80,6 +82,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             op_timeout_s=self.core.op_timeout_s,
             steps_total=self.core.steps_total,
             costs=self.costs,
+            op_resend_s=self.core.op_resend_s,
+            audit_interval_s=self.core.audit_interval_s or None,
         )
 
     def initial_pools(self) -> tuple[tuple[str, ...], tuple[Pool, ...]]:
@@ -117,8 +121,13 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
     for key, value in (("daemon.tick_interval_s", d.tick_interval_s),
                        ("daemon.heartbeat_interval_s", d.heartbeat_interval_s),
                        ("core.heartbeat_timeout_s", c.heartbeat_timeout_s),
-                       ("core.op_timeout_s", c.op_timeout_s)):
+                       ("core.op_timeout_s", c.op_timeout_s),
+                       ("core.op_resend_s", c.op_resend_s)):
         need(math.isfinite(value) and value > 0, key, f"must be a positive number of seconds, got {value}")
+    need(c.op_resend_s < c.op_timeout_s, "core.op_resend_s",
+         f"must be under core.op_timeout_s ({c.op_timeout_s}): an op is re-sent several times before it times out")
+    need(math.isfinite(c.audit_interval_s) and c.audit_interval_s >= 0, "core.audit_interval_s",
+         "must be >= 0 seconds (0: never ask)")
     need(math.isfinite(d.drain_timeout_s) and d.drain_timeout_s >= 0, "daemon.drain_timeout_s", "must be >= 0")
     need(c.heartbeat_timeout_s > d.heartbeat_interval_s, "core.heartbeat_timeout_s",
          f"must exceed daemon.heartbeat_interval_s ({d.heartbeat_interval_s})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import secrets
 import signal
 import time
 import uuid
@@ -24,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from dynaresized import wire
-from dynaresized.core import Core, IllegalTransition, Refused, SendOp
+from dynaresized.core import Command, Core, IllegalTransition, QueryState, Refused
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.core.policy import Policy, UnknownPolicyError, load_policy
@@ -98,6 +99,10 @@ class Daemon:
         self._pending: list[tuple[list[f.Fact], ClusterState, list[tuple[zmq.asyncio.Socket, bytes, bytes]]]] = []
         self._pending_changed = asyncio.Event()
         self._writing = False
+        # Per-registration tokens and routing ids, in memory only: a restarted daemon knows none,
+        # so every worker says hello again (its messages are refused as `stale_token` until then).
+        self._tokens: dict[str, str] = {}
+        self._routes: dict[str, bytes] = {}
         self._worker_decoder = wire.worker_decoder(config.daemon.max_message_bytes)
         self._control_decoder = wire.control_decoder(config.daemon.max_message_bytes)
 
@@ -132,7 +137,7 @@ class Daemon:
             self._apply(ev.DaemonStarted(at=now))
         log.info("replayed", facts=self.state.version, phase=self.state.phase.value, split=str(self.state.split))
 
-    def _apply(self, event: ev.Event) -> list[SendOp]:
+    def _apply(self, event: ev.Event) -> list[Command]:
         """Step the core outside the reactor (start-up only) and record the facts."""
         self.state, facts, commands = self.core.step(self.state, event)
         self._persist(facts, self.state)
@@ -164,6 +169,9 @@ class Daemon:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its identity back
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.daemon.max_message_bytes)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        # A send to a routing id with no connection fails (EHOSTUNREACH) instead of vanishing:
+        # that is how a hello tells a duplicate process from a restarted one (`_still_connected`).
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if curve and self.curve is not None:
             self.curve.apply(sock)
         try:
@@ -298,15 +306,55 @@ class Daemon:
         self.metrics.decode_errors.labels(kind.value).inc()
 
     def _authenticate(self, identity: bytes, frame: zmq.Frame, msg: Any) -> str:
-        """A worker is who its CURVE key says, or on loopback the routing identity it registered with."""
+        """A worker is who its CURVE key says, and its connection's routing identity names it:
+        the worker id, or the worker id, '#' and a per-process suffix (what our client sets)."""
         if self.curve is not None:
             owner = self.curve.worker_of(frame)
             if owner != msg.worker_id:
                 return f"this key may act as worker {owner!r}, not {msg.worker_id!r}"
-        if identity != msg.worker_id.encode():
+        if identity.partition(b"#")[0] != msg.worker_id.encode():
             return (f"messages for worker {msg.worker_id!r} must come from a connection whose ZeroMQ identity is "
-                    f"{msg.worker_id!r} (the client sets it)")
+                    f"{msg.worker_id!r} or '{msg.worker_id}#<process>' (the client sets it)")
         return ""
+
+    def _check_token(self, msg: Any) -> None:
+        """Every message after hello carries the token of the registration it belongs to."""
+        worker_id = msg.worker_id
+        token = self._tokens.get(worker_id)
+        if token is None:
+            if self.state.is_live(worker_id):  # live in the log, not yet registered with this boot
+                raise _Reply(wire.ErrorCode.REFUSED,
+                             f"the daemon restarted (boot {self.boot_id}) since worker {worker_id!r} registered; "
+                             "say hello again", "stale_token")
+            return  # unknown or lost: the core says so (unknown_worker, not_registered)
+        if msg.token != token:
+            if not msg.token:
+                raise _Reply(wire.ErrorCode.REFUSED,
+                             f"messages of worker {worker_id!r} must carry the token its welcome gave "
+                             f"(protocol {wire.PROTOCOL_VERSION})", "missing_token")
+            raise _Reply(wire.ErrorCode.REFUSED,
+                         f"the token does not belong to worker {worker_id!r}'s current registration (another "
+                         "process registered under this id since, or this one was re-registered): say hello again",
+                         "stale_token")
+
+    def _still_connected(self, msg: wire.Hello, identity: bytes) -> bool:
+        """Whether a hello from a new process finds the live registration's connection still open
+        (a duplicate process started by mistake) rather than gone (the old process died)."""
+        old = self.state.workers.get(msg.worker_id)
+        if old is None or not self.state.is_live(msg.worker_id) or not old.process or old.process == msg.process:
+            return False
+        route = self._routes.get(msg.worker_id)
+        if route is None or route == identity:
+            return False  # not registered with this boot, or a client that reuses one identity
+        assert self.workers_sock is not None
+        raw = zmq.Socket.shadow(self.workers_sock.underlying)
+        try:
+            raw.send_multipart([route, wire.encode(wire.HeartbeatAck(seq=0, boot_id=self.boot_id))], _NOBLOCK)
+        except zmq.Again:
+            return True  # connected, its queue full
+        except zmq.ZMQError:
+            return False  # EHOSTUNREACH: nobody holds that routing id any more
+        return True
 
     async def _ingress_control(self) -> None:
         assert self.control_sock is not None
@@ -352,7 +400,7 @@ class Daemon:
                 except asyncio.QueueEmpty:
                     break
             facts: list[f.Fact] = []
-            commands: list[SendOp] = []
+            commands: list[Command] = []
             outbox: list[tuple[zmq.asyncio.Socket, bytes, bytes]] = []
             for item in items:
                 self._handle(item, facts, commands, outbox)
@@ -410,7 +458,7 @@ class Daemon:
             return True
         return False
 
-    def _handle(self, item: Any, facts: list[f.Fact], commands: list[SendOp],
+    def _handle(self, item: Any, facts: list[f.Fact], commands: list[Command],
                 outbox: list[tuple[zmq.asyncio.Socket, bytes, bytes]]) -> None:
         now = self.clock()
         if type(item) is not _WorkerIn:
@@ -425,6 +473,8 @@ class Daemon:
         sock = self.workers_sock
         self.metrics.message(type(msg))
         try:
+            if type(msg) is not wire.Hello:
+                self._check_token(msg)
             match msg:  # the message types are disjoint: the most frequent come first
                 case wire.Progress():
                     self._step(ev.ProgressReported(at=now, worker_id=msg.worker_id, step=msg.step, done=msg.done,
@@ -440,29 +490,40 @@ class Daemon:
                                      f"protocol {msg.protocol} not supported; this daemon speaks "
                                      f"{wire.PROTOCOL_VERSION}")
                     self._step(ev.WorkerHello(at=now, worker_id=msg.worker_id, kind=msg.kind,
-                                              devices=tuple(msg.devices), process=msg.process), facts, commands)
+                                              devices=tuple(msg.devices), process=msg.process, actual=msg.actual,
+                                              previous_connected=self._still_connected(msg, item.identity)),
+                               facts, commands)
                     worker = self.state.workers[msg.worker_id]
+                    token = self._tokens[msg.worker_id] = secrets.token_hex(16)
+                    self._routes[msg.worker_id] = item.identity
+                    pools = {self.state.devices[d].pool for d in worker.devices}
                     outbox.append((sock, item.identity, wire.encode(wire.Welcome(
                         protocol=wire.PROTOCOL_VERSION, worker_id=msg.worker_id, incarnation=worker.incarnation,
                         boot_id=self.boot_id, heartbeat_interval_s=self.config.daemon.heartbeat_interval_s,
                         heartbeat_timeout_s=self.config.core.heartbeat_timeout_s,
-                        candidates=self.state.candidates))))
-                    # The op re-sent to a re-registered worker must follow its Welcome.
+                        candidates=self.state.candidates, token=token,
+                        pool=pools.pop() if len(pools) == 1 else None, desired=self.state.desired(worker)))))
+                    # The op re-sent to a re-registered worker must follow its Welcome: the outbox
+                    # leaves in order, and commands are queued after this item's replies.
                 case wire.StepReport():
                     self._step(ev.StepReported(at=now, worker_id=msg.worker_id, timing=msg.timing), facts, commands)
                 case wire.OpResult():
                     self._step(ev.OpReported(at=now, worker_id=msg.worker_id, op_id=msg.op_id, ok=msg.ok,
-                                             detail=msg.detail), facts, commands)
+                                             detail=msg.detail, actual=msg.actual), facts, commands)
+                case wire.StateReport():
+                    self._step(ev.StateReported(at=now, worker_id=msg.worker_id, actual=msg.actual), facts, commands)
                 case wire.Bye():
                     self._step(ev.WorkerBye(at=now, worker_id=msg.worker_id), facts, commands)
+                    self._tokens.pop(msg.worker_id, None)
         except _Reply as r:
             self.metrics.refusals.labels(r.reason or r.code.value).inc()
             log.warning("refused", worker=getattr(msg, "worker_id", ""), type=type(msg).__struct_config__.tag,
                         code=r.code.value, reason=r.reason, error=r.message)
             outbox.append((sock, item.identity, wire.encode(wire.Error(
-                code=r.code, message=r.message, reason=r.reason, ref_type=type(msg).__struct_config__.tag))))
+                code=r.code, message=r.message, reason=r.reason, ref_type=type(msg).__struct_config__.tag,
+                token=getattr(msg, "token", "")))))
 
-    def _step(self, event: ev.Event, facts: list[f.Fact], commands: list[SendOp]) -> None:
+    def _step(self, event: ev.Event, facts: list[f.Fact], commands: list[Command]) -> None:
         """Step the core; a refusal becomes an error reply to the sender and changes nothing."""
         try:
             self.state, new_facts, new_commands = self.core.step(self.state, event)
@@ -473,7 +534,7 @@ class Daemon:
         facts.extend(new_facts)
         commands.extend(new_commands)
 
-    def _on_tick(self, now: float, facts: list[f.Fact], commands: list[SendOp]) -> None:
+    def _on_tick(self, now: float, facts: list[f.Fact], commands: list[Command]) -> None:
         mono = time.monotonic()  # the watchdog is about wall time, whatever daemon.time_scale says
         if self.notifier.watchdog_interval_s is not None and mono - self._last_watchdog >= \
                 self.notifier.watchdog_interval_s:
@@ -488,13 +549,13 @@ class Daemon:
                                                reason=f"drain_timeout_s={self.config.daemon.drain_timeout_s:g} "
                                                       "passed"), facts, commands)
 
-    def _step_quiet(self, event: ev.Event, facts: list[f.Fact], commands: list[SendOp]) -> None:
+    def _step_quiet(self, event: ev.Event, facts: list[f.Fact], commands: list[Command]) -> None:
         try:
             self._step(event, facts, commands)
         except _Reply as r:  # operator/daemon events are accepted in every phase; log if not
             log.error("daemon event refused", event=type(event).__name__, error=r.message)
 
-    def _control(self, item: _ControlIn, now: float, facts: list[f.Fact], commands: list[SendOp],
+    def _control(self, item: _ControlIn, now: float, facts: list[f.Fact], commands: list[Command],
                  outbox: list[tuple[zmq.asyncio.Socket, bytes, bytes]]) -> None:
         msg = item.msg
         before = len(facts)
@@ -525,7 +586,7 @@ class Daemon:
             assert self.control_sock is not None
             outbox.append((self.control_sock, item.identity, wire.encode(reply)))
 
-    def _begin_stop(self, now: float, facts: list[f.Fact], commands: list[SendOp]) -> None:
+    def _begin_stop(self, now: float, facts: list[f.Fact], commands: list[Command]) -> None:
         if self._stop_deadline is None:
             self._stop_deadline = now + self.config.daemon.drain_timeout_s * self.scale
             self.notifier.stopping("draining")
@@ -533,14 +594,18 @@ class Daemon:
                      drain_timeout_s=self.config.daemon.drain_timeout_s)
             self._step_quiet(ev.ShutdownRequested(at=now), facts, commands)
 
-    def _queue_op(self, command: SendOp, outbox: list[tuple[zmq.asyncio.Socket, bytes, bytes]]) -> None:
+    def _queue_op(self, command: Command, outbox: list[tuple[zmq.asyncio.Socket, bytes, bytes]]) -> None:
         assert self.workers_sock is not None
+        route = self._routes.get(command.worker_id, command.worker_id.encode())
+        if isinstance(command, QueryState):
+            outbox.append((self.workers_sock, route, wire.encode(wire.StateQuery(boot_id=self.boot_id))))
+            return
         op = command.op
         msg = wire.OpCommand(op_id=op.op_id, resize_id=command.resize_id, kind=op.kind, devices=op.devices,
                              from_pool=op.from_pool, to_pool=op.to_pool,
                              timeout_s=max(command.deadline - self.clock(), 0.0) / self.scale,
                              training=command.training, rollout=command.rollout)
-        outbox.append((self.workers_sock, command.worker_id.encode(), wire.encode(msg)))
+        outbox.append((self.workers_sock, route, wire.encode(msg)))
         log.info("op sent", op_id=op.op_id, op=op.kind.value, worker=command.worker_id,
                  resize_id=command.resize_id)
 
@@ -594,15 +659,24 @@ def status_of(state: ClusterState, daemon: Daemon | None = None) -> dict[str, An
                     "rolled_back": state.resizes_rolled_back},
         "devices": {d: (p.pool.value if p.pool else f"moving {p.moving_from.value}->{p.moving_to.value}")  # type: ignore[union-attr]
                     for d, p in sorted(state.devices.items())},
-        "workers": [{"id": w.worker_id, "kind": w.kind.value, "status": w.status.value, "devices": list(w.devices),
-                     "incarnation": w.incarnation} for w in sorted(state.workers.values(), key=lambda w: w.worker_id)],
+        "workers": [_worker_status(state, w) for w in sorted(state.workers.values(), key=lambda w: w.worker_id)],
         "in_flight": None if fl is None else {
             "resize_id": fl.plan.resize_id, "from": str(fl.plan.before), "to": str(fl.plan.after),
             "devices": list(fl.plan.devices), "op": fl.op.op_id if fl.index < len(fl.ops) else "",
-            "rolling_back": fl.rolling_back, "reason": fl.reason, "acked": list(fl.acked)},
+            "rolling_back": fl.rolling_back, "reason": fl.reason, "acked": list(fl.acked),
+            "reconciling": fl.reconciling},
         "policy": daemon.policy.name if daemon else "",
         "boot_id": daemon.boot_id if daemon else "",
     }
+
+
+def _worker_status(state: ClusterState, w: Any) -> dict[str, Any]:
+    desired = state.desired(w)
+    return {"id": w.worker_id, "kind": w.kind.value, "status": w.status.value, "devices": list(w.devices),
+            "incarnation": w.incarnation,
+            "actual": w.actual.holding.value if w.actual is not None else None,
+            "desired": desired.value if desired is not None else None,
+            "unconverged": state.unconverged.get(w.worker_id)}
 
 
 def run_daemon(config: Config) -> int:

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     rank.prepare()
 
     async def serve() -> None:
-        client = WorkerClient(args.daemon, f"trainer{config.rank}", WorkerKind.TRAINER_RANK, (args.device,))
+        client = WorkerClient(args.daemon, f"trainer{config.rank}", WorkerKind.TRAINER_RANK, (args.device,),
+                              actual=rank.actual)
         client.on_all(rank.handlers())  # type: ignore[arg-type]
         await client.start()
         rank.start()

@@ -15,6 +15,8 @@ from dynaresized.core.state import PHASE_OF_OP
 from dynaresized.domain import (
     FORWARD_ORDER,
     UNDO,
+    ActualState,
+    Holding,
     OpKind,
     Pool,
     Split,
@@ -113,6 +115,7 @@ SAMPLE_EVENTS: dict[type, ev.Event] = {
     ev.ResumeRequested: ev.ResumeRequested(at=50.0),
     ev.ShutdownRequested: ev.ShutdownRequested(at=50.0),
     ev.AbortRequested: ev.AbortRequested(at=50.0),
+    ev.StateReported: ev.StateReported(at=50.0, worker_id="tr0", actual=ActualState(holding=Holding.SERVING)),
 }
 
 
@@ -120,6 +123,12 @@ def in_phase(phase: Phase) -> Driver:
     """A 3:1 cluster with a training->rollout resize brought to `phase`."""
     if phase is Phase.STEADY:
         return boot(make_core(), 3, 1)
+    if phase is Phase.RECONCILING:
+        d = boot(make_core(), 3, 1)
+        d.send(ev.WorkerHello(at=d.at(), worker_id=trainer(0), kind=WorkerKind.TRAINER_RANK, devices=(device(0),),
+                              actual=ActualState(holding=Holding.RELEASED)))
+        assert d.state.phase is phase
+        return d
     d = start(TO_ROLLOUT)
     if phase is Phase.ROLLING_BACK:
         d.ack(trainer(2), ok=False, detail="engine crashed")

@@ -49,7 +49,8 @@ def metric(daemon, name: str, label: str = "") -> float:  # type: ignore[no-unty
     return total
 
 
-def hello(worker_id: str, devices: tuple[str, ...], kind: str = "trainer-rank", protocol: int = 1) -> bytes:
+def hello(worker_id: str, devices: tuple[str, ...], kind: str = "trainer-rank",
+          protocol: int = wire.PROTOCOL_VERSION) -> bytes:
     return msgspec.msgpack.encode({"type": "hello", "protocol": protocol, "worker_id": worker_id, "kind": kind,
                                    "devices": list(devices)})
 
@@ -112,7 +113,7 @@ async def test_bad_input_is_refused_clearly_and_changes_nothing(make_daemon) -> 
             finally:
                 peer.close()
         # A stale op result from the registered owner is refused by the core, not by auth.
-        await owner._send(wire.OpResult(worker_id="owner", op_id="r9/0-drain", ok=True))
+        await owner._send(wire.OpResult(worker_id="owner", op_id="r9/0-drain", ok=True, token=owner.token))
         refused = await until(lambda: [e for e in owner.errors if e.reason == "illegal_transition"],
                               what="refusal of a stale op result")
         assert "not accepted in phase 'steady'" in refused[0].message

@@ -1,0 +1,296 @@
+"""Reconciliation, re-sending and registration in the core: a worker's reported actual state
+against the log's desired state, driven event by event.
+
+The first two tests are the scenarios that diverged before reconciliation existed: a trainer
+that released its device and was declared lost before its answer arrived, and the engine mirror
+case; both came back to a log that counted them in a pool they had left."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from dynaresized.core import Core, Phase, QueryState, Refused, SendOp
+from dynaresized.core import events as ev
+from dynaresized.core import facts as f
+from dynaresized.domain import ActualState, Holding, OpKind, Pool, Split, WorkerKind
+
+from .cluster import EAGER, Driver, device, engine, make_core, trainer
+
+
+def held(holding: Holding, last_op: str = "") -> ActualState:
+    return ActualState(holding=holding, last_op=last_op)
+
+
+def boot_reporting(core: Core, train: int, rollout: int, at: float = 0.0) -> Driver:
+    """Like cluster.boot, but every worker reports what it holds (as its launch pool has it)."""
+    d = Driver(core, now=at)
+    n = train + rollout
+    pools = tuple([Pool.TRAINING] * train + [Pool.ROLLOUT] * rollout)
+    d.send(ev.Configure(at=at, devices=tuple(device(i) for i in range(n)), pools=pools))
+    for i in range(n):
+        for kind, name in ((WorkerKind.ROLLOUT_ENGINE, engine(i)), (WorkerKind.TRAINER_RANK, trainer(i))):
+            holding = Holding.SERVING if pools[i] is kind.pool else Holding.RELEASED
+            d.send(ev.WorkerHello(at=at, worker_id=name, kind=kind, devices=(device(i),), process=f"p-{name}",
+                                  actual=held(holding)))
+    assert d.state.phase is Phase.STEADY and not d.state.inflight
+    return d
+
+
+def hello(d: Driver, name: str, kind: WorkerKind, i: int, actual: ActualState | None, *, process: str = "",
+          previous_connected: bool = False) -> tuple[list[f.Fact], list]:
+    return d.send(ev.WorkerHello(at=d.at(), worker_id=name, kind=kind, devices=(device(i),),
+                                 process=process or f"p-{name}", actual=actual,
+                                 previous_connected=previous_connected))
+
+
+def ack(d: Driver, worker_id: str, actual: ActualState | None, ok: bool = True) -> tuple[list[f.Fact], list]:
+    fl = d.state.inflight
+    assert fl is not None
+    return d.send(ev.OpReported(at=d.at(), worker_id=worker_id, op_id=fl.op.op_id, ok=ok, actual=actual))
+
+
+def sent(commands: list) -> list[tuple[str, OpKind]]:
+    return [(c.worker_id, c.op.kind) for c in commands if isinstance(c, SendOp)]
+
+
+def lose(d: Driver, worker_id: str) -> list[f.Fact]:
+    """Everyone else heartbeats; `worker_id` stays silent past the timeout."""
+    t = d.at(11.0)
+    for w in sorted(d.state.workers):
+        if w != worker_id and d.state.is_live(w):
+            d.send(ev.Heartbeat(at=t, worker_id=w))
+    facts, _ = d.send(ev.Tick(at=t + 0.1))
+    return facts
+
+
+# -- the scenarios of the issue ----------------------------------------------------------
+
+
+def test_trainer_lost_after_release_is_told_to_reclaim_when_it_comes_back() -> None:
+    d = boot_reporting(make_core(EAGER), 2, 2)
+    facts, commands = d.force(1, 3)  # moves n0:gpu1 training -> rollout
+    assert d.state.inflight.plan.devices == (device(1),)
+    ack(d, trainer(1), held(Holding.DRAINED))  # drain
+    assert d.state.inflight.op.kind is OpKind.RELEASE
+    # tr1 performs the release and leaves its group, but is declared lost before its answer arrives
+    facts = lose(d, trainer(1))
+    assert [type(x) for x in facts][:3] == [f.WorkerLost, f.OpFailed, f.ResizeAborted]
+    assert any(isinstance(x, f.ResizeRolledBack) for x in facts)  # the undo had no live target
+    assert d.state.devices[device(1)].pool is Pool.TRAINING  # the log: training
+    # it comes back (same process) and says what it really holds
+    facts, commands = hello(d, trainer(1), WorkerKind.TRAINER_RANK, 1, held(Holding.RELEASED, "r1/1-release"))
+    started = [x for x in facts if isinstance(x, f.ReconcileStarted)]
+    assert started and started[0].desired is Holding.SERVING and started[0].actual is Holding.RELEASED
+    assert sent(commands) == [(trainer(1), OpKind.RECLAIM)]
+    assert d.state.phase is Phase.RECONCILING
+    assert all(c.training == (device(0), device(1)) for c in commands)  # the pools do not change
+    _, commands = ack(d, trainer(1), held(Holding.DRAINED))
+    assert sent(commands) == [(trainer(1), OpKind.RESUME)]
+    facts, _ = ack(d, trainer(1), held(Holding.SERVING))
+    assert isinstance(facts[-1], f.ReconcileFinished) and facts[-1].ok
+    assert d.state.phase is Phase.STEADY and d.state.inflight is None
+    assert d.state.workers[trainer(1)].actual.holding is Holding.SERVING
+    assert d.state.split == Split(2, 2)
+    assert d.replayed().durable() == d.state.durable()
+
+
+@pytest.mark.parametrize("released", [False, True], ids=["drained", "released"])
+def test_engine_lost_mid_resize_is_converged_when_it_comes_back(released: bool) -> None:
+    d = boot_reporting(make_core(EAGER), 2, 2)
+    d.force(3, 1)  # moves n0:gpu3 rollout -> training
+    assert d.state.inflight.plan.devices == (device(3),)
+    ack(d, engine(3), held(Holding.DRAINED))  # drained; then lost before the release answer
+    facts = lose(d, engine(3))
+    assert any(isinstance(x, f.ResizeRolledBack) for x in facts)
+    assert d.state.devices[device(3)].pool is Pool.ROLLOUT
+    actual = held(Holding.RELEASED if released else Holding.DRAINED)
+    facts, commands = hello(d, engine(3), WorkerKind.ROLLOUT_ENGINE, 3, actual)
+    expected = [OpKind.RECLAIM, OpKind.RESUME] if released else [OpKind.RESUME]
+    assert [op.kind for op in d.state.inflight.ops] == expected
+    assert all(op.from_pool is Pool.ROLLOUT and op.targets == (engine(3),) for op in d.state.inflight.ops)
+    assert sent(commands) == [(engine(3), expected[0])]
+    for kind in expected:
+        after = Holding.DRAINED if kind is OpKind.RECLAIM else Holding.SERVING
+        ack(d, engine(3), held(after))
+    assert d.state.phase is Phase.STEADY
+    assert d.state.workers[engine(3)].actual.holding is Holding.SERVING
+    # the next resize finds it serving and drains it as usual
+    _, commands = d.force(3, 1)
+    assert sent(commands) == [(engine(3), OpKind.DRAIN)]
+    assert d.replayed().durable() == d.state.durable()
+
+
+def test_a_worker_holding_a_device_the_log_gave_away_is_released() -> None:
+    d = boot_reporting(make_core(EAGER), 2, 2)
+    # tr3 says it is training, but n0:gpu3 is in the rollout pool: it must leave its group
+    facts, commands = hello(d, trainer(3), WorkerKind.TRAINER_RANK, 3, held(Holding.SERVING))
+    assert [op.kind for op in d.state.inflight.ops] == [OpKind.DRAIN, OpKind.RELEASE]
+    assert all(op.from_pool is Pool.TRAINING for op in d.state.inflight.ops)
+    ack(d, trainer(3), held(Holding.DRAINED))
+    ack(d, trainer(3), held(Holding.RELEASED))
+    assert d.state.phase is Phase.STEADY
+    assert d.replayed().durable() == d.state.durable()
+
+
+# -- workers that cannot converge ------------------------------------------------------------
+
+
+def test_a_worker_whose_converging_op_fails_is_left_out_of_plans() -> None:
+    d = boot_reporting(make_core(msgspec.structs.replace(EAGER, min_rollout=0)), 2, 2)
+    hello(d, engine(3), WorkerKind.ROLLOUT_ENGINE, 3, held(Holding.RELEASED))
+    facts, _ = ack(d, engine(3), held(Holding.RELEASED), ok=False)
+    assert [type(x) for x in facts][-2:] == [f.ReconcileFinished, f.WorkerUnconverged]
+    assert not facts[-2].ok and "failed on eng3" in facts[-1].reason
+    assert engine(3) in d.state.unconverged and d.state.phase is Phase.STEADY
+    # no second attempt on its own: a reconcile loop would never end
+    facts, _ = d.send(ev.StateReported(at=d.at(), worker_id=engine(2), actual=held(Holding.SERVING, "x")))
+    assert not any(isinstance(x, f.ReconcileStarted) for x in facts)
+    # n0:gpu3 is not planned while its engine has not converged; n0:gpu2 is
+    _, commands = d.force(3, 1)
+    assert d.state.inflight.plan.devices == (device(2),)
+    d.finish()
+    facts, _ = d.force(4, 0)
+    rejected = [x for x in facts if isinstance(x, f.ProposalRejected)]
+    assert rejected and "left out: a worker on them has not converged" in rejected[0].reason
+    # once it reports a state that agrees with the log, it is back
+    d.send(ev.StateReported(at=d.at(), worker_id=engine(3), actual=held(Holding.SERVING)))
+    assert engine(3) not in d.state.unconverged
+    assert d.replayed().durable() == d.state.durable()
+
+
+def test_a_worker_that_reports_failed_is_unconverged_at_once() -> None:
+    d = boot_reporting(make_core(EAGER), 2, 2)
+    facts, commands = hello(d, trainer(0), WorkerKind.TRAINER_RANK, 0,
+                            ActualState(holding=Holding.FAILED, detail="optimizer step raised"))
+    assert isinstance(facts[-1], f.WorkerUnconverged) and "optimizer step raised" in facts[-1].reason
+    assert commands == [] and d.state.inflight is None
+
+
+def test_acks_that_still_report_the_old_state_end_unconverged_not_in_a_loop() -> None:
+    d = boot_reporting(make_core(EAGER), 2, 2)
+    hello(d, engine(3), WorkerKind.ROLLOUT_ENGINE, 3, held(Holding.DRAINED))
+    facts, commands = ack(d, engine(3), held(Holding.DRAINED))  # "resumed", yet still drained
+    assert [type(x) for x in facts][-2:] == [f.ReconcileFinished, f.WorkerUnconverged]
+    assert "still reports drained" in facts[-1].reason
+    assert commands == [] and d.state.inflight is None
+
+
+def test_a_worker_that_finished_its_job_is_not_reconciled() -> None:
+    d = boot_reporting(make_core(EAGER), 2, 2)
+    facts, commands = hello(d, trainer(0), WorkerKind.TRAINER_RANK, 0, held(Holding.DONE))
+    assert not any(isinstance(x, f.ReconcileStarted) for x in facts) and commands == []
+
+
+def test_a_worker_that_does_not_report_is_never_reconciled() -> None:
+    d = boot_reporting(make_core(EAGER), 2, 2)
+    facts, commands = hello(d, trainer(1), WorkerKind.TRAINER_RANK, 1, None)
+    assert not any(isinstance(x, f.ReconcileStarted) for x in facts) and commands == []
+
+
+def test_a_reconcile_waits_for_the_resize_in_flight() -> None:
+    d = boot_reporting(make_core(EAGER), 2, 2)
+    d.force(1, 3)  # tr1 drains and releases
+    facts, commands = hello(d, engine(3), WorkerKind.ROLLOUT_ENGINE, 3, held(Holding.DRAINED))
+    assert not any(isinstance(x, f.ReconcileStarted) for x in facts)
+    assert d.state.inflight.reconciling == ""
+    for actual in (Holding.DRAINED, Holding.RELEASED):
+        ack(d, trainer(1), held(actual))
+    ack(d, engine(1), held(Holding.SERVING))  # join
+    ack(d, engine(1), held(Holding.SERVING))  # restore
+    facts = []
+    while d.state.inflight is not None and not d.state.inflight.reconciling:
+        fl = d.state.inflight
+        w = next(w for w in fl.op.targets if w not in fl.acked)
+        new, _ = ack(d, w, d.state.workers[w].actual)
+        facts += new
+    assert any(isinstance(x, f.ResizeCommitted) for x in facts)
+    assert d.state.inflight.reconciling == engine(3)  # started right after the commit
+    assert [op.kind for op in d.state.inflight.ops] == [OpKind.RESUME]
+
+
+def test_guards_see_a_reconcile_as_an_operation_in_flight() -> None:
+    d = boot_reporting(make_core(EAGER), 2, 2)
+    hello(d, engine(3), WorkerKind.ROLLOUT_ENGINE, 3, held(Holding.DRAINED))
+    facts, commands = d.force(3, 1)
+    assert isinstance(facts[0], f.ProposalRejected) and facts[0].guard == "in_flight"
+    assert "reconcile c1 of eng3" in facts[0].reason and commands == []
+
+
+def test_losing_the_worker_under_reconcile_ends_it_without_marking_it() -> None:
+    d = boot_reporting(make_core(EAGER), 2, 2)
+    hello(d, engine(3), WorkerKind.ROLLOUT_ENGINE, 3, held(Holding.RELEASED))
+    facts = lose(d, engine(3))
+    done = [x for x in facts if isinstance(x, f.ReconcileFinished)]
+    assert done and not done[0].ok and engine(3) not in d.state.unconverged
+    # back again: converged this time
+    hello(d, engine(3), WorkerKind.ROLLOUT_ENGINE, 3, held(Holding.RELEASED))
+    assert d.state.inflight.reconciling == engine(3)
+
+
+# -- re-sending and asking -------------------------------------------------------------------
+
+
+def test_a_pending_op_is_re_sent_to_live_targets_that_have_not_answered() -> None:
+    core = Core(make_core().config.__class__(guards=EAGER, op_resend_s=2.0), make_core().policy)
+    d = boot_reporting(core, 3, 1)
+    d.force(1, 3)  # two trainers drain: tr1 and tr2
+    fl = d.state.inflight
+    assert set(fl.op.targets) == {trainer(1), trainer(2)}
+    ack(d, trainer(2), held(Holding.DRAINED))
+    t0 = d.state.inflight.op_started_at
+    _, commands = d.send(ev.Tick(at=t0 + 1.0))
+    assert sent(commands) == []  # not yet
+    _, commands = d.send(ev.Tick(at=t0 + 2.5))
+    assert sent(commands) == [(trainer(1), OpKind.DRAIN)]  # only the one that has not answered
+    _, commands = d.send(ev.Tick(at=t0 + 3.0))
+    assert sent(commands) == []  # once per interval
+    _, commands = d.send(ev.Tick(at=t0 + 4.6))
+    assert sent(commands) == [(trainer(1), OpKind.DRAIN)]
+    # the repeat's answer counts once; the resize goes on
+    facts, _ = ack(d, trainer(1), held(Holding.DRAINED))
+    assert d.state.inflight.op.kind is OpKind.RELEASE
+    with pytest.raises(Refused) as info:  # the second copy of the same answer is stale
+        d.send(ev.OpReported(at=d.at(), worker_id=trainer(1), op_id=fl.op.op_id, ok=True))
+    assert info.value.code == "stale_op"
+    assert d.state.durable() == d.replayed().durable()  # re-sending leaves no trace in the log
+
+
+def test_the_daemon_asks_reporting_workers_for_their_state() -> None:
+    core = Core(make_core().config.__class__(guards=EAGER, audit_interval_s=30.0), make_core().policy)
+    d = boot_reporting(core, 1, 1)
+    d.send(ev.WorkerHello(at=0.0, worker_id=trainer(1), kind=WorkerKind.TRAINER_RANK, devices=(device(1),),
+                          process=f"p-{trainer(1)}"))  # a client that does not say what it holds
+    d.heartbeat_all(30.0)
+    _, commands = d.send(ev.Tick(at=31.0))
+    asked = sorted(c.worker_id for c in commands if isinstance(c, QueryState))
+    assert asked == sorted([engine(0), engine(1), trainer(0)])  # not the one that never says
+    d.heartbeat_all(39.0)
+    _, commands = d.send(ev.Tick(at=40.0))
+    assert not [c for c in commands if isinstance(c, QueryState)]
+
+
+def test_a_state_report_that_changes_nothing_records_nothing() -> None:
+    d = boot_reporting(make_core(EAGER), 1, 1)
+    facts, _ = d.send(ev.StateReported(at=d.at(), worker_id=engine(1), actual=held(Holding.SERVING)))
+    assert facts == []
+
+
+# -- duplicate processes ---------------------------------------------------------------------
+
+
+def test_a_duplicate_process_is_refused_while_the_first_is_still_connected() -> None:
+    d = boot_reporting(make_core(EAGER), 2, 2)
+    before = d.state
+    with pytest.raises(Refused) as info:
+        hello(d, trainer(0), WorkerKind.TRAINER_RANK, 0, held(Holding.SERVING), process="another",
+              previous_connected=True)
+    assert info.value.code == "duplicate_worker"
+    assert "still open" in info.value.message and "another worker id" in info.value.message
+    assert d.state is before
+    # the same process saying hello again is a re-registration, not a duplicate
+    facts, _ = hello(d, trainer(0), WorkerKind.TRAINER_RANK, 0, held(Holding.SERVING), previous_connected=True)
+    assert [type(x) for x in facts] == [f.WorkerRegistered]
+    # a new process whose predecessor's connection is gone is a restart: the old one is lost
+    facts, _ = hello(d, trainer(0), WorkerKind.TRAINER_RANK, 0, held(Holding.SERVING), process="restarted")
+    assert [type(x) for x in facts][:2] == [f.WorkerLost, f.WorkerRegistered]
