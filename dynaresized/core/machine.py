@@ -51,6 +51,9 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     None: never (the simulator, where no message is lost)."""
     audit_interval_s: float | None = None
     """Ask every live worker that reports its actual state for it this often. None: never."""
+    reconcile_retry_s: float = 30.0
+    """A worker that could not be converged is tried again this long after (its devices stay
+    out of resize plans meanwhile)."""
 
 
 class SendOp(msgspec.Struct, frozen=True):
@@ -119,7 +122,8 @@ class Core:
             raise IllegalTransition(state.phase, event)
         tx = _Tx(state)
         handler(self, tx, event)
-        if tx.state.phase is Phase.STEADY and not tx.state.stopping and any(type(x) in _RECHECK for x in tx.facts):
+        if tx.state.phase is Phase.STEADY and not tx.state.stopping and (
+                type(event) is ev.Tick or any(type(x) in _RECHECK for x in tx.facts)):
             _reconcile_next(self, tx, event.at)
         # A Tick can declare a worker lost after an earlier loss in the same Tick sent it an undo
         # or commit op; such a command contradicts this step's own facts and nobody could answer it
@@ -587,14 +591,18 @@ _CONVERGE: dict[tuple[Holding, Holding], tuple[OpKind, ...]] = {
 
 _RECHECK = frozenset({f.WorkerRegistered, f.WorkerReported, f.ResizeCommitted, f.ResizeRolledBack,
                       f.ReconcileFinished, f.ResizingResumed})
-"""Facts after which a live worker may disagree with the log: the core looks for one then."""
+"""Facts after which a live worker may disagree with the log: the core looks for one then (and
+at every tick, which is when a worker that could not converge is tried again)."""
 
 
-def divergence(state: ClusterState, worker: Worker) -> tuple[Holding, Holding] | None:
+def divergence(state: ClusterState, worker: Worker, now: float, retry_s: float) -> tuple[Holding, Holding] | None:
     """(desired, actual) when `worker` reports a state the log disagrees with and ops can
-    converge it; None when it agrees, does not say, or nothing is to be converged now."""
-    if worker.status is not WorkerStatus.LIVE or worker.actual is None or worker.worker_id in state.unconverged:
+    converge it now; None when it agrees, does not say, or nothing is to be converged now."""
+    if worker.status is not WorkerStatus.LIVE or worker.actual is None:
         return None
+    stuck = state.unconverged.get(worker.worker_id)
+    if stuck is not None and (now - stuck.at < retry_s or worker.actual.holding is Holding.FAILED):
+        return None  # tried lately, or it cannot act at all: wait for it to report something else
     want, have = state.desired(worker), worker.actual.holding
     if want is None or have is Holding.DONE or have is want:
         return None
@@ -605,7 +613,7 @@ def _reconcile_next(core: Core, tx: _Tx, at: float) -> None:
     """Level-triggered: start converging the first live worker whose actual state differs from
     what the log says (one at a time, serialized with resizes)."""
     for w in sorted(tx.state.workers.values(), key=lambda w: w.worker_id):
-        gap = divergence(tx.state, w)
+        gap = divergence(tx.state, w, at, core.config.reconcile_retry_s)
         if gap is None:
             continue
         want, have = gap

@@ -91,6 +91,11 @@ class Progress(msgspec.Struct, frozen=True, array_like=True):
     tokens: int
 
 
+class Unconverged(msgspec.Struct, frozen=True, array_like=True):
+    reason: str
+    at: float  # when it was last found unconverged (it is tried again `reconcile_retry_s` later)
+
+
 class ClusterState(msgspec.Struct, frozen=True):
     version: int = 0  # facts folded so far
     configured: bool = False
@@ -112,7 +117,7 @@ class ClusterState(msgspec.Struct, frozen=True):
     cost_per_device_s: dict[str, float] = {}  # learned, by direction "rollout->training"
     degraded_reason: str = ""
     reconciles_started: int = 0
-    unconverged: dict[WorkerId, str] = {}  # workers that could not converge, and why
+    unconverged: dict[WorkerId, Unconverged] = {}  # workers that could not converge: left out of plans
     last_seen: dict[WorkerId, float] = {}  # soft state, see module docstring
     last_sent: float = 0.0  # soft: when the pending op was last sent
     last_audit: float = 0.0  # soft: when every live worker was last asked for its state
@@ -227,18 +232,22 @@ def _(s: ClusterState, e: f.WorkerRegistered) -> ClusterState:
     workers[e.worker.worker_id] = e.worker
     last_seen = dict(s.last_seen)
     last_seen[e.worker.worker_id] = e.at
-    unconverged = s.unconverged
-    if e.worker.worker_id in unconverged:  # a new registration is a new chance to converge
-        unconverged = {w: r for w, r in unconverged.items() if w != e.worker.worker_id}
-    return replace(s, workers=workers, last_seen=last_seen, unconverged=unconverged)
+    # A new registration is a new chance to converge.
+    return replace(s, workers=workers, last_seen=last_seen, unconverged=_without(s.unconverged, e.worker.worker_id))
+
+
+def _without(unconverged: dict[WorkerId, Unconverged], worker_id: WorkerId) -> dict[WorkerId, Unconverged]:
+    if worker_id not in unconverged:
+        return unconverged
+    return {w: u for w, u in unconverged.items() if w != worker_id}
 
 
 def _set_actual(s: ClusterState, worker_id: WorkerId, actual: ActualState) -> ClusterState:
     workers = dict(s.workers)
     workers[worker_id] = replace(workers[worker_id], actual=actual)
     unconverged = s.unconverged
-    if worker_id in unconverged and s.desired(workers[worker_id]) == actual.holding:
-        unconverged = {w: r for w, r in unconverged.items() if w != worker_id}  # it agrees with the log now
+    if s.desired(workers[worker_id]) == actual.holding:
+        unconverged = _without(unconverged, worker_id)  # it agrees with the log now
     return replace(s, workers=workers, unconverged=unconverged)
 
 
@@ -257,13 +266,14 @@ def _(s: ClusterState, e: f.ReconcileStarted) -> ClusterState:
 
 @_on(f.ReconcileFinished)
 def _(s: ClusterState, e: f.ReconcileFinished) -> ClusterState:
-    return replace(s, inflight=None, phase=Phase.STEADY)
+    unconverged = _without(s.unconverged, e.worker_id) if e.ok else s.unconverged
+    return replace(s, inflight=None, phase=Phase.STEADY, unconverged=unconverged)
 
 
 @_on(f.WorkerUnconverged)
 def _(s: ClusterState, e: f.WorkerUnconverged) -> ClusterState:
     unconverged = dict(s.unconverged)
-    unconverged[e.worker_id] = e.reason
+    unconverged[e.worker_id] = Unconverged(e.reason, e.at)
     return replace(s, unconverged=unconverged)
 
 

@@ -64,6 +64,7 @@ class CoreSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     steps_total: int | None = None
     op_resend_s: float = 2.0  # a pending op is re-sent to live targets that have not answered this often
     audit_interval_s: float = 30.0  # every live worker is asked for its actual state this often; 0: never
+    reconcile_retry_s: float = 30.0  # a worker that could not be converged is tried again this long after
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -84,6 +85,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             costs=self.costs,
             op_resend_s=self.core.op_resend_s,
             audit_interval_s=self.core.audit_interval_s or None,
+            reconcile_retry_s=self.core.reconcile_retry_s,
         )
 
     def initial_pools(self) -> tuple[tuple[str, ...], tuple[Pool, ...]]:
@@ -122,7 +124,8 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
                        ("daemon.heartbeat_interval_s", d.heartbeat_interval_s),
                        ("core.heartbeat_timeout_s", c.heartbeat_timeout_s),
                        ("core.op_timeout_s", c.op_timeout_s),
-                       ("core.op_resend_s", c.op_resend_s)):
+                       ("core.op_resend_s", c.op_resend_s),
+                       ("core.reconcile_retry_s", c.reconcile_retry_s)):
         need(math.isfinite(value) and value > 0, key, f"must be a positive number of seconds, got {value}")
     need(c.op_resend_s < c.op_timeout_s, "core.op_resend_s",
          f"must be under core.op_timeout_s ({c.op_timeout_s}): an op is re-sent several times before it times out")

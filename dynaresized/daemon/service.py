@@ -676,7 +676,7 @@ def _worker_status(state: ClusterState, w: Any) -> dict[str, Any]:
             "incarnation": w.incarnation,
             "actual": w.actual.holding.value if w.actual is not None else None,
             "desired": desired.value if desired is not None else None,
-            "unconverged": state.unconverged.get(w.worker_id)}
+            "unconverged": state.unconverged[w.worker_id].reason if w.worker_id in state.unconverged else None}
 
 
 def run_daemon(config: Config) -> int:

@@ -294,3 +294,22 @@ def test_a_duplicate_process_is_refused_while_the_first_is_still_connected() -> 
     # a new process whose predecessor's connection is gone is a restart: the old one is lost
     facts, _ = hello(d, trainer(0), WorkerKind.TRAINER_RANK, 0, held(Holding.SERVING), process="restarted")
     assert [type(x) for x in facts][:2] == [f.WorkerLost, f.WorkerRegistered]
+
+
+def test_an_unconverged_worker_is_tried_again_after_the_retry_interval() -> None:
+    core = Core(make_core().config.__class__(guards=EAGER, reconcile_retry_s=5.0, heartbeat_timeout_s=1e9),
+                make_core().policy)
+    d = boot_reporting(core, 2, 2)
+    hello(d, engine(3), WorkerKind.ROLLOUT_ENGINE, 3, held(Holding.RELEASED))
+    facts, _ = ack(d, engine(3), held(Holding.RELEASED), ok=False)
+    failed_at = facts[-1].at
+    facts, commands = d.send(ev.Tick(at=failed_at + 4.0))
+    assert not any(isinstance(x, f.ReconcileStarted) for x in facts)  # not yet
+    facts, commands = d.send(ev.Tick(at=failed_at + 5.5))
+    assert any(isinstance(x, f.ReconcileStarted) for x in facts)
+    assert sent(commands) == [(engine(3), OpKind.RECLAIM)]
+    assert engine(3) in d.state.unconverged  # still left out of plans while it is tried
+    ack(d, engine(3), held(Holding.DRAINED))
+    ack(d, engine(3), held(Holding.SERVING))
+    assert engine(3) not in d.state.unconverged and d.state.phase is Phase.STEADY
+    assert d.replayed().durable() == d.state.durable()

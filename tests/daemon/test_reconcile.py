@@ -1,0 +1,217 @@
+"""Reconciliation over real sockets: a real daemon process and real worker clients that say
+what they hold. Lost workers come back to a log that disagrees with them and are converged; a
+lost answer costs a re-send, not a degraded daemon; a duplicate process is refused; every
+message after hello carries its registration's token."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from dynaresized import wire
+from dynaresized.client import DaemonRejected, OpRequest, WorkerClient
+from dynaresized.core import facts as f
+from dynaresized.domain import ActualState, Holding, OpKind, Pool, WorkerKind
+
+from .conftest import DEVICES, read_facts, until
+
+AFTER: dict[OpKind, Holding] = {
+    OpKind.DRAIN: Holding.DRAINED, OpKind.RELEASE: Holding.RELEASED, OpKind.JOIN: Holding.SERVING,
+    OpKind.RESTORE: Holding.SERVING, OpKind.RESUME: Holding.SERVING, OpKind.RECLAIM: Holding.DRAINED,
+    OpKind.EVICT: Holding.RELEASED,
+}
+
+
+class Device:
+    """What one worker process really holds, and its handlers: an op changes it as a real
+    backend's would. `hold_answer` makes a handler act and then never answer (the process is
+    cut off before its answer leaves)."""
+
+    def __init__(self, kind: WorkerKind, device: str, pool: Pool) -> None:
+        self.kind = kind
+        self.device = device
+        self.holding = Holding.SERVING if pool is kind.pool else Holding.RELEASED
+        self.ran: list[str] = []
+        self.hold_answer: OpKind | None = None
+        self.acted = asyncio.Event()
+
+    def actual(self) -> ActualState:
+        return ActualState(holding=self.holding, last_op=self.ran[-1] if self.ran else "")
+
+    async def handle(self, op: OpRequest) -> str:
+        self.ran.append(op.op_id)
+        if self.device in op.devices and op.kind in AFTER:
+            self.holding = AFTER[op.kind]
+        if op.kind is self.hold_answer:
+            self.acted.set()
+            await asyncio.Event().wait()  # never answers
+        return f"{op.kind.value} done"
+
+    def client(self, endpoint: str, name: str, **kw: Any) -> WorkerClient:
+        c = WorkerClient(endpoint, name, self.kind, (self.device,), actual=self.actual, **kw)
+        c.on_all({k: self.handle for k in OpKind})
+        return c
+
+
+def worker_name(kind: WorkerKind, device: str) -> str:
+    return ("eng-" if kind is WorkerKind.ROLLOUT_ENGINE else "tr-") + device.replace(":", "-")
+
+
+async def attach_all(daemon: Any) -> tuple[dict[str, Device], dict[str, WorkerClient]]:
+    devices, clients = {}, {}
+    for i, d in enumerate(DEVICES):
+        pool = Pool.TRAINING if i < 2 else Pool.ROLLOUT
+        for kind in WorkerKind:
+            name = worker_name(kind, d)
+            devices[name] = Device(kind, d, pool)
+            clients[name] = devices[name].client(daemon.worker_endpoint, name)
+            await clients[name].start()
+    return devices, clients
+
+
+def facts_of(daemon: Any, kind: type) -> list[Any]:
+    return [x for x in read_facts(daemon.state_dir) if isinstance(x, kind)]
+
+
+def worker(daemon: Any, name: str) -> dict[str, Any]:
+    return next(w for w in daemon.status()["workers"] if w["id"] == name)
+
+
+async def test_a_trainer_lost_after_release_is_reclaimed_when_it_comes_back(make_daemon) -> None:
+    daemon = make_daemon()
+    devices, clients = await attach_all(daemon)
+    tr1 = worker_name(WorkerKind.TRAINER_RANK, DEVICES[1])
+    devices[tr1].hold_answer = OpKind.RELEASE
+    try:
+        reply = daemon.control(wire.ResizeRequest(train=1, rollout=3))  # moves node0:cpu1 to rollout
+        assert reply.ok, reply.message
+        await asyncio.wait_for(devices[tr1].acted.wait(), 10)
+        process = clients[tr1].process
+        await clients[tr1].close(say_bye=False)  # released, then cut off before its answer left
+        await until(lambda: facts_of(daemon, f.ResizeRolledBack), timeout=15, what="the rollback")
+        assert daemon.status()["devices"][DEVICES[1]] == "training"  # the log says training...
+        assert devices[tr1].holding is Holding.RELEASED  # ...but the trainer left its group
+        back = devices[tr1].client(daemon.worker_endpoint, tr1)
+        back.process = process  # the same process, reconnecting
+        clients[tr1] = back
+        welcome = await back.start()
+        assert welcome.desired is Holding.SERVING and welcome.pool is Pool.TRAINING
+        done = await until(lambda: facts_of(daemon, f.ReconcileFinished), timeout=15, what="the reconcile")
+        assert done[0].ok and done[0].worker_id == tr1
+        started = facts_of(daemon, f.ReconcileStarted)[0]
+        assert [op.kind for op in started.plan.ops] == [OpKind.RECLAIM, OpKind.RESUME]
+        assert devices[tr1].holding is Holding.SERVING
+        w = worker(daemon, tr1)
+        assert w["actual"] == w["desired"] == "serving" and daemon.status()["phase"] == "steady"
+        # and the next resize finds it a member: it drains and releases, as any member would
+        devices[tr1].hold_answer = None
+        assert daemon.control(wire.ResizeRequest(train=1, rollout=3)).ok
+        await until(lambda: len(facts_of(daemon, f.ResizeCommitted)) == 1, timeout=15, what="the second resize")
+        assert devices[tr1].holding is Holding.RELEASED
+        assert not facts_of(daemon, f.Degraded)
+    finally:
+        for c in clients.values():
+            await c.close()
+
+
+async def test_one_lost_commit_answer_costs_a_re_send_not_a_degraded_daemon(make_daemon) -> None:
+    daemon = make_daemon(core={"op_resend_s": 0.3})
+    devices, clients = await attach_all(daemon)
+    tr0 = clients[worker_name(WorkerKind.TRAINER_RANK, DEVICES[0])]
+    real_send = tr0._send
+    dropped: list[str] = []
+
+    async def lossy_send(msg: Any) -> None:
+        if isinstance(msg, wire.OpResult) and msg.op_id.endswith("commit") and not dropped:
+            dropped.append(msg.op_id)  # this answer never reaches the daemon
+            return
+        await real_send(msg)
+
+    tr0._send = lossy_send  # type: ignore[method-assign]
+    try:
+        assert daemon.control(wire.ResizeRequest(train=3, rollout=1)).ok
+        committed = await until(lambda: facts_of(daemon, f.ResizeCommitted), timeout=15, what="the commit")
+        assert committed and dropped
+        assert not facts_of(daemon, f.Degraded) and daemon.status()["phase"] == "steady"
+        assert tr0.ops_run.count(dropped[0]) == 1  # the re-sent copy was answered from the record
+    finally:
+        for c in clients.values():
+            await c.close()
+
+
+async def test_a_duplicate_worker_process_is_refused_and_the_first_is_undisturbed(make_daemon) -> None:
+    daemon = make_daemon()
+    first = Device(WorkerKind.TRAINER_RANK, DEVICES[2], Pool.ROLLOUT).client(daemon.worker_endpoint, "w")
+    await first.start()
+    try:
+        second = Device(WorkerKind.TRAINER_RANK, DEVICES[2], Pool.ROLLOUT).client(daemon.worker_endpoint, "w")
+        with pytest.raises(DaemonRejected) as info:
+            await second.start()
+        assert info.value.reason == "duplicate_worker"
+        assert "another process whose connection is still open" in str(info.value)
+        seq = first._seq
+        await until(lambda: first._seq >= seq + 3, what="heartbeats")
+        assert not first.errors and first._registered.is_set()
+        w = worker(daemon, "w")
+        assert w["status"] == "live" and w["incarnation"] == 1
+        assert "duplicate_worker" in daemon.output()
+    finally:
+        await first.close()
+
+
+async def test_a_restarted_worker_process_registers_at_once(make_daemon) -> None:
+    daemon = make_daemon()
+    first = Device(WorkerKind.TRAINER_RANK, DEVICES[2], Pool.ROLLOUT).client(daemon.worker_endpoint, "w")
+    await first.start()
+    await first.close(say_bye=False)  # the process died: its connection is gone
+    second = Device(WorkerKind.TRAINER_RANK, DEVICES[2], Pool.ROLLOUT).client(daemon.worker_endpoint, "w")
+    try:
+        await second.start()
+        assert worker(daemon, "w")["incarnation"] == 2
+        lost = facts_of(daemon, f.WorkerLost)
+        assert lost and "restarted" in lost[0].reason
+    finally:
+        await second.close()
+
+
+def test_messages_after_hello_must_carry_the_current_token(make_daemon) -> None:
+    daemon = make_daemon()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"raw#1")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.worker_endpoint)
+    decoder = wire.daemon_decoder()
+
+    def ask(msg: msgspec.Struct) -> Any:
+        sock.send(wire.encode(msg))
+        assert sock.poll(5000), "no answer"
+        return decoder.decode(sock.recv())
+
+    def hello() -> wire.Welcome:
+        w = ask(wire.Hello(protocol=wire.PROTOCOL_VERSION, worker_id="raw", kind=WorkerKind.ROLLOUT_ENGINE,
+                           devices=(DEVICES[3],), process="1"))
+        assert isinstance(w, wire.Welcome) and len(w.token) == 32
+        return w
+
+    try:
+        first = hello()
+        missing = ask(wire.Heartbeat(worker_id="raw", seq=1))
+        assert isinstance(missing, wire.Error) and missing.reason == "missing_token"
+        assert "must carry the token its welcome gave" in missing.message
+        wrong = ask(wire.Heartbeat(worker_id="raw", seq=2, token="0" * 32))
+        assert isinstance(wrong, wire.Error) and wrong.reason == "stale_token" and wrong.token == "0" * 32
+        ok = ask(wire.Heartbeat(worker_id="raw", seq=3, token=first.token))
+        assert isinstance(ok, wire.HeartbeatAck) and ok.seq == 3
+        second = hello()  # a new registration: the first token is stale now
+        assert second.token != first.token
+        stale = ask(wire.Bye(worker_id="raw", token=first.token))
+        assert isinstance(stale, wire.Error) and stale.reason == "stale_token"
+        assert worker(daemon, "raw")["status"] == "live"  # the stale bye did nothing
+    finally:
+        sock.close()
+        ctx.term()
