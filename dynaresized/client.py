@@ -129,6 +129,10 @@ class WorkerClient:
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> wire.Welcome:
+        """Connect and register; raises DaemonUnavailable (a TimeoutError) if no welcome comes
+        within `hello_timeout_s`, or DaemonRejected. A failed start may simply be called again."""
+        self._closed = False
+        self._tasks = []
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         # One routing id per process: a second process under the same worker id (a restart, or a

@@ -18,39 +18,175 @@ INTRO = f"""# Wire protocol (version {wire.PROTOCOL_VERSION})
 
 Workers talk to the daemon over ZeroMQ: the daemon binds a **ROUTER** socket
 (`daemon.worker_endpoint`), each worker connects a **DEALER** socket whose ZeroMQ identity
-(`ZMQ_IDENTITY`) is its worker id. Operators talk to a second ROUTER (`daemon.control_endpoint`)
+(`ZMQ_IDENTITY`) is its worker id, or (what `dynaresized.client` sets) its worker id, `#` and
+a token unique to the process (`<worker_id>#<process>`), so that two processes under one id
+never share a routing slot. Operators talk to a second ROUTER (`daemon.control_endpoint`)
 with a DEALER of any identity.
 
 **Frames.** Every message is exactly one frame holding one [MessagePack](https://msgpack.org)
 map. (The ROUTER sees `[identity, payload]`; the DEALER sends and receives just `[payload]`.)
 The map's `"type"` key names the message; the other keys are its fields. Enums are strings.
-`StepTiming` and `Split` are nested maps.
+`StepTiming`, `Split` and `ActualState` are nested maps. Every `sent_at` is the sender's wall
+clock in seconds since the Unix epoch (a float); the daemon treats it as data, never as time.
 
 **Versioning.** `Hello.protocol` must equal {wire.PROTOCOL_VERSION}; otherwise the daemon answers
 `error` with code `bad_version`. Fields are only ever appended, always with a default, so a peer
 ignores fields it does not know. Unknown message types, wrong field types and missing required
-fields are errors.
+fields are errors. Version 2 added the registration token and reconciliation (below).
 
 **Errors.** Anything the daemon cannot accept is answered with an `error` message (`code`,
-human `message`, finer `reason`, and `ref_type`, the type of the offending message) and is
-counted in `dynaresized_decode_errors_total{{kind}}` or `dynaresized_refusals_total{{reason}}`.
-Frames over `daemon.max_message_bytes` (default {wire.MAX_MESSAGE_BYTES} bytes) are cut off by
-the socket (`ZMQ_MAXMSGSIZE`), which drops the connection; ZeroMQ reconnects it.
+human `message`, finer `reason`, `ref_type`, the type of the offending message, and `token`,
+the token it carried) and is counted in `dynaresized_decode_errors_total{{kind}}` or
+`dynaresized_refusals_total{{reason}}`. Frames over `daemon.max_message_bytes` (default
+{wire.MAX_MESSAGE_BYTES} bytes) are cut off by the socket (`ZMQ_MAXMSGSIZE`), which drops the
+connection; ZeroMQ reconnects it. The daemon never dies of a bad message.
 
-**A worker's life.**
+## A worker's life
 
-1. `hello` → `welcome` (or `error`). `welcome.boot_id` identifies this daemon run.
-2. Every `welcome.heartbeat_interval_s`: `heartbeat` → `heartbeat_ack`. If an ack carries a new
-   `boot_id`, the daemon restarted: send `hello` again. Silence for
-   `welcome.heartbeat_timeout_s` gets the worker declared lost (and a resize it takes part in
-   rolled back).
-3. `op` arrives: perform it, answer `op_result` with the same `op_id`. The same `op_id` may
-   arrive again after a daemon restart: answer with the recorded result, do not run it twice.
-4. Report `step_report` (stage timings, usually from trainer rank 0) and `progress` as they come.
-5. `bye` when leaving on purpose.
+```
+            hello(actual) ──► welcome(token, incarnation, boot_id, pool, desired)
+                 │                   or error: bad_version, unknown_device, device_owned,
+                 │                             conflict, duplicate_worker (all final)
+                 ▼
+   ┌──── registered ◄────────────────────────────────────────────────────┐
+   │  every heartbeat_interval_s: heartbeat(token) ──► heartbeat_ack      │
+   │  op ──► perform (or answer from the record of op_id) ──► op_result   │
+   │         (ok, detail, actual)        re-sent every core.op_resend_s   │
+   │         until answered                                               │
+   │  state_query ──► state_report(actual)                                │
+   │  step_report, progress                                               │
+   │                                                                      │
+   │  error stale_token / missing_token / unknown_worker / not_registered,│
+   │  or a heartbeat_ack with a new boot_id, or no ack for                │
+   │  heartbeat_timeout_s ──► hello again (same process, same actual) ────┘
+   └──► bye (leaving on purpose)
+```
+
+1. **Register.** `hello` names the worker, its kind, its devices, a `process` value unique to
+   this process run, and (optionally) `actual`, what it holds now. The answer is `welcome`:
+   `token` (carry it in every later message of this registration), `incarnation` (the number
+   of times this worker id has registered in this log: it grows with every re-registration,
+   after a restart of either side), `boot_id` (changes with every daemon start), the heartbeat
+   settings, and what the log says this worker should be: `pool` (where its devices are) and
+   `desired` (`serving` or `released`; null while its devices move or straddle the pools).
+2. **Stay registered.** Send `heartbeat` every `welcome.heartbeat_interval_s`. A worker silent
+   for `welcome.heartbeat_timeout_s` is declared lost (a resize it takes part in is rolled
+   back). A lost worker is refused with `not_registered`; it then, and whenever an ack shows a
+   new `boot_id`, or any message is refused with `stale_token` or `missing_token`, sends
+   `hello` again. A message refused with `stale_token` whose `error.token` is not the current
+   token is about an earlier registration and is ignored.
+3. **One process per worker id.** A `hello` from a new `process` while the registered one is
+   live and its connection still open is refused (`duplicate_worker`): a duplicate started by
+   mistake never takes over. When the old connection is gone (the process died), the new
+   process registers at once and the old registration counts as lost.
+4. **Operations.** `op` asks for one operation of a resize, or of a reconcile (below). Perform
+   it and answer `op_result` with the same `op_id`, `ok`, a `detail` for operators and your
+   `actual` state after it. The daemon re-sends a pending op every `core.op_resend_s` to the
+   targets that have not answered, and again after it restarts or you re-register: keep a
+   record by `op_id` and answer a repeat from it, never run it twice (a repeat that arrives
+   while the first copy still runs is ignored; its answer goes out when it ends).
+   `op.timeout_s` is the time *remaining* before the daemon gives up on the op, in seconds.
+   An answer that arrives after the op completed is refused with `stale_op` (or
+   `illegal_transition` when nothing is in flight): it changes nothing, and can be ignored.
+5. **Undo ops are idempotent.** A rollback sends `resume`, `reclaim` and `evict` for every op
+   of the resize that was *sent*, also to a worker that failed it or never answered it: the
+   op may or may not have taken effect. Undo from wherever you are; an undo with nothing to
+   undo succeeds (e.g. `reclaim` on a device you still hold).
+6. **Report.** `step_report`: the stage timings of one RL step, sent by exactly one worker of
+   the job (trainer rank 0, or the driver's engine worker); a second report of a step is
+   refused as `stale_step`. `progress`: per-sample completion on this worker. `bye` when
+   leaving on purpose (your devices stay in their pools).
+
+## Reconciliation
+
+The event log holds the desired state; each worker reports its actual state (`ActualState`)
+in `hello`, in every `op_result` and in `state_report` (the answer to `state_query`, which the
+daemon sends every `core.audit_interval_s`, or unasked when the worker's state changed by
+itself). `holding` is one of:
+
+| `holding` | meaning |
+|---|---|
+| `serving` | holds its device(s) and works: an engine admitting samples, a trainer in the group |
+| `drained` | holds them but takes no new work (after `drain`, before `release`) |
+| `released` | holds nothing: engine asleep, stopped or dead; trainer outside the group |
+| `done` | its job ended (training finished): nothing to converge |
+| `failed` | it cannot act (its loop died): reported, its devices are left out of resizes |
+
+The log says a worker should be `serving` when all its devices are in its kind's pool and
+`released` when they are all in the other pool. Whenever a live worker reports something else
+(and no resize is in flight), the daemon records `reconcile_started` and sends it the ops that
+converge it, serialized like a resize and from the worker's home pool (`op.from_pool`):
+
+| the log says | the worker says | ops, in order |
+|---|---|---|
+| `serving` | `released` | `reclaim`, `resume` |
+| `serving` | `drained` | `resume` |
+| `released` | `serving` | `drain`, `release` |
+| `released` | `drained` | `release` |
+
+A worker that fails a converging op, times out, or still reports the old state after them is
+recorded as `worker_unconverged`: its devices are left out of resize plans, and it is tried
+again `core.reconcile_retry_s` later or when it registers again. A worker that never sends
+`actual` is never reconciled.
+
+## Who receives which op
+
+A resize moves devices from one pool to the other. `drain` and `release` go to the moving
+devices' workers of the *source* pool's kind; `join` and `restore` to their workers of the
+*destination* kind; `commit` to every live worker of the new topology (each device's worker of
+its new pool's kind). Undo ops go to the targets of the ops they undo, reconcile ops to the one
+worker being reconciled. One live worker of each kind may share a device (an engine and a
+trainer on one GPU, as verl's hybrid replicas do); two live workers of the same kind may not
+(`device_owned`).
+
+## Guards on forced resizes
+
+`dynaresized resize T:R` (a `resize` control request) skips the hysteresis guards (threshold,
+signal run, dwell, cooldown, payback) but not the safety ones: the split must be a configured
+candidate and keep at least `guards.min_train` / `guards.min_rollout` devices, no other resize
+or reconcile may be in flight, the daemon must not be degraded or stopping, and enough devices
+must have a live worker of the destination kind (and none that has not converged).
+
+## Refusal reasons (`error.reason` with `code: refused`)
+
+| `reason` | what it means | what to do |
+|---|---|---|
+| `unknown_worker` | this worker id never registered | send `hello` |
+| `not_registered` | the worker was declared lost or said `bye` | send `hello` again |
+| `stale_token` | the token is not this registration's (re-registered since, or the daemon restarted) | send `hello` again |
+| `missing_token` | a message after `hello` without the welcome's token | carry `welcome.token` |
+| `duplicate_worker` | another live process holds this worker id and is still connected | stop it, or use another id |
+| `unknown_device` | a device not in the daemon's inventory | fix the worker's device list |
+| `device_owned` | another live worker of the same kind holds that device | stop it, or fix the device list |
+| `conflict` | this worker id is live with another kind or other devices | use another worker id |
+| `bad_request` | e.g. a `hello` with no devices or repeated ones | fix the message |
+| `bad_value` | a number that cannot be (negative or infinite seconds, done > total) | fix the measurement |
+| `stale_step` | a `step_report` for a step not after the last observed one | report each step once, in order |
+| `stale_op` | an `op_result` for an op that is not the one in flight | nothing: a late answer to a re-sent op |
+| `not_a_target` | an `op_result` from a worker the op was not sent to | nothing: it changes nothing |
+| `illegal_transition` | the message is not accepted in the daemon's phase (e.g. an `op_result` with nothing in flight) | nothing |
+
+Other codes: `malformed`, `unknown_type`, `invalid`, `oversize` (the frame), `bad_version`,
+`unauthorized` (the claimed worker id is not the CURVE key's, or not the connection's identity).
+
+## Operator requests and `status`
 
 Operators send one request (`status`, `pause`, `resume`, `resize`, `drain`) and receive one
-`reply` (or `error`).
+`reply` (or `error`). `reply.data` of `status` is a map:
+
+| key | value |
+|---|---|
+| `phase` | `steady`, `draining`, `releasing`, `joining`, `restoring`, `committing`, `rolling_back`, `reconciling` or `degraded` |
+| `split` | `{{"train": n, "rollout": n}}` |
+| `paused`, `stopping` | booleans |
+| `degraded_reason` | text, empty unless degraded |
+| `last_step` | the last observed RL step, -1 before the first |
+| `facts` | facts in the log |
+| `resizes` | `{{"started": n, "committed": n, "rolled_back": n}}` |
+| `devices` | device id → `training`, `rollout` or `moving <from>-><to>` |
+| `workers` | list of `{{"id", "kind", "status" (live, lost, gone), "devices", "incarnation", "actual" (its holding, or null if it never said), "desired" (what the log says, or null), "unconverged" (why, or null)}}` |
+| `in_flight` | null, or `{{"resize_id", "from", "to", "devices", "op", "rolling_back", "reason", "acked", "reconciling" (the worker being reconciled, or "")}}` |
+| `policy`, `boot_id` | the policy's name, this daemon run's id |
 
 ## Operations
 
@@ -61,9 +197,9 @@ Operators send one request (`status`, `pause`, `resume`, `resize`, `drain`) and 
 | `join` | take the device: trainer enters the pre-warmed group and receives state, engine wakes or restarts |
 | `restore` | bring state up to date: reload current weights (engine), restore optimizer state (trainer) |
 | `commit` | switch to the new topology (`op.training`, `op.rollout`) from the next step boundary; acknowledge as soon as the switch is scheduled, without waiting for the boundary (a step can outlast `op_timeout_s`) |
-| `resume` | undo `drain` |
-| `reclaim` | undo `release` |
-| `evict` | undo `join` |
+| `resume` | undo `drain`: admit work again (a drained or just reclaimed worker) |
+| `reclaim` | undo `release`: take the device back (wake, restart or reload; rejoin with the parked state) |
+| `evict` | undo `join`: give the device back |
 
 ## Messages
 """
@@ -122,9 +258,9 @@ def render() -> str:
             doc = " ".join((cls.__doc__ or "").split())
             out.extend(_table(f'type: "{tag}"', {**schema, "properties": props}, doc))
     out.append("## Nested types\n")
-    for name in ("StepTiming", "Split"):
+    for name in ("StepTiming", "Split", "ActualState"):
         out.extend(_table(name, components[name], ""))
-    for name in ("WorkerKind", "OpKind", "Pool", "ErrorCode"):
+    for name in ("WorkerKind", "OpKind", "Pool", "ErrorCode", "Holding"):
         values = ", ".join(f"`{v}`" for v in components[name]["enum"])
         out.extend([f"### {name}", "", f"A string, one of: {values}.", ""])
     return "\n".join(out).rstrip() + "\n"

@@ -1,0 +1,623 @@
+"""Chaos runs: the real daemon, real worker processes, a network that loses, repeats, delays,
+reorders and fails messages, and SIGKILLs of the daemon and of workers at random points of
+resizes. After each run it checks the invariants and prints one JSON object.
+
+    python benchmarks/chaos.py --runs 1000            # the acceptance run (--jobs runs at once)
+    python benchmarks/chaos.py --runs 1 --seed 17     # replay one run: a violation names its seed
+
+Each run: a daemon (`dynaresized serve`, its own log in a temporary directory) and one worker
+process per device (4 devices, 2:2; each process hosts the device's rollout engine and trainer
+rank through the real `WorkerClient`, says what it holds, and records it in a file). Workers
+reach the daemon through a fault-injecting proxy in this process: per message it drops,
+duplicates, delays (which reorders) or, for op results, turns success into failure. The run
+forces resizes at random moments while it SIGKILLs and restarts the daemon and SIGKILLs workers
+(restarted as fresh processes holding nothing). Then the faults stop and the run waits for the
+cluster to settle (an operator's `resume` if it is degraded) and checks:
+
+* DESIGN.md §4: every device in exactly one pool or moving, moving only during a resize, at most
+  one operation sequence in flight (checked after every fact of the log); nothing left in flight;
+* every worker's real state (its own record, not the daemon's belief) equals the log's desired
+  state; no worker left unconverged;
+* replay of the log equals the live state; `python -m dynaresized.store check` passes.
+
+A degraded outcome is counted by cause; one in a run whose only faults were lost, repeated,
+delayed or reordered messages is a violation. Recovery time runs from the moment the faults
+stop (every process up again) to the moment the cluster has settled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+DEVICES = ("node0:cpu0", "node0:cpu1", "node0:cpu2", "node0:cpu3")
+SPLITS = ((1, 3), (2, 2), (3, 1))
+CHAOS_S = 3.0  # how long faults are injected in a run
+SETTLE_LIMIT_S = 30.0
+HERE = Path(__file__).resolve()
+
+# -- the worker process -------------------------------------------------------------------------
+
+
+def worker_main(endpoint: str, device: str, pool: str, record: Path) -> int:
+    """One device's process: its engine and its trainer, holding what `pool` says at launch
+    ("none": a restarted process, holding nothing)."""
+    from dynaresized.client import OpRequest, WorkerClient
+    from dynaresized.domain import ActualState, Holding, OpKind, WorkerKind
+
+    after = {OpKind.DRAIN: Holding.DRAINED, OpKind.RELEASE: Holding.RELEASED, OpKind.JOIN: Holding.SERVING,
+             OpKind.RESTORE: Holding.SERVING, OpKind.RESUME: Holding.SERVING, OpKind.RECLAIM: Holding.DRAINED,
+             OpKind.EVICT: Holding.RELEASED}
+    holding = {kind: Holding.SERVING if kind.pool.value == pool else Holding.RELEASED for kind in WorkerKind}
+
+    def save() -> None:
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(json.dumps({kind.value: h.value for kind, h in holding.items()}))
+        os.replace(tmp, record)
+
+    async def main() -> None:
+        rng = random.Random()
+        clients = []
+        for kind in WorkerKind:
+            name = worker_name(kind, device)
+
+            async def handle(op: OpRequest, kind: WorkerKind = kind) -> str:
+                await asyncio.sleep(rng.uniform(0.0, 0.05))
+                if device in op.devices and op.kind in after:
+                    holding[kind] = after[op.kind]
+                    save()
+                return f"{op.kind.value} on {device}"
+
+            client = WorkerClient(endpoint, name, kind, (device,), hello_timeout_s=1.0,
+                                  actual=lambda kind=kind: ActualState(holding=holding[kind]))
+            client.on_all({k: handle for k in OpKind})
+            clients.append(client)
+        save()
+        for client in clients:
+            while True:  # the hello itself may be lost on the way
+                try:
+                    await client.start()
+                    break
+                except TimeoutError:
+                    await asyncio.sleep(0.1)
+        await asyncio.Event().wait()
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and errors
+    asyncio.run(main())
+    return 0
+
+
+def worker_name(kind: Any, device: str) -> str:
+    prefix = "eng-" if kind.value == "rollout-engine" else "tr-"
+    return prefix + device.replace(":", "-")
+
+
+# -- the network --------------------------------------------------------------------------------
+
+
+class Faults(msgspec.Struct):
+    drop: float = 0.0
+    duplicate: float = 0.0
+    delay: float = 0.0
+    fail: float = 0.0
+    daemon_kills: int = 0
+    worker_kills: int = 0
+
+    @property
+    def messages_only(self) -> bool:
+        return self.fail == 0 and self.daemon_kills == 0 and self.worker_kills == 0
+
+
+class Proxy:
+    """Workers connect here; each routing id gets its own DEALER to the daemon with the same id,
+    so the daemon sees the worker's own identity. Faults apply per message, both ways."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, daemon_endpoint: str, faults: Faults, rng: random.Random) -> None:
+        self.ctx = ctx
+        self.daemon_endpoint = daemon_endpoint
+        self.faults = faults
+        self.rng = rng
+        self.on = False
+        self.counts = {"dropped": 0, "duplicated": 0, "delayed": 0, "failed": 0}
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.router.bind(daemon_endpoint.replace("workers.sock", "proxy.sock"))
+        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.dealers: dict[bytes, zmq.asyncio.Socket] = {}
+        self.tasks: list[asyncio.Task[None]] = [asyncio.create_task(self._upstream())]
+
+    def cut(self, prefixes: tuple[str, ...]) -> None:
+        """A worker process died: its connections to the daemon close too (as the kernel's would)."""
+        for identity in [i for i in self.dealers if i.decode().split("#")[0] in prefixes]:
+            self.dealers.pop(identity).close(0)
+
+    async def _upstream(self) -> None:
+        while True:
+            identity, payload = await self.router.recv_multipart()
+            dealer = self.dealers.get(identity)
+            if dealer is None:
+                dealer = self.ctx.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.IDENTITY, identity)
+                dealer.setsockopt(zmq.LINGER, 0)
+                dealer.connect(self.daemon_endpoint)
+                self.dealers[identity] = dealer
+                self.tasks.append(asyncio.create_task(self._downstream(identity, dealer)))
+            self._deliver(lambda p, d=dealer: d.send(p), self._maybe_fail(payload))
+
+    async def _downstream(self, identity: bytes, dealer: zmq.asyncio.Socket) -> None:
+        with contextlib.suppress(zmq.ZMQError, asyncio.CancelledError):
+            while True:
+                payload = await dealer.recv()
+                self._deliver(lambda p: self.router.send_multipart([identity, p]), payload)
+
+    def _maybe_fail(self, payload: bytes) -> bytes:
+        if not self.on or not self.faults.fail or self.rng.random() >= self.faults.fail:
+            return payload
+        try:
+            msg = msgspec.msgpack.decode(payload)
+        except msgspec.DecodeError:
+            return payload
+        if isinstance(msg, dict) and msg.get("type") == "op_result" and msg.get("ok"):
+            self.counts["failed"] += 1
+            return msgspec.msgpack.encode({**msg, "ok": False, "detail": "injected failure"})
+        return payload
+
+    def _deliver(self, send: Any, payload: bytes) -> None:
+        f, rng = self.faults, self.rng
+        copies = 1
+        if self.on:
+            if rng.random() < f.drop:
+                self.counts["dropped"] += 1
+                return
+            if rng.random() < f.duplicate:
+                self.counts["duplicated"] += 1
+                copies = 2
+            if rng.random() < f.delay:
+                self.counts["delayed"] += 1
+                self.tasks.append(asyncio.create_task(self._later(send, payload, copies, rng.uniform(0.02, 0.4))))
+                return
+        for _ in range(copies):
+            self._send(send, payload)
+
+    async def _later(self, send: Any, payload: bytes, copies: int, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        for _ in range(copies):
+            self._send(send, payload)
+
+    @staticmethod
+    def _send(send: Any, payload: bytes) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            result = send(payload)
+            if asyncio.isfuture(result):  # zmq.asyncio sends return futures; a closed socket fails them
+                result.add_done_callback(lambda fut: fut.exception())
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for d in self.dealers.values():
+            d.close(0)
+        self.router.close(0)
+
+
+# -- one run --------------------------------------------------------------------------------------
+
+
+def config_text(state_dir: Path, worker_ep: str, control_ep: str) -> str:
+    return f"""
+[daemon]
+state_dir = "{state_dir}"
+worker_endpoint = "{worker_ep}"
+control_endpoint = "{control_ep}"
+metrics_port = 0
+tick_interval_s = 0.05
+heartbeat_interval_s = 0.2
+drain_timeout_s = 2.0
+log_format = "json"
+log_level = "info"
+
+[cluster]
+devices = {json.dumps(list(DEVICES))}
+training = {json.dumps(list(DEVICES[:2]))}
+
+[policy]
+name = "static"
+
+[core]
+heartbeat_timeout_s = 1.5
+op_timeout_s = 4.0
+op_resend_s = 0.3
+audit_interval_s = 1.0
+reconcile_retry_s = 1.0
+
+[guards]
+cooldown_steps = 0
+min_dwell_s = 0.0
+"""
+
+
+class Run:
+    def __init__(self, seed: int, root: Path, ctx: zmq.asyncio.Context) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.dir = root / f"run-{seed}"
+        self.dir.mkdir(parents=True)
+        self.ctx = ctx
+        # ipc sockets in the run's own directory: runs side by side never race for a TCP port
+        self.worker_ep = f"ipc://{self.dir}/workers.sock"
+        self.control_ep = f"ipc://{self.dir}/control.sock"
+        self.config = self.dir / "config.toml"
+        self.config.write_text(config_text(self.dir / "state", self.worker_ep, self.control_ep))
+        self.daemon: subprocess.Popen[bytes] | None = None
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self.violations: list[dict[str, Any]] = []
+        self.degraded: list[str] = []
+        rng = self.rng
+        self.faults = Faults(
+            drop=rng.choice((0.0, 0.03, 0.08)), duplicate=rng.choice((0.0, 0.05)), delay=rng.choice((0.0, 0.1)),
+            fail=rng.choice((0.0, 0.0, 0.05)), daemon_kills=rng.choice((0, 0, 1, 2)),
+            worker_kills=rng.choice((0, 0, 1, 2)))
+
+    def violate(self, invariant: str, detail: str) -> None:
+        self.violations.append({"seed": self.seed, "invariant": invariant, "detail": detail[:500]})
+
+    # -- processes
+    def start_daemon(self) -> None:
+        log = (self.dir / "daemon.log").open("ab")
+        self.daemon = subprocess.Popen([sys.executable, "-m", "dynaresized.cli", "serve", "--config",
+                                        str(self.config)], stdout=log, stderr=subprocess.STDOUT)
+
+    def start_worker(self, device: str, pool: str) -> None:
+        record = self.dir / f"{device.replace(':', '-')}.json"
+        log = (self.dir / f"{device.replace(':', '-')}.log").open("ab")
+        self.workers[device] = subprocess.Popen(
+            [sys.executable, str(HERE), "--worker", self.proxy.endpoint, device, pool, str(record)],
+            stdout=log, stderr=subprocess.STDOUT)
+
+    def kill_worker(self, device: str) -> None:
+        proc = self.workers[device]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        self.proxy.cut(tuple(worker_name(k, device) for k in _kinds()))
+
+    async def status(self, timeout_s: float = 1.0) -> dict[str, Any] | None:
+        from dynaresized import wire
+        from dynaresized.control import control_request
+
+        try:
+            reply = await asyncio.to_thread(control_request, self.control_ep, wire.StatusRequest(), timeout_s)
+        except (TimeoutError, RuntimeError):
+            return None
+        return reply.data
+
+    async def control(self, request: Any) -> None:
+        from dynaresized.control import control_request
+
+        with contextlib.suppress(TimeoutError, RuntimeError):
+            await asyncio.to_thread(control_request, self.control_ep, request, 1.0)
+
+    async def wait_status(self, predicate: Any, limit_s: float) -> dict[str, Any] | None:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            st = await self.status()
+            if st is not None and predicate(st):
+                return st
+            await asyncio.sleep(0.1)
+        return None
+
+    # -- the run
+    async def run(self) -> dict[str, Any]:
+        from dynaresized import wire
+
+        self.proxy = Proxy(self.ctx, self.worker_ep, self.faults, self.rng)
+        self.start_daemon()
+        for i, d in enumerate(DEVICES):
+            self.start_worker(d, "training" if i < 2 else "rollout")
+        try:
+            ready = await self.wait_status(lambda st: sum(w["status"] == "live" for w in st["workers"]) == 8, 30)
+            if ready is None:
+                self.violate("start", "the workers did not all register within 30 s")
+                return self.result(None)
+            await self.chaos()
+            settled_from = time.monotonic()
+            st = await self.settle()
+            recovery = time.monotonic() - settled_from if st is not None else None
+            if st is not None:
+                self.check_workers(st)
+            await self.stop_and_check(st)
+            return self.result(recovery)
+        finally:
+            for proc in [*self.workers.values(), self.daemon]:
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            await self.proxy.close()
+
+    async def chaos(self) -> None:
+        from dynaresized import wire
+
+        rng, f = self.rng, self.faults
+        end = time.monotonic() + CHAOS_S
+        kills = ["daemon"] * f.daemon_kills + ["worker"] * f.worker_kills
+        at = sorted(rng.uniform(0.2, CHAOS_S - 0.3) for _ in kills)
+        plan = sorted(zip(at, rng.sample(kills, len(kills)), strict=True))
+        self.proxy.on = True
+        dead: dict[str, float] = {}  # device -> when to restart it
+        daemon_back: float | None = None
+        next_resize = time.monotonic() + rng.uniform(0.0, 0.3)
+        start = time.monotonic()
+        while time.monotonic() < end:
+            now = time.monotonic()
+            if plan and now - start >= plan[0][0]:
+                _, what = plan.pop(0)
+                if what == "daemon" and daemon_back is None:
+                    assert self.daemon is not None
+                    self.daemon.send_signal(signal.SIGKILL)
+                    self.daemon.wait()
+                    daemon_back = now + rng.uniform(0.0, 0.5)
+                elif what == "worker":
+                    device = rng.choice([d for d in DEVICES if d not in dead])
+                    self.kill_worker(device)
+                    dead[device] = now + rng.uniform(0.1, 0.8)
+            if daemon_back is not None and now >= daemon_back:
+                self.start_daemon()
+                daemon_back = None
+            for device, when in list(dead.items()):
+                if now >= when:
+                    self.start_worker(device, "none")  # a fresh process holds nothing
+                    del dead[device]
+            if now >= next_resize:
+                train, rollout = rng.choice(SPLITS)
+                await self.control(wire.ResizeRequest(train=train, rollout=rollout, reason="chaos"))
+                next_resize = now + rng.uniform(0.2, 0.8)
+            await asyncio.sleep(0.02)
+        self.proxy.on = False
+        if daemon_back is not None:
+            self.start_daemon()
+        for device in dead:
+            self.start_worker(device, "none")
+
+    def truth(self) -> dict[str, dict[str, str]]:
+        out = {}
+        for d in DEVICES:
+            path = self.dir / f"{d.replace(':', '-')}.json"
+            with contextlib.suppress(OSError, ValueError):
+                out[d] = json.loads(path.read_text())
+        return out
+
+    def disagreement(self, st: dict[str, Any]) -> str:
+        """Why the cluster has not settled yet ("" once it has)."""
+        if st["phase"] != "steady" or st["in_flight"] is not None:
+            return f"phase {st['phase']}, in flight {st['in_flight']}"
+        moving = [d for d, p in st["devices"].items() if "moving" in p]
+        if moving:
+            return f"moving: {moving}"
+        workers = st["workers"]
+        if len(workers) != 8:
+            return f"{len(workers)} workers registered"
+        for w in workers:
+            if w["status"] != "live" or w["unconverged"]:
+                return f"{w['id']} is {w['status']}" + (f", unconverged: {w['unconverged']}" if w["unconverged"] else "")
+            if w["actual"] != w["desired"]:
+                return f"{w['id']} reports {w['actual']}, the log says {w['desired']}"
+        truth = self.truth()
+        for w in workers:
+            (device,) = w["devices"]
+            real = truth.get(device, {}).get(w["kind"])
+            if real != w["desired"]:
+                return f"{w['id']} really holds {real}, the log says {w['desired']}"
+        return ""
+
+    async def settle(self) -> dict[str, Any] | None:
+        from dynaresized import wire
+
+        deadline = time.monotonic() + SETTLE_LIMIT_S
+        why = "the daemon never answered"
+        while time.monotonic() < deadline:
+            st = await self.status()
+            if st is not None:
+                if st["phase"] == "degraded":
+                    self.degraded.append(st["degraded_reason"])
+                    await self.control(wire.ResumeRequest())  # what an operator does
+                    continue
+                why = self.disagreement(st)
+                if not why:
+                    return st
+            await asyncio.sleep(0.1)
+        self.violate("settle", f"not settled within {SETTLE_LIMIT_S:g}s: {why}")
+        return None
+
+    def check_workers(self, st: dict[str, Any]) -> None:
+        truth = self.truth()
+        for w in st["workers"]:
+            (device,) = w["devices"]
+            real = truth.get(device, {}).get(w["kind"])
+            if real != w["desired"]:
+                self.violate("worker_vs_log", f"{w['id']} holds {real}, the log says {w['desired']}")
+
+    async def stop_and_check(self, live: dict[str, Any] | None) -> None:
+        from dynaresized.core import facts as fx
+        from dynaresized.core.state import ClusterState, mutate
+        from dynaresized.daemon.service import status_of
+        from dynaresized.store import open_recorder
+
+        assert self.daemon is not None
+        if self.daemon.poll() is None:
+            self.daemon.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(self.daemon.wait, 20)
+            except subprocess.TimeoutExpired:
+                self.violate("drain", "the daemon did not exit within 20 s of SIGTERM")
+                self.daemon.kill()
+        path = self.dir / "state" / "events.sqlite"
+        check = subprocess.run([sys.executable, "-m", "dynaresized.store", "check", str(path)],
+                               capture_output=True, text=True)
+        if check.returncode != 0:
+            self.violate("store_check", check.stderr or check.stdout)
+            return
+        recorder = open_recorder(path, read_only=True)
+        try:
+            facts = [fx.decode_fact(e.data) for e in recorder.read_all()]
+        finally:
+            recorder.close()
+        state = ClusterState()
+        for i, fact in enumerate(facts):
+            starting = isinstance(fact, fx.ResizeStarted | fx.ReconcileStarted)
+            if starting and state.inflight is not None:
+                self.violate("one_in_flight", f"fact {i + 1} starts a sequence while {state.inflight.plan.resize_id} "
+                                              "is in flight")
+            state = mutate(state, fact)
+            if state.configured and len(state.devices) != len(DEVICES):
+                self.violate("devices", f"after fact {i + 1}: {len(state.devices)} devices")
+            moving = {d for d, p in state.devices.items() if p.is_moving}
+            planned = set(state.inflight.plan.devices) if state.inflight and not state.inflight.reconciling else set()
+            if moving - planned:
+                self.violate("moving", f"after fact {i + 1}: {sorted(moving - planned)} moving outside a resize")
+        self.facts = facts
+        if state.inflight is not None:
+            self.violate("in_flight", f"{state.inflight.plan.resize_id} still in flight at the end")
+        if live is not None:
+            replayed = status_of(state)
+            for key in ("devices", "split", "resizes", "phase"):
+                if replayed[key] != live[key]:
+                    self.violate("replay", f"{key}: replayed {replayed[key]} != live {live[key]}")
+            strip = lambda ws: sorted((w["id"], w["status"], w["incarnation"], w["actual"]) for w in ws)  # noqa: E731
+            if strip(replayed["workers"]) != strip(live["workers"]):
+                self.violate("replay", "workers differ between replay and the live daemon")
+
+    def result(self, recovery: float | None) -> dict[str, Any]:
+        from dynaresized.core import facts as fx
+
+        facts = getattr(self, "facts", [])
+        count = lambda t: sum(isinstance(x, t) for x in facts)  # noqa: E731
+        if self.degraded and self.faults.messages_only:
+            for reason in self.degraded:
+                self.violate("degraded_by_messages", reason)
+        return {
+            "seed": self.seed, "faults": msgspec.to_builtins(self.faults), "violations": self.violations,
+            "degraded": self.degraded, "recovery_s": recovery, "injected": self.proxy.counts,
+            "committed": count(fx.ResizeCommitted), "rolled_back": count(fx.ResizeRolledBack),
+            "reconciles": count(fx.ReconcileStarted),
+            "converged": sum(isinstance(x, fx.ReconcileFinished) and x.ok for x in facts),
+            "daemon_restarts": count(fx.DaemonRestarted), "workers_lost": count(fx.WorkerLost),
+        }
+
+
+def _kinds() -> Any:
+    from dynaresized.domain import WorkerKind
+
+    return WorkerKind
+
+
+def cause_of(reason: str) -> str:
+    if "injected failure" in reason:
+        return "injected op failure"
+    if "timed out" in reason:
+        return "op timeout"
+    if "lost" in reason or "restarted" in reason:
+        return "worker lost"
+    return "other"
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+async def run_all(seeds: list[int], jobs: int, root: Path) -> list[dict[str, Any]]:
+    ctx = zmq.asyncio.Context()
+    sem = asyncio.Semaphore(jobs)
+    done = 0
+
+    async def one(seed: int) -> dict[str, Any]:
+        nonlocal done
+        async with sem:
+            result = await Run(seed, root, ctx).run()
+        done += 1
+        if result["violations"]:
+            print(f"seed {seed}: {len(result['violations'])} violation(s)", file=sys.stderr, flush=True)
+        if done % 50 == 0:
+            print(f"{done}/{len(seeds)} runs", file=sys.stderr, flush=True)
+        return result
+
+    try:
+        return await asyncio.gather(*(one(s) for s in seeds))
+    finally:
+        ctx.term()
+
+
+def summarize(results: list[dict[str, Any]], wall_s: float, jobs: int) -> dict[str, Any]:
+    violations = [v for r in results for v in r["violations"]]
+    degraded: dict[str, int] = {}
+    for r in results:
+        for reason in r["degraded"]:
+            degraded[cause_of(reason)] = degraded.get(cause_of(reason), 0) + 1
+    recovery = [r["recovery_s"] for r in results if r["recovery_s"] is not None]
+    injected: dict[str, int] = {}
+    for r in results:
+        for k, v in r["injected"].items():
+            injected[k] = injected.get(k, 0) + v
+    p = lambda q: None if not recovery else round(percentile(recovery, q), 3)  # noqa: E731
+    return {
+        "runs": len(results),
+        "violations": len(violations),
+        "violation_list": violations[:50],
+        "degraded_by_cause": degraded,
+        "degraded_messages_only": sum(1 for v in violations if v["invariant"] == "degraded_by_messages"),
+        "recovery_s": {"p50": p(0.5), "p95": p(0.95), "max": p(1.0),
+                       "mean": round(statistics.fmean(recovery), 3) if recovery else None},
+        "resizes_committed": sum(r["committed"] for r in results),
+        "resizes_rolled_back": sum(r["rolled_back"] for r in results),
+        "reconciles": sum(r["reconciles"] for r in results),
+        "reconciles_converged": sum(r["converged"] for r in results),
+        "daemon_restarts": sum(r["daemon_restarts"] for r in results),
+        "workers_lost": sum(r["workers_lost"] for r in results),
+        "messages_injected": injected,
+        "operator_resumes": sum(len(r["degraded"]) for r in results),
+        "jobs": jobs,
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        endpoint, device, pool, record = sys.argv[2:6]
+        return worker_main(endpoint, device, pool, Path(record))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0, help="first seed; run i uses seed + i")
+    parser.add_argument("--jobs", type=int, default=4, help="runs at once (each is mostly waiting)")
+    parser.add_argument("--keep", help="keep every run's logs under this directory")
+    args = parser.parse_args(argv)
+    seeds = [args.seed + i for i in range(args.runs)]
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="dynaresized-chaos-") as tmp:
+        root = Path(args.keep) if args.keep else Path(tmp)
+        results = asyncio.run(run_all(seeds, args.jobs, root))
+    print(json.dumps(summarize(results, time.monotonic() - started, args.jobs), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
