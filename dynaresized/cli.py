@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"TOML configuration (default {DEFAULT_CONFIG})")
     p.set_defaults(run=_cmd_serve)
 
-    p = sub.add_parser("check-config", help="validate a configuration file and exit")
+    p = sub.add_parser("check-config", help="run every check `serve` makes before it starts, then exit")
     p.add_argument("--config", default=DEFAULT_CONFIG)
     p.set_defaults(run=_cmd_check_config)
 
