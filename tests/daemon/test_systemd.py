@@ -89,6 +89,10 @@ def test_unit_declares_what_the_daemon_relies_on() -> None:
                  "ConfigurationDirectory=dynaresized", "NoNewPrivileges=yes", "ProtectSystem=strict",
                  "ProtectHome=yes", "PrivateTmp=yes", "RestartPreventExitStatus=6"):
         assert line in text
+    # libzmq resolves every bind address through getifaddrs (netlink) and aborts without it;
+    # systemd/check-in-container.sh is where that showed.
+    families = next(x for x in text.splitlines() if x.startswith("RestrictAddressFamilies="))
+    assert "AF_NETLINK" in families.split("=", 1)[1].split()
 
 
 def test_ready_and_watchdog_reach_the_notify_socket(make_daemon, tmp_path: Path) -> None:
