@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from dynaresized import __version__, wire
-from dynaresized.control import control_request
+from dynaresized.control import control_request, ensure_listening
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NOT_CONFIGURED = 0, 1, 2, 3, 6
 DEFAULT_CONFIG = "/etc/dynaresized/config.toml"
@@ -46,7 +46,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_NOT_CONFIGURED
     configure_logging(config.daemon.log_format, config.daemon.log_level)
     try:
-        return run_daemon(config)
+        return run_daemon(config, args.config)
     except StartupError as exc:
         print(f"dynaresized: cannot start: {exc}", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
@@ -61,8 +61,9 @@ def _control(args: argparse.Namespace, request: msgspec.Struct) -> wire.ControlR
         print(f"dynaresized: {exc}", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
     try:
+        ensure_listening(endpoint, args.timeout)
         return control_request(endpoint, request, args.timeout)
-    except TimeoutError as exc:
+    except (TimeoutError, ConnectionRefusedError) as exc:
         print(f"dynaresized: {exc}", file=sys.stderr)
         return EXIT_NOT_RUNNING
     except RuntimeError as exc:
@@ -77,7 +78,7 @@ def render_status(data: dict[str, Any]) -> str:
         (" (stopping)" if data["stopping"] else ""),
         f"split       train {split['train']} : rollout {split['rollout']}",
         f"policy      {data['policy']}",
-        f"last step   {data['last_step']}",
+        f"last step   {'none' if data['last_step'] < 0 else data['last_step']}",
         f"resizes     {data['resizes']['committed']} committed, {data['resizes']['rolled_back']} rolled back, "
         f"{data['resizes']['started']} started",
     ]
@@ -188,12 +189,19 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
+    """What `serve` checks before it binds or writes, with the words `serve` would print."""
     from dynaresized.daemon.config import ConfigError, load_config
+    from dynaresized.daemon.preflight import StartupError, check_startup
 
     try:
-        load_config(args.config)
+        config = load_config(args.config)
     except ConfigError as exc:
         print(f"dynaresized: {exc}", file=sys.stderr)
+        return EXIT_NOT_CONFIGURED
+    try:
+        check_startup(config, read_log=True)
+    except StartupError as exc:
+        print(f"dynaresized: cannot start: {exc}", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
     print(f"{args.config}: ok")
     return EXIT_OK
@@ -212,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"TOML configuration (default {DEFAULT_CONFIG})")
     p.set_defaults(run=_cmd_serve)
 
-    p = sub.add_parser("check-config", help="validate a configuration file and exit")
+    p = sub.add_parser("check-config", help="run every check `serve` makes before it starts, then exit")
     p.add_argument("--config", default=DEFAULT_CONFIG)
     p.set_defaults(run=_cmd_check_config)
 

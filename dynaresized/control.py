@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import socket
+from urllib.parse import urlparse
+
 import msgspec
 
 from dynaresized import wire
 
 
 def control_request(endpoint: str, request: msgspec.Struct, timeout_s: float = 5.0) -> wire.ControlReply:
-    """Send one request to the daemon's control endpoint and wait for its reply."""
+    """Send one request to the daemon's control endpoint and wait for its reply (TimeoutError
+    when none comes within `timeout_s`: callers waiting for a daemon to start retry on it)."""
     import zmq
 
     ctx = zmq.Context()
@@ -27,3 +31,29 @@ def control_request(endpoint: str, request: msgspec.Struct, timeout_s: float = 5
     if isinstance(reply, wire.Error):
         raise RuntimeError(f"daemon refused the request: {reply.message}")
     return reply
+
+
+def ensure_listening(endpoint: str, timeout_s: float = 2.0) -> None:
+    """Raise ConnectionRefusedError at once when nothing listens on `endpoint`.
+
+    A ZeroMQ connect never fails: it retries in the background, so an operator asking a daemon
+    that is down would wait out the whole timeout. One plain connect tells "nothing listens"
+    apart; anything but a refusal (a slow network, a firewall) is left to the ZeroMQ timeout."""
+    url = urlparse(endpoint)
+    if url.scheme == "tcp" and url.hostname and url.port:
+        family, address = socket.AF_INET6 if ":" in url.hostname else socket.AF_INET, (url.hostname, url.port)
+    elif url.scheme == "ipc":
+        family, address = socket.AF_UNIX, endpoint[len("ipc://"):]
+    else:
+        return
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    probe.settimeout(min(timeout_s, 2.0))
+    try:
+        probe.connect(address)
+    except (ConnectionRefusedError, FileNotFoundError):
+        raise ConnectionRefusedError(f"nothing listens on the daemon's control endpoint {endpoint} "
+                                     "(is it running? `systemctl status dynaresized`)") from None
+    except OSError:
+        pass
+    finally:
+        probe.close()

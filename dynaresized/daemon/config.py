@@ -157,11 +157,17 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
     need(c.steps_total is None or c.steps_total > 0, "core.steps_total", "must be > 0 when set")
     need(cfg.costs.to_training_s >= 0 and cfg.costs.to_rollout_s >= 0, "costs", "costs must be >= 0")
 
+    sec = cfg.security
+    need(bool(sec.server_secret_key) == bool(sec.authorized_keys_dir), "security",
+         "set both server_secret_key and authorized_keys_dir, or neither")
+
     devices = cfg.cluster.devices
     need(len(devices) > 0, "cluster.devices", "list the devices this daemon manages, e.g. [\"node0:gpu0\", ...]")
     need(len(set(devices)) == len(devices), "cluster.devices", "device ids must be distinct")
     unknown = sorted(set(cfg.cluster.training) - set(devices))
     need(not unknown, "cluster.training", f"{', '.join(unknown)} not in cluster.devices")
+    if len(set(devices)) != len(devices):
+        return problems  # the device count is unknown: checks against it would only echo this error
     n = len(devices)
     need(g.min_rollout + g.min_train <= n, "guards.min_rollout",
          f"min_rollout ({g.min_rollout}) + min_train ({g.min_train}) exceeds the {n} devices in cluster.devices")
@@ -173,9 +179,6 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
             continue
         need(split.total == n and split.train >= 0 and split.rollout >= 0, "cluster.candidates",
              f"{text!r} must add up to the {n} devices")
-    sec = cfg.security
-    need(bool(sec.server_secret_key) == bool(sec.authorized_keys_dir), "security",
-         "set both server_secret_key and authorized_keys_dir, or neither")
     return problems
 
 
@@ -185,6 +188,12 @@ def load_config(path: str | Path) -> Config:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory; name the TOML file in it, e.g. {path / 'config.toml'}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     return config_from_dict(raw, source=str(path))

@@ -1,13 +1,15 @@
 """The systemd notify protocol (sd_notify), spoken directly over NOTIFY_SOCKET.
 
 READY=1 after replay and bind, WATCHDOG=1 from the reactor loop, STOPPING=1 on drain,
-STATUS= for `systemctl status`. Without NOTIFY_SOCKET every call is a no-op.
+RELOADING=1 while SIGHUP re-reads the configuration (READY=1 again when done), STATUS= for
+`systemctl status`. Without NOTIFY_SOCKET every call is a no-op.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 
 
 class Notifier:
@@ -35,6 +37,10 @@ class Notifier:
 
     def ready(self, status: str = "") -> None:
         self.send("READY=1", *( [f"STATUS={status}"] if status else []), f"MAINPID={os.getpid()}")
+
+    def reloading(self) -> None:
+        # MONOTONIC_USEC lets systemd (>= 253) tell this reload from an earlier one.
+        self.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
 
     def watchdog(self) -> None:
         self.send("WATCHDOG=1")

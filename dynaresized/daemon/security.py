@@ -38,6 +38,17 @@ def load_authorized(directory: str | Path) -> dict[bytes, str]:
     return keys
 
 
+def load_server_keys(secret_key_file: str, authorized_keys_dir: str) -> tuple[bytes, bytes, dict[bytes, str]]:
+    """The daemon's public and secret key, and the authorized worker keys (see load_authorized)."""
+    try:
+        public, secret = zmq.auth.load_certificate(secret_key_file)
+    except (OSError, ValueError) as exc:
+        raise SecurityError(f"cannot read server_secret_key {secret_key_file}: {exc}") from None
+    if secret is None:
+        raise SecurityError(f"{secret_key_file} holds no secret key (use the .key_secret file)")
+    return public, secret, load_authorized(authorized_keys_dir)
+
+
 class _Credentials:
     def __init__(self, keys: dict[bytes, str]) -> None:
         self.keys = keys
@@ -50,14 +61,7 @@ class CurveServer:
     """Turns CURVE on for server sockets; `worker_of(frame)` names an authenticated peer."""
 
     def __init__(self, context: zmq.asyncio.Context, secret_key_file: str, authorized_keys_dir: str) -> None:
-        try:
-            public, secret = zmq.auth.load_certificate(secret_key_file)
-        except (OSError, ValueError) as exc:
-            raise SecurityError(f"cannot read server_secret_key {secret_key_file}: {exc}") from None
-        if secret is None:
-            raise SecurityError(f"{secret_key_file} holds no secret key (use the .key_secret file)")
-        self.public, self.secret = public, secret
-        self.keys = load_authorized(authorized_keys_dir)
+        self.public, self.secret, self.keys = load_server_keys(secret_key_file, authorized_keys_dir)
         self.auth = AsyncioAuthenticator(context)
         self.auth.start()
         self.auth.configure_curve_callback(domain="*", credentials_provider=_Credentials(self.keys))

@@ -28,26 +28,30 @@ from dynaresized import wire
 from dynaresized.core import Command, Core, IllegalTransition, QueryState, Refused
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
-from dynaresized.core.policy import Policy, UnknownPolicyError, load_policy
+from dynaresized.core.policy import Policy
 from dynaresized.core.state import ClusterState, Phase
-from dynaresized.daemon.config import Config, is_loopback_endpoint
+from dynaresized.daemon.config import Config, ConfigError, load_config
 from dynaresized.daemon.metrics import Metrics
 from dynaresized.daemon.notify import Notifier
+from dynaresized.daemon.preflight import (
+    EVENTS_FILE,
+    LOG_ERRORS,
+    StartupError,
+    check_startup,
+    configured_policy,
+    inventory_problem,
+    log_problem,
+)
 from dynaresized.daemon.security import CurveServer, SecurityError
 from dynaresized.domain import Split
 from dynaresized.explain import explain
-from dynaresized.store import CorruptLogError, FactLog, StoreLockedError, open_recorder
+from dynaresized.store import FactLog, open_recorder
 
 log = structlog.get_logger("dynaresized")
 
-EVENTS_FILE = "events.sqlite"
 _BATCH = 512
 _NOBLOCK = int(zmq.NOBLOCK)  # a plain int: IntFlag arithmetic costs more than the receive
 _PENDING_MAX = 16  # stepped batches awaiting the log before the reactor waits for it (backpressure)
-
-
-class StartupError(Exception):
-    """The daemon cannot start; the message says why and what to change."""
 
 
 class _WorkerIn(msgspec.Struct):
@@ -64,22 +68,24 @@ class _TickIn(msgspec.Struct):
     pass
 
 
+class _ReloadIn(msgspec.Struct):
+    """SIGHUP: re-read [policy] and [guards] from the configuration file."""
+
+
 class Daemon:
     def __init__(self, config: Config, *, policy: Policy | None = None, clock: Callable[[], float] | None = None,
-                 notifier: Notifier | None = None) -> None:
+                 notifier: Notifier | None = None, config_path: str | Path | None = None) -> None:
         self.config = config
+        self.config_path = config_path  # what SIGHUP re-reads; None: reload is refused
         self.scale = config.daemon.time_scale
         self.clock = clock or scaled_clock(self.scale)
-        try:
-            self.policy = policy or load_policy(config.policy.name, config.policy.options)
-        except (UnknownPolicyError, ValueError, TypeError) as exc:
-            raise StartupError(f"policy.name/policy.options: {exc}") from None
+        self.policy = policy or configured_policy(config)
         self.core = Core(config.core_config(), self.policy)
         self.notifier = notifier or Notifier()
         self.metrics = Metrics()
         self.boot_id = uuid.uuid4().hex[:12]
         self.state = ClusterState()
-        self.queue: asyncio.Queue[list[_WorkerIn | _ControlIn | _TickIn]] = asyncio.Queue()
+        self.queue: asyncio.Queue[list[_WorkerIn | _ControlIn | _TickIn | _ReloadIn]] = asyncio.Queue()
         self.ctx: zmq.asyncio.Context | None = None
         self.workers_sock: zmq.asyncio.Socket | None = None
         self.control_sock: zmq.asyncio.Socket | None = None
@@ -108,6 +114,7 @@ class Daemon:
 
     # -- start-up --------------------------------------------------------------------
     def _open_log(self) -> None:
+        """Open and replay the log; the first write comes only after the last check passed."""
         state_dir = Path(self.config.daemon.state_dir)
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
@@ -118,22 +125,16 @@ class Daemon:
             recorder = open_recorder(path)
             self.factlog = FactLog(recorder, snapshot_every=self.config.daemon.snapshot_every)
             self.state = self.factlog.replay()
-        except (CorruptLogError, StoreLockedError) as exc:
-            raise StartupError(f"event log {path}: {exc} (see docs/store.md: python -m dynaresized.store check)") \
-                from None
-        except (ValueError, OSError, msgspec.DecodeError) as exc:
-            raise StartupError(f"event log {path} cannot be read: {exc}") from None
+        except LOG_ERRORS as exc:
+            raise StartupError(log_problem(path, exc)) from None
+        if problem := inventory_problem(self.config, self.state):
+            raise StartupError(problem)
         devices, pools = self.config.initial_pools()
         now = self.clock()
         if not self.state.configured:
             self._apply(ev.Configure(at=now, devices=devices, pools=pools,
                                      candidates=self.config.candidate_splits()))
         else:
-            if set(self.state.devices) != set(devices):
-                raise StartupError(
-                    f"cluster.devices in the configuration ({len(devices)} devices) differ from the inventory in "
-                    f"{state_dir / EVENTS_FILE} ({len(self.state.devices)} devices); restore the old list, or move "
-                    "the state directory aside to start a new log")
             self._apply(ev.DaemonStarted(at=now))
         log.info("replayed", facts=self.state.version, phase=self.state.phase.value, split=str(self.state.split))
 
@@ -148,10 +149,6 @@ class Daemon:
         d = self.config.daemon
         sec = self.config.security
         self.ctx = zmq.asyncio.Context()
-        if not is_loopback_endpoint(d.worker_endpoint) and not sec.server_secret_key:
-            raise StartupError(
-                f"refusing to bind {d.worker_endpoint} without CurveZMQ: set security.server_secret_key and "
-                "security.authorized_keys_dir (create keys with `dynaresized keygen`), or bind 127.0.0.1/ipc://")
         if sec.server_secret_key:
             try:
                 self.curve = CurveServer(self.ctx, sec.server_secret_key, sec.authorized_keys_dir)
@@ -184,20 +181,24 @@ class Daemon:
     # -- run -------------------------------------------------------------------------
     async def run(self) -> int:
         """Serve until drained. Returns the process exit code."""
+        d = self.config.daemon
         try:
-            self._open_log()
+            # Everything that can refuse the start comes before the log's first write: a refused
+            # start leaves the log as it was (or absent), so fixing the configuration is enough.
+            check_startup(self.config, read_log=False, policy=False)
             self._bind()
+            if d.metrics_port:
+                self.metrics.serve(d.metrics_host, d.metrics_port)
+            self._open_log()
         except Exception:
             self._close()
             raise
-        d = self.config.daemon
-        if d.metrics_port:
-            self.metrics.serve(d.metrics_host, d.metrics_port)
         self.metrics.update_gauges(self.state)
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGTERM, self.request_stop)
             loop.add_signal_handler(signal.SIGINT, self.request_stop)
+            loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         tasks = {
             asyncio.create_task(self._reactor(), name="reactor"),
             asyncio.create_task(self._log_writer(), name="log-writer"),
@@ -234,6 +235,9 @@ class Daemon:
 
     def request_stop(self) -> None:
         self.queue.put_nowait([_ControlIn(identity=b"", msg=wire.DrainRequest())])
+
+    def request_reload(self) -> None:
+        self.queue.put_nowait([_ReloadIn()])
 
     def _close(self) -> None:
         self._writer.shutdown(wait=True)
@@ -467,6 +471,8 @@ class Daemon:
                 self._on_tick(now, facts, commands)
             elif isinstance(item, _ControlIn):
                 self._control(item, now, facts, commands, outbox)
+            elif isinstance(item, _ReloadIn):
+                self._reload()
             return
         assert self.workers_sock is not None
         msg = item.msg
@@ -548,6 +554,37 @@ class Daemon:
             self._step_quiet(ev.AbortRequested(at=now, requested_by="shutdown",
                                                reason=f"drain_timeout_s={self.config.daemon.drain_timeout_s:g} "
                                                       "passed"), facts, commands)
+
+    def _reload(self) -> None:
+        """Take [policy] and [guards] from the configuration file, or keep both as they are.
+
+        They are read by the core only when it decides on a new resize, so a resize in flight
+        runs on as planned. A file that does not load, or a policy that does not build, changes
+        nothing: the daemon never stops over a reload. Other sections take effect at restart."""
+        self.notifier.reloading()
+        try:
+            if self.config_path is None:
+                raise ConfigError("the daemon was started without a configuration file")
+            new = load_config(self.config_path)
+            policy = configured_policy(new)
+        except (ConfigError, StartupError) as exc:
+            log.error("reload refused: the running policy and guards are kept", error=str(exc))
+            self.notifier.ready(f"reload refused: {str(exc).splitlines()[0]}")
+            return
+        restart_only = [name for name in Config.__struct_fields__ if name not in ("policy", "guards")
+                        and getattr(new, name) != getattr(self.config, name)]
+        if restart_only:
+            log.warning("reload: changes to these sections take effect at the next start", sections=restart_only)
+        changed = {key: [old, value] for key, old, value in (
+            (k, getattr(self.config.guards, k), getattr(new.guards, k)) for k in new.guards.__struct_fields__)
+            if old != value}
+        self.config = msgspec.structs.replace(self.config, policy=new.policy, guards=new.guards)
+        self.policy = policy
+        self.core.policy = policy
+        self.core.config = self.config.core_config()
+        log.info("reloaded", policy=policy.name, options=dict(new.policy.options), guards_changed=changed,
+                 resize_in_flight=self.state.inflight.plan.resize_id if self.state.inflight else None)
+        self.notifier.ready(f"reloaded; policy {policy.name}")
 
     def _step_quiet(self, event: ev.Event, facts: list[f.Fact], commands: list[Command]) -> None:
         try:
@@ -679,16 +716,18 @@ def _worker_status(state: ClusterState, w: Any) -> dict[str, Any]:
             "unconverged": state.unconverged[w.worker_id].reason if w.worker_id in state.unconverged else None}
 
 
-def run_daemon(config: Config) -> int:
-    """Run the daemon on uvloop until it drains; returns the exit code."""
+def run_daemon(config: Config, config_path: str | Path | None = None) -> int:
+    """Run the daemon on uvloop until it drains; returns the exit code. SIGHUP re-reads
+    [policy] and [guards] from `config_path`."""
     try:
         import uvloop
 
         runner = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         runner = asyncio.run
-    daemon = Daemon(config)
+    check_startup(config, read_log=False)  # every root cause at once, the policy's among them
+    daemon = Daemon(config, config_path=config_path)
     return runner(daemon.run())
 
 
-__all__ = ["Daemon", "StartupError", "run_daemon", "status_of", "Phase"]
+__all__ = ["EVENTS_FILE", "Daemon", "StartupError", "run_daemon", "status_of", "Phase"]

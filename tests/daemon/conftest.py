@@ -34,6 +34,8 @@ def toml_value(v: Any) -> str:
         return f'"{v}"'
     if isinstance(v, list):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table, e.g. policy.options
+        return "{ " + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + " }"
     return repr(v)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ def test_status_pause_resume_resize_and_events(make_daemon) -> None:
     out = cli("status", *ctl)
     assert out.returncode == 0, out.stderr
     assert "phase       steady" in out.stdout and "train 2 : rollout 2" in out.stdout
+    assert "last step   none" in out.stdout  # no step reported yet: not "-1"
     assert "node0:cpu3" in out.stdout
     data = json.loads(cli("status", "--json", *ctl).stdout)
     assert data["split"] == {"train": 2, "rollout": 2}
@@ -59,7 +61,12 @@ def test_events_as_text_on_a_terminal(make_daemon, capsys, monkeypatch) -> None:
 
 def test_exit_codes_follow_systemd_conventions(tmp_path: Path) -> None:
     down = cli("status", "--control", "tcp://127.0.0.1:9", "--timeout", "0.3")
-    assert down.returncode == 3 and "no answer from the daemon" in down.stderr
+    assert down.returncode == 3 and "nothing listens" in down.stderr
+    with socket.socket() as mute:  # listens, never speaks ZeroMQ: the wait runs out
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        silent = cli("status", "--control", f"tcp://127.0.0.1:{mute.getsockname()[1]}", "--timeout", "0.3")
+    assert silent.returncode == 3 and "no answer from the daemon" in silent.stderr
     missing = cli("serve", "--config", str(tmp_path / "missing.toml"))
     assert missing.returncode == 6 and "no such file" in missing.stderr
     assert cli("events", "--state-dir", str(tmp_path)).returncode == 6
@@ -102,3 +109,24 @@ def test_events_follow_prints_facts_as_they_are_recorded(make_daemon) -> None:
     finally:
         follow.terminate()
         follow.wait(timeout=10)
+
+
+def test_status_fails_at_once_when_nothing_listens(tmp_path: Path) -> None:
+    """Even with an hour's --timeout: a refused connection is an answer, no need to wait it out."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    down = cli("status", "--control", f"tcp://127.0.0.1:{port}", "--timeout", "3600", timeout=60)
+    assert down.returncode == 3
+    assert down.stderr == (f"dynaresized: nothing listens on the daemon's control endpoint tcp://127.0.0.1:{port} "
+                           "(is it running? `systemctl status dynaresized`)\n")
+    ipc = cli("status", "--control", f"ipc://{tmp_path / 'control.sock'}", "--timeout", "3600", timeout=60)
+    assert ipc.returncode == 3 and "nothing listens" in ipc.stderr
+
+
+def test_a_directory_as_config_is_one_line_of_error(tmp_path: Path) -> None:
+    for command in ("check-config", "serve", "status"):
+        out = cli(command, "--config", str(tmp_path))
+        assert out.returncode == 6, (command, out.stderr)
+        assert out.stderr == f"dynaresized: {tmp_path}: is a directory; name the TOML file in it, e.g. " \
+                             f"{tmp_path / 'config.toml'}\n", command

@@ -66,3 +66,17 @@ def test_missing_and_broken_files(tmp_path: Path) -> None:
     bad.write_text("[daemon\n")
     with pytest.raises(ConfigError, match=f"{bad}: not valid TOML"):
         load_config(bad)
+
+
+def test_a_duplicated_device_is_reported_once_without_echoes() -> None:
+    """Nine entries for eight devices: the count is wrong, so checks against it would only echo."""
+    devices = [f"node0:gpu{i}" for i in range(8)] + ["node0:gpu3"]
+    with pytest.raises(ConfigError) as raised:
+        config_from_dict({"cluster": {"devices": devices, "candidates": ["6:2", "5:3", "4:4", "3:5", "2:6"]}},
+                         "test.toml")
+    assert str(raised.value) == "test.toml: invalid configuration\n  cluster.devices: device ids must be distinct"
+
+
+def test_a_directory_is_not_a_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path}: is a directory")):
+        load_config(tmp_path)

@@ -14,7 +14,7 @@ from dynaresized.client import OpRequest, WorkerClient
 from dynaresized.core import facts as f
 from dynaresized.domain import OpKind, StepTiming, WorkerKind
 
-from .conftest import DEVICES, read_facts, until
+from .conftest import DEVICES, read_facts, until, write_config
 
 
 class Recorder:
@@ -214,6 +214,44 @@ async def test_sigterm_drains_a_resize_in_flight_then_exits_cleanly(make_daemon)
     assert "drain_timeout_s" in ended[0].reason
     rejected = [x for x in facts if isinstance(x, f.ProposalRejected)]
     assert rejected and rejected[0].guard == "in_flight"
+
+
+async def test_sighup_reloads_policy_and_guards_and_the_resize_in_flight_runs_on(make_daemon) -> None:
+    """What `systemctl reload` sends: the daemon keeps running (same process), takes the new
+    [policy] and [guards], and the resize it is in the middle of finishes as planned."""
+    daemon = make_daemon()
+    rec = Recorder()
+    rec.gates[OpKind.JOIN] = asyncio.Event()
+    clients = await attach_all(daemon.worker_endpoint, rec)
+    try:
+        assert daemon.control(wire.ResizeRequest(train=3, rollout=1, reason="before reload")).ok
+        await until(lambda: daemon.status()["phase"] == "joining", what="joining")
+        daemon.sections["policy"] = {"name": "hysteresis", "options": {"window": 3}}
+        daemon.sections["guards"]["min_rollout"] = 2  # would forbid 3:1, but r1 was decided already
+        write_config(daemon.config_path, daemon.sections)
+        daemon.proc.send_signal(signal.SIGHUP)
+        status = await until(lambda: (s := daemon.status())["policy"] == "hysteresis" and s, what="reloaded")
+        assert daemon.proc.poll() is None
+        assert status["phase"] == "joining" and status["in_flight"]["resize_id"] == "r1"
+        rec.gates[OpKind.JOIN].set()
+        status = await until(lambda: (s := daemon.status())["resizes"]["committed"] == 1 and s, what="r1 commits")
+        assert status["split"] == {"train": 3, "rollout": 1}
+        back = daemon.control(wire.ResizeRequest(train=2, rollout=2))  # rollout 2 >= min_rollout: allowed
+        assert back.ok, back.message
+        await until(lambda: daemon.status()["resizes"]["committed"] == 2, what="r2 commits")
+        refused = daemon.control(wire.ResizeRequest(train=3, rollout=1))
+        assert not refused.ok and "min_rollout=2" in refused.message  # the reloaded guard speaks
+
+        # A configuration that does not load changes nothing and stops nothing.
+        daemon.sections["policy"] = {"name": "hysterisis"}
+        write_config(daemon.config_path, daemon.sections)
+        daemon.proc.send_signal(signal.SIGHUP)
+        await until(lambda: "reload refused" in daemon.output(), what="reload refused")
+        assert daemon.proc.poll() is None and daemon.status()["policy"] == "hysteresis"
+    finally:
+        rec.gates[OpKind.JOIN].set()
+        await close_all(clients)
+    assert "unknown policy 'hysterisis'" in daemon.output()
 
 
 @pytest.mark.parametrize("bad", ["unknown_device", "device_owned", "bad_version"])

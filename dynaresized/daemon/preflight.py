@@ -1,0 +1,136 @@
+"""What `serve` checks before it binds a socket or writes the log, and `check-config` runs too.
+
+One path for both, so `check-config` answers "ok" only to what `serve` starts, and refuses
+with the same words. Each check reports a root cause once; a check that depends on another
+(the log's inventory needs a readable state directory) is skipped when that one failed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+
+from dynaresized.core.policy import Policy, UnknownPolicyError, load_policy
+from dynaresized.core.state import ClusterState
+from dynaresized.daemon.config import Config, is_loopback_endpoint
+from dynaresized.daemon.security import SecurityError, load_server_keys
+from dynaresized.store import CorruptLogError, FactLog, StoreLockedError, open_recorder
+
+EVENTS_FILE = "events.sqlite"
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message says why and what to change."""
+
+
+def configured_policy(config: Config) -> Policy:
+    """The policy `[policy]` names, built with its options."""
+    try:
+        return load_policy(config.policy.name, config.policy.options)
+    except UnknownPolicyError as exc:
+        raise StartupError(f"policy.name: {exc.args[0]}") from None
+    except (ValueError, TypeError) as exc:
+        raise StartupError(f"policy.options: {exc}") from None
+
+
+def security_problem(config: Config) -> str:
+    """Why the worker endpoint may not be bound as configured, or "" when it may."""
+    d, sec = config.daemon, config.security
+    if not is_loopback_endpoint(d.worker_endpoint) and not sec.server_secret_key:
+        return (f"refusing to bind {d.worker_endpoint} without CurveZMQ: set security.server_secret_key and "
+                "security.authorized_keys_dir (create keys with `dynaresized keygen`), or bind 127.0.0.1/ipc://")
+    if sec.server_secret_key:
+        try:
+            load_server_keys(sec.server_secret_key, sec.authorized_keys_dir)
+        except SecurityError as exc:
+            return str(exc)
+    return ""
+
+
+def state_dir_problem(config: Config) -> str:
+    """Why the daemon could not create or write its state directory, or "" when it could.
+    Nothing is created here: the nearest existing ancestor must let us create the rest."""
+    state_dir = Path(config.daemon.state_dir)
+    existing = state_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot create state_dir {state_dir}: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        verb = "write to" if existing == state_dir else f"create {state_dir} in"
+        return f"cannot {verb} state_dir {state_dir}: {existing} is not writable by this user (uid {os.getuid()})"
+    return ""
+
+
+def inventory_problem(config: Config, recorded: ClusterState) -> str:
+    """Why the log's recorded inventory does not fit `cluster.devices`, or "" when it does."""
+    devices = set(config.cluster.devices)
+    if not recorded.configured or set(recorded.devices) == devices:
+        return ""
+    path = Path(config.daemon.state_dir) / EVENTS_FILE
+    return (f"cluster.devices in the configuration ({len(devices)} devices) differ from the inventory in {path} "
+            f"({len(recorded.devices)} devices); restore the old list, or move the state directory aside to start "
+            "a new log")
+
+
+def log_problem(path: Path, exc: Exception) -> str:
+    """What to say when the event log cannot be opened or replayed."""
+    if isinstance(exc, CorruptLogError | StoreLockedError):
+        return f"event log {path}: {exc} (see docs/store.md: python -m dynaresized.store check)"
+    return f"event log {path} cannot be read: {exc}"
+
+
+LOG_ERRORS = (CorruptLogError, StoreLockedError, ValueError, OSError, msgspec.DecodeError)
+
+
+def recorded_state(config: Config) -> ClusterState | None:
+    """The state an existing log folds to, read without writing; None when there is no log."""
+    path = Path(config.daemon.state_dir) / EVENTS_FILE
+    if not path.exists():
+        return None
+    try:
+        recorder = open_recorder(path, read_only=True)
+    except LOG_ERRORS as exc:
+        raise StartupError(log_problem(path, exc)) from None
+    try:
+        return FactLog(recorder, snapshot_every=config.daemon.snapshot_every).replay()
+    except LOG_ERRORS as exc:
+        raise StartupError(log_problem(path, exc)) from None
+    finally:
+        recorder.close()
+
+
+def startup_problems(config: Config, *, read_log: bool, policy: bool = True) -> list[str]:
+    """Every root cause `serve` would refuse to start for. With `read_log`, also replay an
+    existing log read-only and compare its inventory (`serve` does that on the log it opens);
+    without `policy`, leave out building the policy (a daemon given one has built it)."""
+    problems: list[str] = []
+    if policy:
+        try:
+            configured_policy(config)
+        except StartupError as exc:
+            problems.append(str(exc))
+    if problem := security_problem(config):
+        problems.append(problem)
+    if problem := state_dir_problem(config):
+        problems.append(problem)
+    elif read_log:
+        try:
+            recorded = recorded_state(config)
+        except StartupError as exc:
+            problems.append(str(exc))
+        else:
+            if recorded is not None and (problem := inventory_problem(config, recorded)):
+                problems.append(problem)
+    return problems
+
+
+def check_startup(config: Config, *, read_log: bool, policy: bool = True) -> None:
+    """Raise StartupError naming every problem `startup_problems` found."""
+    problems = startup_problems(config, read_log=read_log, policy=policy)
+    if len(problems) == 1:
+        raise StartupError(problems[0])
+    if problems:
+        raise StartupError(f"{len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))

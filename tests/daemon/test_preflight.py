@@ -1,0 +1,104 @@
+"""`check-config` refuses what `serve` refuses, in the same words, and a refused start writes
+nothing: after fixing the configuration, the next start is a first start."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import DEVICES, daemon_sections, read_facts, write_config
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dynaresized.cli", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def refused_by_both(config: Path) -> str:
+    """Run check-config and serve on `config`; both must refuse with exit 6 and the same stderr."""
+    checked = cli("check-config", "--config", str(config))
+    served = cli("serve", "--config", str(config))
+    assert served.returncode == 6, served.stdout + served.stderr
+    assert checked.returncode == 6, checked.stdout
+    assert checked.stderr == served.stderr
+    assert "Traceback" not in served.stderr
+    return served.stderr
+
+
+TRAPS: dict[str, tuple[dict[str, dict[str, Any]], str]] = {
+    "unknown policy": ({"policy": {"name": "hysterisis"}},
+                       "cannot start: policy.name: unknown policy 'hysterisis'; installed policies: "),
+    "unknown policy option": ({"policy": {"name": "hysteresis", "options": {"bogus": 1}}},
+                              "cannot start: policy.options: bad options for policy 'hysteresis'"),
+    "exposed endpoint without CURVE": ({"daemon": {"worker_endpoint": "tcp://0.0.0.0:5555"}},
+                                       "cannot start: refusing to bind tcp://0.0.0.0:5555 without CurveZMQ"),
+}
+
+
+@pytest.mark.parametrize("trap", sorted(TRAPS))
+def test_check_config_refuses_what_serve_refuses_and_nothing_is_written(tmp_path: Path, trap: str) -> None:
+    overrides, expected = TRAPS[trap]
+    sections = daemon_sections(tmp_path, **overrides)
+    config = write_config(tmp_path / "config.toml", sections)
+    assert expected in refused_by_both(config)
+    state = Path(sections["daemon"]["state_dir"])
+    assert not (state / "events.sqlite").exists(), "a refused start left a log behind"
+
+
+def test_every_root_cause_is_reported_once(tmp_path: Path) -> None:
+    sections = daemon_sections(tmp_path, policy={"name": "hysterisis"},
+                               daemon={"worker_endpoint": "tcp://0.0.0.0:5555"})
+    stderr = refused_by_both(write_config(tmp_path / "config.toml", sections))
+    assert stderr.startswith("dynaresized: cannot start: 2 problems:\n")
+    assert stderr.count("unknown policy") == 1 and stderr.count("refusing to bind") == 1
+
+
+def test_an_unwritable_state_dir_is_refused_by_both(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    sections = daemon_sections(tmp_path, daemon={"state_dir": str(blocker / "state")})
+    stderr = refused_by_both(write_config(tmp_path / "c.toml", sections))
+    assert f"cannot create state_dir {blocker / 'state'}: {blocker} is not a directory" in stderr
+
+
+def test_a_changed_inventory_is_refused_by_both_and_the_log_is_kept(make_daemon, tmp_path: Path) -> None:
+    first = make_daemon()
+    first.stop()
+    before = read_facts(first.state_dir)
+    sections = daemon_sections(tmp_path, daemon={"state_dir": str(first.state_dir)},
+                               cluster={"devices": DEVICES[:3], "training": DEVICES[:2]})
+    stderr = refused_by_both(write_config(tmp_path / "fewer.toml", sections))
+    assert "cluster.devices in the configuration (3 devices) differ from the inventory in " \
+           f"{first.state_dir / 'events.sqlite'} (4 devices)" in stderr
+    assert read_facts(first.state_dir) == before
+
+
+def test_a_start_refused_at_bind_writes_nothing_and_the_fixed_config_starts(make_daemon, tmp_path: Path) -> None:
+    """The issue's trap: a refused start had recorded cluster_configured, so after fixing the
+    device list the next start failed on an inventory nobody had ever run."""
+    daemon = make_daemon(start=False)
+    with socket.socket() as taken:
+        port = int(daemon.worker_endpoint.rsplit(":", 1)[1])
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        daemon.start(wait=False)
+        assert daemon.proc.wait(timeout=30) == 6
+    assert "cannot bind" in daemon.output()
+    assert not (daemon.state_dir / "events.sqlite").exists()
+    daemon.sections["cluster"] = {"devices": DEVICES[:3], "training": DEVICES[:1]}
+    write_config(daemon.config_path, daemon.sections)
+    assert cli("check-config", "--config", str(daemon.config_path)).returncode == 0
+    daemon.start()
+    assert daemon.status()["split"] == {"train": 1, "rollout": 2}
+
+
+def test_check_config_accepts_a_running_daemons_config(make_daemon) -> None:
+    daemon = make_daemon()  # its log exists, is locked by the daemon, and matches
+    out = cli("check-config", "--config", str(daemon.config_path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"{daemon.config_path}: ok\n"
