@@ -1,5 +1,6 @@
 """Property tests of the core: random event sequences (hellos, heartbeats, ticks, steps, op
-answers right and wrong, byes, forced resizes, aborts, pause/resume, shutdown, daemon restarts) and the
+answers right and wrong, byes, forced resizes, aborts, pause/resume, shutdown, daemon restarts,
+workers reporting what they hold, true or not, and the reconciles that follow) and the
 invariants of DESIGN.md §4 checked after every single event."""
 
 from __future__ import annotations
@@ -10,12 +11,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from msgspec.structs import replace
 
-from dynaresized.core import ClusterState, Core, IllegalTransition, Phase, Refused, SendOp, fold, mutate
+from dynaresized.core import ClusterState, Core, CoreConfig, IllegalTransition, Phase, QueryState, Refused, SendOp, \
+    fold, mutate
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.core.guards import GuardConfig
 from dynaresized.core.state import PHASE_OF_OP, decode_state, encode_state
-from dynaresized.domain import Placement, Split, StepTiming, WorkerKind, WorkerStatus, moving, placed
+from dynaresized.core.policy import load_policy
+from dynaresized.domain import (
+    ActualState,
+    Holding,
+    Placement,
+    Split,
+    StepTiming,
+    WorkerKind,
+    WorkerStatus,
+    moving,
+    placed,
+)
 
 from .cluster import boot, device, engine, make_core, snapshot, trainer
 
@@ -38,9 +51,11 @@ def ack_of(oks: list[bool]) -> st.SearchStrategy:
 
 step = st.tuples(st.just("step"), st.sampled_from(WORKERS), st.sampled_from([1, 1, 1, 1, 1, 2, 0, -1]),
                  st.one_of(seconds, seconds, seconds, bad_seconds), seconds)
+holdings = st.sampled_from([None, None, *Holding, Holding.SERVING, Holding.RELEASED])
 hello = st.tuples(st.just("hello"), st.sampled_from(WORKERS),
                   st.sampled_from(["same", "same", "same", "other_device", "other_kind", "unknown_device"]),
-                  st.integers(0, N - 1))
+                  st.integers(0, N - 1), holdings)
+report = st.tuples(st.just("report"), st.sampled_from(WORKERS), st.sampled_from(list(Holding)))
 operator = st.tuples(st.sampled_from(["pause", "resume", "resume", "shutdown", "restart", "restart", "abort"]))
 
 
@@ -58,6 +73,7 @@ common = [
     st.tuples(st.just("heartbeat_all")),
     st.tuples(st.just("heartbeat"), st.sampled_from(WORKERS)),
     *[hello] * 2,
+    report,
     st.tuples(st.just("progress"), st.sampled_from(WORKERS), st.integers(-1, 5), st.integers(0, 4)),
     *[st.tuples(st.just("force"), st.integers(0, N))] * 2,
     operator,
@@ -123,7 +139,7 @@ class Run:
             fl = self.state.inflight
             if fl is None:
                 return []
-            return [ev.OpReported(at=self.now, worker_id=w, op_id=fl.op.op_id, ok=True)
+            return [ev.OpReported(at=self.now, worker_id=w, op_id=fl.op.op_id, ok=True, actual=self.after(fl.op.kind))
                     for w in fl.op.targets if w not in fl.acked and self.state.is_live(w)]
         return [self.event(action)]
 
@@ -132,8 +148,10 @@ class Run:
         s, now = self.state, self.now
         if kind == "heartbeat":
             return ev.Heartbeat(at=now, worker_id=args[0])
+        if kind == "report":
+            return ev.StateReported(at=now, worker_id=args[0], actual=ActualState(holding=args[1]))
         if kind == "hello":
-            worker, variant, i = args
+            worker, variant, i, holding = args
             self.silent.discard(worker)  # a worker that says hello is running again
             old = s.workers.get(worker)
             wkind = old.kind if old else (WorkerKind.TRAINER_RANK if i % 2 else WorkerKind.ROLLOUT_ENGINE)
@@ -144,7 +162,8 @@ class Run:
                 wkind = WorkerKind.ROLLOUT_ENGINE if wkind is WorkerKind.TRAINER_RANK else WorkerKind.TRAINER_RANK
             elif variant == "unknown_device":
                 devices = ("n9:gpu0",)
-            return ev.WorkerHello(at=now, worker_id=worker, kind=wkind, devices=devices)
+            actual = None if holding is None else ActualState(holding=holding)
+            return ev.WorkerHello(at=now, worker_id=worker, kind=wkind, devices=devices, actual=actual)
         if kind == "bye":
             return ev.WorkerBye(at=now, worker_id=args[0])
         if kind == "step":
@@ -182,6 +201,14 @@ class Run:
             self.state = fold(f.decode_fact(b) for b in self.log)
             return ev.DaemonStarted(at=self.now)
         raise AssertionError(f"unknown action {kind}")
+
+    @staticmethod
+    def after(kind: object) -> ActualState:
+        """What a truthful worker holds after an op of `kind` (commit leaves it as it was)."""
+        name = getattr(kind, "value", "")
+        holding = {"drain": Holding.DRAINED, "release": Holding.RELEASED, "reclaim": Holding.DRAINED,
+                   "evict": Holding.RELEASED}.get(name, Holding.SERVING)
+        return ActualState(holding=holding)
 
     # -- one event ------------------------------------------------------------------------
     def apply(self, event: ev.Event) -> None:
@@ -227,6 +254,8 @@ class Run:
             return
         if isinstance(fact, f.ResizeStarted):
             plan = fact.plan
+            held_back = {d for w in before.unconverged if w in before.workers for d in before.workers[w].devices}
+            assert not set(plan.devices) & held_back, "a device of an unconverged worker was planned"
             assert changed == set(plan.devices)
             assert all(before.devices[d] == placed(plan.from_pool) for d in plan.devices)
             assert before.split == plan.before
@@ -245,16 +274,26 @@ class Run:
         assert not changed, f"{type(fact).__name__} moved devices {sorted(changed)}"
 
     def check_fact(self, fact: f.Fact) -> None:
-        if isinstance(fact, f.ResizeStarted):
-            assert self.open_resizes == 0, "a resize started while another was in flight"
+        if isinstance(fact, f.ResizeStarted | f.ReconcileStarted):
+            assert self.open_resizes == 0, "an operation sequence started while another was in flight"
             self.open_resizes = 1
-        elif isinstance(fact, f.ResizeCommitted | f.ResizeRolledBack | f.Degraded):
-            assert self.open_resizes == 1, "a resize ended that was not in flight"
+        elif isinstance(fact, f.ResizeCommitted | f.ResizeRolledBack | f.Degraded | f.ReconcileFinished):
+            assert self.open_resizes == 1, "an operation sequence ended that was not in flight"
             self.open_resizes = 0
+        if isinstance(fact, f.ReconcileStarted):
+            w = self.state.workers[fact.worker_id]
+            assert w.status is WorkerStatus.LIVE and w.actual is not None and w.actual.holding is fact.actual
+            assert fact.desired is not fact.actual and fact.plan.before == fact.plan.after
 
-    def check_command(self, c: SendOp) -> None:
+    def check_command(self, c: SendOp | QueryState) -> None:
+        if isinstance(c, QueryState):
+            w = self.state.workers[c.worker_id]
+            assert w.status is WorkerStatus.LIVE and w.actual is not None
+            return
         fl = self.state.inflight
         assert fl is not None, "a command with no resize in flight"
+        if fl.reconciling:
+            assert c.op.targets == (fl.reconciling,)
         assert c.op == fl.op and c.resize_id == fl.plan.resize_id and c.deadline == fl.op_deadline
         assert c.worker_id in c.op.targets and self.state.is_live(c.worker_id)
         assert set(c.training) | set(c.rollout) == self.devices and not set(c.training) & set(c.rollout)
@@ -276,6 +315,9 @@ class Run:
         if s.inflight is None:
             assert not moving_now
             assert s.phase in (Phase.STEADY, Phase.DEGRADED)
+        elif s.inflight.reconciling:  # converging a worker moves no device
+            assert not moving_now and s.phase is Phase.RECONCILING
+            assert s.inflight.index < len(s.inflight.ops)
         else:
             plan = s.inflight.plan
             assert moving_now == set(plan.devices) and moving_now
@@ -293,17 +335,27 @@ class Run:
         assert self.replay.durable() == s.durable()
 
     def settle(self, keep_workers_alive: bool) -> None:
-        """Liveness: with no op answers at all, every resize ends (commit, rollback or degraded)."""
-        for _ in range(3):
-            if self.state.inflight is None:
-                break
+        """Liveness: with no op answers at all, every resize ends (commit, rollback or degraded),
+        and so does every reconcile (a worker that disagrees with the log is tried again later,
+        each attempt a new reconcile that ends in its turn)."""
+        def deadlines_pass() -> None:
             self.now += OP_TIMEOUT_S + HEARTBEAT_S + 1.0
             if keep_workers_alive:
                 for w in sorted(self.state.workers):
                     if self.state.is_live(w):
                         self.apply(ev.Heartbeat(at=self.now, worker_id=w))
             self.apply(ev.Tick(at=self.now))
-        assert self.state.inflight is None, "a resize is still in flight after every deadline passed"
+
+        for _ in range(3):
+            if self.state.inflight is None or self.state.inflight.reconciling:
+                break
+            deadlines_pass()
+        fl = self.state.inflight
+        assert fl is None or fl.reconciling, "a resize is still in flight after every deadline passed"
+        if fl is not None:
+            deadlines_pass()
+            now = self.state.inflight
+            assert now is None or now.plan.resize_id != fl.plan.resize_id, "a reconcile outlived its deadline"
         assert not any(p.is_moving for p in self.state.devices.values())
         facts = [f.decode_fact(b) for b in self.log]
         assert fold(facts).durable() == self.state.durable()
@@ -314,7 +366,8 @@ class Run:
         assert fold(facts[half:], snap).durable() == self.state.durable()
 
 
-CORE = make_core(GUARDS, "hysteresis", heartbeat_timeout_s=HEARTBEAT_S, op_timeout_s=OP_TIMEOUT_S)
+CORE = Core(CoreConfig(guards=GUARDS, heartbeat_timeout_s=HEARTBEAT_S, op_timeout_s=OP_TIMEOUT_S, op_resend_s=3.0,
+                       audit_interval_s=20.0, reconcile_retry_s=15.0), load_policy("hysteresis"))
 
 
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
