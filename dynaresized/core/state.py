@@ -17,6 +17,7 @@ from msgspec.structs import replace
 
 from dynaresized.core import facts as f
 from dynaresized.core.guards import History
+from dynaresized.core.idle import IdleLedger, step_period_s
 from dynaresized.domain import (
     DeviceId,
     OpKind,
@@ -85,6 +86,21 @@ class Progress(msgspec.Struct, frozen=True, array_like=True):
     tokens: int
 
 
+class Outcome(msgspec.Struct, frozen=True):
+    """A resize whose outcome is still being measured: what was expected, and the measured
+    step periods on the new split so far (from its commit until it is judged)."""
+
+    resize_id: str
+    predicted_step_s: float | None
+    predicted_step_s_after: float | None
+    measured_step_s: float | None
+    cost_s: float | None
+    payback_steps: int
+    committed: bool = False
+    checked: bool = False  # its PredictionChecked is in the log
+    after: tuple[float, ...] = ()
+
+
 class ClusterState(msgspec.Struct, frozen=True):
     version: int = 0  # facts folded so far
     configured: bool = False
@@ -106,6 +122,10 @@ class ClusterState(msgspec.Struct, frozen=True):
     cost_per_device_s: dict[str, float] = {}  # learned, by direction "rollout->training"
     degraded_reason: str = ""
     last_seen: dict[WorkerId, float] = {}  # soft state, see module docstring
+    idle: IdleLedger = IdleLedger()
+    outcome: Outcome | None = None  # the last committed (or in-flight) resize, until judged
+    last_prediction: f.PredictionChecked | None = None
+    last_verdict: f.ResizeJudged | None = None
 
     # -- derived views -------------------------------------------------------------
     def pool_devices(self, pool: Pool) -> tuple[DeviceId, ...]:
@@ -179,7 +199,7 @@ def _end_resize(state: ClusterState, at: float, step: int) -> ClusterState:
     return replace(
         state,
         inflight=None,
-        history=History(last_resize_end_at=at, last_resize_end_step=step),
+        history=replace(state.history, last_resize_end_at=at, last_resize_end_step=step),
     )
 
 
@@ -225,7 +245,12 @@ def _(s: ClusterState, e: f.WorkerLeft) -> ClusterState:
 def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
     recent = (s.recent + (e.timing,))[-RECENT_WINDOW:]
     step_history = (s.step_history + (e.timing,))[-HISTORY_WINDOW:]
-    return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history)
+    outcome = s.outcome
+    period = step_period_s(e.timing)
+    if outcome is not None and outcome.committed and period is not None:
+        outcome = replace(outcome, after=outcome.after + (period,))
+    return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history,
+                   idle=s.idle.add(e.timing, s.devices), outcome=outcome)
 
 
 @_on(f.ProgressObserved)
@@ -254,11 +279,15 @@ def _(s: ClusterState, e: f.ResizeStarted) -> ClusterState:
         op_started_at=e.at,
         op_deadline=e.op_deadline,
     )
+    outcome = Outcome(resize_id=plan.resize_id, predicted_step_s=e.predicted_step_s,
+                      predicted_step_s_after=e.predicted_step_s_after, measured_step_s=e.measured_step_s,
+                      cost_s=e.predicted_cost_s, payback_steps=e.payback_steps)
     return replace(
         s,
         inflight=inflight,
         phase=PHASE_OF_OP[plan.ops[0].kind],
         resizes_started=s.resizes_started + 1,
+        outcome=outcome,
     )
 
 
@@ -312,7 +341,11 @@ def _(s: ClusterState, e: f.ResizeCommitted) -> ClusterState:
     per_device = e.duration_s / max(len(plan.devices), 1)
     old = costs.get(plan.direction)
     costs[plan.direction] = per_device if old is None else 0.5 * old + 0.5 * per_device
-    s = replace(s, phase=Phase.STEADY, recent=(), resizes_committed=s.resizes_committed + 1, cost_per_device_s=costs)
+    outcome = s.outcome
+    if outcome is not None and outcome.resize_id == e.resize_id:
+        outcome = replace(outcome, committed=True)
+    s = replace(s, phase=Phase.STEADY, recent=(), resizes_committed=s.resizes_committed + 1, cost_per_device_s=costs,
+                outcome=outcome)
     return _end_resize(s, e.at, e.step)
 
 
@@ -320,7 +353,7 @@ def _(s: ClusterState, e: f.ResizeCommitted) -> ClusterState:
 def _(s: ClusterState, e: f.ResizeRolledBack) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
     s = _place(s, plan.devices, placed(plan.from_pool))
-    s = replace(s, phase=Phase.STEADY, resizes_rolled_back=s.resizes_rolled_back + 1)
+    s = replace(s, phase=Phase.STEADY, resizes_rolled_back=s.resizes_rolled_back + 1, outcome=None)
     return _end_resize(s, e.at, e.step)
 
 
@@ -328,8 +361,23 @@ def _(s: ClusterState, e: f.ResizeRolledBack) -> ClusterState:
 def _(s: ClusterState, e: f.Degraded) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
     s = _place(s, plan.devices, placed(e.placed_in))
-    s = replace(s, phase=Phase.DEGRADED, degraded_reason=e.reason)
+    s = replace(s, phase=Phase.DEGRADED, degraded_reason=e.reason, outcome=None)
     return _end_resize(s, e.at, e.step)
+
+
+@_on(f.PredictionChecked)
+def _(s: ClusterState, e: f.PredictionChecked) -> ClusterState:
+    outcome = s.outcome
+    if outcome is not None and outcome.resize_id == e.resize_id:
+        outcome = replace(outcome, checked=True)
+    return replace(s, outcome=outcome, last_prediction=e)
+
+
+@_on(f.ResizeJudged)
+def _(s: ClusterState, e: f.ResizeJudged) -> ClusterState:
+    outcome = None if s.outcome is not None and s.outcome.resize_id == e.resize_id else s.outcome
+    history = replace(s.history, payback_factor=e.payback_factor)
+    return replace(s, outcome=outcome, last_verdict=e, history=history)
 
 
 @_on(f.ResizingPaused)

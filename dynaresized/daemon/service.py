@@ -27,13 +27,14 @@ from dynaresized import wire
 from dynaresized.core import Core, IllegalTransition, Refused, SendOp
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
+from dynaresized.core.idle import IdleTotals
 from dynaresized.core.policy import Policy, UnknownPolicyError, load_policy
 from dynaresized.core.state import ClusterState, Phase
 from dynaresized.daemon.config import Config, is_loopback_endpoint
 from dynaresized.daemon.metrics import Metrics
 from dynaresized.daemon.notify import Notifier
 from dynaresized.daemon.security import CurveServer, SecurityError
-from dynaresized.domain import Split
+from dynaresized.domain import Pool, Split
 from dynaresized.explain import explain
 from dynaresized.store import CorruptLogError, FactLog, StoreLockedError, open_recorder
 
@@ -186,6 +187,8 @@ class Daemon:
         if d.metrics_port:
             self.metrics.serve(d.metrics_host, d.metrics_port)
         self.metrics.update_gauges(self.state)
+        self.metrics.observe_idle(self.state)
+        self.metrics.payback_factor.set(self.state.history.payback_factor)
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGTERM, self.request_stop)
@@ -557,6 +560,8 @@ class Daemon:
             if isinstance(fact, f.ProgressObserved):
                 continue  # too chatty for the log; it is in the event store
             level = "warning" if isinstance(fact, f.OpFailed | f.WorkerLost | f.ResizeAborted) else "info"
+            if isinstance(fact, f.ResizeJudged) and fact.verdict is f.Verdict.WORSE:
+                level = "warning"  # the daemon's own decision cost the job time
             if isinstance(fact, f.Degraded):
                 level = "error"
             resize = state.inflight.plan.resize_id if state.inflight else None
@@ -602,6 +607,38 @@ def status_of(state: ClusterState, daemon: Daemon | None = None) -> dict[str, An
             "rolling_back": fl.rolling_back, "reason": fl.reason, "acked": list(fl.acked)},
         "policy": daemon.policy.name if daemon else "",
         "boot_id": daemon.boot_id if daemon else "",
+        "idle": idle_status(state),
+        "outcome": outcome_status(state),
+    }
+
+
+def idle_status(state: ClusterState) -> dict[str, Any]:
+    """Idle accounting as plain data (docs/idle.md); a ratio is None where it is unknown."""
+    ledger, last = state.idle, state.idle.last
+
+    def totals(t: IdleTotals) -> dict[str, Any]:
+        return {"busy_s": t.busy_s, "idle_s": t.idle_s, "ratio": t.ratio, "steps": t.steps,
+                "unknown_steps": t.unknown_steps}
+
+    pools = {}
+    for pool in Pool:
+        share = last.pool(pool) if last is not None else None
+        pools[pool.value] = {**totals(ledger.pool(pool)), "last_step_ratio": share.ratio if share else None}
+    return {"last_step": last.step if last is not None else None, "pools": pools,
+            "devices": {d: totals(t) for d, t in sorted(ledger.devices.items())}}
+
+
+def outcome_status(state: ClusterState) -> dict[str, Any]:
+    """What the last resizes were expected to do and what they did, as plain data."""
+    o = state.outcome
+    return {
+        "payback_factor": state.history.payback_factor,
+        "measuring": None if o is None else {
+            "resize_id": o.resize_id, "committed": o.committed, "steps": len(o.after),
+            "payback_steps": o.payback_steps, "predicted_step_s_after": o.predicted_step_s_after,
+            "measured_step_s": o.measured_step_s},
+        "last_prediction": msgspec.to_builtins(state.last_prediction),
+        "last_verdict": msgspec.to_builtins(state.last_verdict),
     }
 
 
@@ -617,4 +654,4 @@ def run_daemon(config: Config) -> int:
     return runner(daemon.run())
 
 
-__all__ = ["Daemon", "StartupError", "run_daemon", "status_of", "Phase"]
+__all__ = ["Daemon", "StartupError", "run_daemon", "status_of", "idle_status", "outcome_status", "Phase"]
