@@ -79,6 +79,7 @@ class ResizeStarted(Fact, frozen=True, tag="resize_started"):
     measured_step_s: float | None = None  # mean measured step period on the old split
     predicted_cost_s: float | None = None  # critical-path cost the payback guard assumed
     payback_steps: int = 0  # steps after the commit over which the resize is judged
+    measured_s_per_token: float | None = None  # old split's step period per response token
 
 
 class OpAcked(Fact, frozen=True, tag="op_acked"):
@@ -153,7 +154,7 @@ class ResizeJudged(Fact, frozen=True, tag="resize_judged"):
     verdict: Verdict
     steps: int  # steps measured after the commit
     payback_steps: int  # the window it was to be judged over
-    saved_s: float | None  # steps x old mean - measured time of those steps; negative: lost
+    saved_s: float | None  # what the old split would have taken for those steps - what they took
     cost_s: float | None  # the resize cost the payback guard assumed
     payback_factor: float = 1.0  # the payback guard's learned multiplier from now on
 

@@ -358,7 +358,11 @@ def _decide(core: Core, tx: _Tx, view: ObservedView, proposal: Proposal, source:
     if tx.state.outcome is not None:
         _judge(core, tx, at)  # the next resize starts before the window ended: judge what was seen
     predicted = proposal.predicted_step_s_after > 0  # an operator's resize predicts nothing
-    periods = [p for p in (step_period_s(t) for t in view.recent) if p is not None]
+    measured = [(p, t.response_tokens) for t in view.recent if (p := step_period_s(t)) is not None]
+    periods = [p for p, _ in measured]
+    per_token = None
+    if measured and all(tokens > 0 for _, tokens in measured):
+        per_token = sum(periods) / sum(tokens for _, tokens in measured)
     tx.emit(f.ResizeStarted(
         at=at, plan=plan_or_reason, source=source, reason=proposal.reason,
         op_deadline=at + core.config.op_timeout_s,
@@ -366,7 +370,8 @@ def _decide(core: Core, tx: _Tx, view: ObservedView, proposal: Proposal, source:
         predicted_step_s_after=proposal.predicted_step_s_after if predicted else None,
         measured_step_s=sum(periods) / len(periods) if periods else None,
         predicted_cost_s=view.costs.for_move(view.split, proposal.target),
-        payback_steps=max(guards.payback_horizon(view, core.config.guards), 1)))
+        payback_steps=max(guards.payback_horizon(view, core.config.guards), 1),
+        measured_s_per_token=per_token))
     _advance(core, tx, at, fresh=True)
 
 
@@ -375,7 +380,7 @@ def _decide(core: Core, tx: _Tx, view: ObservedView, proposal: Proposal, source:
 
 def _check_outcome(core: Core, tx: _Tx, at: float) -> None:
     """After a step: check the prediction once `verify_steps` steps ran on the new split, and
-    judge the resize once its payback window is over."""
+    judge the resize once its payback window (or the job) is over."""
     o = tx.state.outcome
     if o is None or not o.committed:
         return
@@ -387,8 +392,9 @@ def _check_outcome(core: Core, tx: _Tx, at: float) -> None:
             at=at, resize_id=o.resize_id, steps=verify, predicted_step_s_after=o.predicted_step_s_after,
             measured_step_s_after=measured, error_s=measured - o.predicted_step_s_after,
             predicted_step_s=o.predicted_step_s, measured_step_s=o.measured_step_s))
-    if n >= o.payback_steps:
-        _judge(core, tx, at)
+    total = core.config.steps_total
+    if n >= o.payback_steps or (total is not None and tx.state.last_step >= total - 1):
+        _judge(core, tx, at)  # the window is over, or the job is: nothing more will be measured
 
 
 def _judge(core: Core, tx: _Tx, at: float) -> None:
@@ -400,7 +406,14 @@ def _judge(core: Core, tx: _Tx, at: float) -> None:
     if not o.committed or n == 0 or o.measured_step_s is None:
         verdict, saved = f.Verdict.UNKNOWN, None
     else:
-        saved = n * o.measured_step_s - sum(o.after)
+        # What the old split would have taken for the same steps: scaled by their response
+        # tokens when every step reported them (responses grow during RL; a longer step is not
+        # the resize's fault), else its mean step period.
+        if o.measured_s_per_token is not None and all(t > 0 for t in o.after_tokens):
+            expected = o.measured_s_per_token * sum(o.after_tokens)
+        else:
+            expected = n * o.measured_step_s
+        saved = expected - sum(o.after)
         if saved < 0:
             verdict = f.Verdict.WORSE
         elif saved < (o.cost_s or 0.0):

@@ -96,9 +96,11 @@ class Outcome(msgspec.Struct, frozen=True):
     measured_step_s: float | None
     cost_s: float | None
     payback_steps: int
+    measured_s_per_token: float | None = None
     committed: bool = False
     checked: bool = False  # its PredictionChecked is in the log
     after: tuple[float, ...] = ()
+    after_tokens: tuple[int, ...] = ()  # response tokens of those steps (0: not reported)
 
 
 class ClusterState(msgspec.Struct, frozen=True):
@@ -248,7 +250,8 @@ def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
     outcome = s.outcome
     period = step_period_s(e.timing)
     if outcome is not None and outcome.committed and period is not None:
-        outcome = replace(outcome, after=outcome.after + (period,))
+        outcome = replace(outcome, after=outcome.after + (period,),
+                          after_tokens=outcome.after_tokens + (e.timing.response_tokens,))
     return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history,
                    idle=s.idle.add(e.timing, s.devices), outcome=outcome)
 
@@ -281,7 +284,8 @@ def _(s: ClusterState, e: f.ResizeStarted) -> ClusterState:
     )
     outcome = Outcome(resize_id=plan.resize_id, predicted_step_s=e.predicted_step_s,
                       predicted_step_s_after=e.predicted_step_s_after, measured_step_s=e.measured_step_s,
-                      cost_s=e.predicted_cost_s, payback_steps=e.payback_steps)
+                      cost_s=e.predicted_cost_s, payback_steps=e.payback_steps,
+                      measured_s_per_token=e.measured_s_per_token)
     return replace(
         s,
         inflight=inflight,
