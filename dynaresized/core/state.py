@@ -97,6 +97,7 @@ class Outcome(msgspec.Struct, frozen=True):
     cost_s: float | None
     payback_steps: int
     measured_s_per_token: float | None = None
+    before: Split | None = None  # the split it left
     committed: bool = False
     checked: bool = False  # its PredictionChecked is in the log
     after: tuple[float, ...] = ()
@@ -249,7 +250,11 @@ def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
     step_history = (s.step_history + (e.timing,))[-HISTORY_WINDOW:]
     outcome = s.outcome
     period = step_period_s(e.timing)
-    if outcome is not None and outcome.committed and period is not None:
+    t = e.timing
+    # In a pipeline the first step reported after a commit may still have run on the old
+    # split (its rollout started before): a step that says so does not measure the new one.
+    ran_before = outcome is not None and outcome.before == Split(train=t.train_devices, rollout=t.rollout_devices)
+    if outcome is not None and outcome.committed and period is not None and not ran_before:
         outcome = replace(outcome, after=outcome.after + (period,),
                           after_tokens=outcome.after_tokens + (e.timing.response_tokens,))
     return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history,
@@ -285,7 +290,7 @@ def _(s: ClusterState, e: f.ResizeStarted) -> ClusterState:
     outcome = Outcome(resize_id=plan.resize_id, predicted_step_s=e.predicted_step_s,
                       predicted_step_s_after=e.predicted_step_s_after, measured_step_s=e.measured_step_s,
                       cost_s=e.predicted_cost_s, payback_steps=e.payback_steps,
-                      measured_s_per_token=e.measured_s_per_token)
+                      measured_s_per_token=e.measured_s_per_token, before=plan.before)
     return replace(
         s,
         inflight=inflight,

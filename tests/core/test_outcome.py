@@ -12,7 +12,7 @@ from dynaresized.core.policy import ObservedView, Proposal
 from dynaresized.core.state import fold
 from dynaresized.daemon.metrics import Metrics
 from dynaresized.daemon.service import status_of
-from dynaresized.domain import Split, StepTiming
+from dynaresized.domain import Pool, Split, StepTiming
 from dynaresized.explain import explain
 
 from .cluster import Driver, boot, make_core, trainer
@@ -159,3 +159,18 @@ def test_the_next_resize_judges_an_unfinished_window() -> None:
     assert "outcome unknown" in explain(verdict)
     assert isinstance(facts[facts.index(verdict) + 1], f.ResizeStarted)
     assert fold(d.log).durable() == d.state.durable()
+
+
+def test_a_step_that_ran_on_the_old_split_does_not_measure_the_new_one() -> None:
+    policy = Scripted(Split(6, 2), Split(4, 4), before_s=78.0, after_s=33.0)
+    d = boot(make_core(GUARDS, policy), train=6, rollout=2)
+    report(d, 0, 78.0, 20.0)
+    d.finish()
+    # pipelined: step 1's rollout began before the commit, and its report says it ran on 6:2
+    d.send(ev.StepReported(at=d.at(), worker_id=trainer(0), timing=StepTiming(
+        step=1, rollout_s=80.0, train_s=20.0, train_devices=6, rollout_devices=2)))
+    assert d.state.outcome is not None and d.state.outcome.after == ()
+    d.send(ev.StepReported(at=d.at(), worker_id=trainer(0), timing=StepTiming(
+        step=2, rollout_s=40.0, train_s=30.0, train_devices=4, rollout_devices=4)))
+    assert d.state.outcome.after == (40.0,)
+    assert d.state.idle.pool(Pool.ROLLOUT).steps == 3  # idle accounting still counts every step
