@@ -88,14 +88,15 @@ def render_status(data: dict[str, Any]) -> str:
     if fl:
         lines.append(f"in flight   {fl['resize_id']} {fl['from']} -> {fl['to']} on {', '.join(fl['devices'])}; "
                      f"op {fl['op']}{' (rolling back)' if fl['rolling_back'] else ''}")
-    lines.extend(_outcome_lines(data))
     lines.append("")
+    outcome = _outcome_lines(data)  # idle figures and how the last resize did (docs/idle.md)
+    lines.extend([*outcome, ""] if outcome else [])
     lines.append(f"{'DEVICE':<20} {'POOL':<28} {'IDLE':<9} WORKERS")
+    idle = data.get("idle", {}).get("devices", {})
     by_device: dict[str, list[str]] = {}
     for w in data["workers"]:
         for d in w["devices"]:
             by_device.setdefault(d, []).append(f"{w['id']}({w['kind']},{w['status']})")
-    idle = data.get("idle", {}).get("devices", {})
     for device, pool in data["devices"].items():
         ratio = percent(idle[device]["ratio"]) if device in idle else "unknown"
         lines.append(f"{device:<20} {pool:<28} {ratio:<9} {' '.join(by_device.get(device, [])) or '-'}")

@@ -79,13 +79,6 @@ class InFlight(msgspec.Struct, frozen=True):
         return self.ops[self.index]
 
 
-class Progress(msgspec.Struct, frozen=True, array_like=True):
-    step: int
-    done: int
-    total: int
-    tokens: int
-
-
 class Outcome(msgspec.Struct, frozen=True):
     """A resize whose outcome is still being measured: what was expected, and the measured
     step periods on the new split so far (from its commit until it is judged)."""
@@ -104,6 +97,13 @@ class Outcome(msgspec.Struct, frozen=True):
     after_tokens: tuple[int, ...] = ()  # response tokens of those steps (0: not reported)
 
 
+class Progress(msgspec.Struct, frozen=True, array_like=True):
+    step: int
+    done: int
+    total: int
+    tokens: int
+
+
 class ClusterState(msgspec.Struct, frozen=True):
     version: int = 0  # facts folded so far
     configured: bool = False
@@ -117,6 +117,10 @@ class ClusterState(msgspec.Struct, frozen=True):
     step_history: tuple[StepTiming, ...] = ()
     progress: dict[WorkerId, Progress] = {}
     history: History = History()
+    idle: IdleLedger = IdleLedger()
+    outcome: Outcome | None = None  # the last committed (or in-flight) resize, until judged
+    last_prediction: f.PredictionChecked | None = None
+    last_verdict: f.ResizeJudged | None = None
     paused: bool = False
     stopping: bool = False
     resizes_started: int = 0
@@ -125,10 +129,6 @@ class ClusterState(msgspec.Struct, frozen=True):
     cost_per_device_s: dict[str, float] = {}  # learned, by direction "rollout->training"
     degraded_reason: str = ""
     last_seen: dict[WorkerId, float] = {}  # soft state, see module docstring
-    idle: IdleLedger = IdleLedger()
-    outcome: Outcome | None = None  # the last committed (or in-flight) resize, until judged
-    last_prediction: f.PredictionChecked | None = None
-    last_verdict: f.ResizeJudged | None = None
 
     # -- derived views -------------------------------------------------------------
     def pool_devices(self, pool: Pool) -> tuple[DeviceId, ...]:
