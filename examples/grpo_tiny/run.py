@@ -470,6 +470,7 @@ op_timeout_s = 240.0
         self.say(f"grpo_tiny: {cfg.steps} steps, {cfg.devices} devices (start {cfg.initial_train}:"
                  f"{cfg.devices - cfg.initial_train} train:rollout), policy {cfg.policy}, work dir {self.work}")
         if not (self.work / "model" / "config.json").exists():
+            self.say(f"  building the tiny policy ({cfg.sft_steps} supervised warm-start steps)")
             task.build_policy(self.work / "model", sft_steps=cfg.sft_steps, seed=cfg.seed)
         from dynaresized.backends.vllm.weights import WeightStore
 
