@@ -17,7 +17,6 @@ import msgspec
 
 from dynaresized import __version__, wire
 from dynaresized.control import control_request
-from dynaresized.core.idle import percent
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NOT_CONFIGURED = 0, 1, 2, 3, 6
 DEFAULT_CONFIG = "/etc/dynaresized/config.toml"
@@ -92,6 +91,8 @@ def render_status(data: dict[str, Any]) -> str:
     outcome = _outcome_lines(data)  # idle figures and how the last resize did (docs/idle.md)
     lines.extend([*outcome, ""] if outcome else [])
     lines.append(f"{'DEVICE':<20} {'POOL':<28} {'IDLE':<9} WORKERS")
+    from dynaresized.core.idle import percent
+
     idle = data.get("idle", {}).get("devices", {})
     by_device: dict[str, list[str]] = {}
     for w in data["workers"]:
@@ -105,6 +106,8 @@ def render_status(data: dict[str, Any]) -> str:
 
 def _outcome_lines(data: dict[str, Any]) -> list[str]:
     """Idle ratios per pool and how the last resize turned out (docs/idle.md)."""
+    from dynaresized.core.idle import percent
+
     lines = []
     idle = data.get("idle")
     if idle:

@@ -94,6 +94,11 @@ class IdleTotals(msgspec.Struct, frozen=True, array_like=True):
         total = self.busy_s + self.idle_s
         return self.idle_s / total if total > 0 else None
 
+    def summary(self) -> dict[str, float | int | None]:
+        """Plain data for status output; `ratio` None means unknown."""
+        return {"busy_s": self.busy_s, "idle_s": self.idle_s, "ratio": self.ratio, "steps": self.steps,
+                "unknown_steps": self.unknown_steps}
+
     def plus(self, busy_s: float, idle_s: float) -> IdleTotals:
         return IdleTotals(self.busy_s + busy_s, self.idle_s + idle_s, self.steps + 1, self.unknown_steps)
 

@@ -27,7 +27,6 @@ from dynaresized import wire
 from dynaresized.core import Core, IllegalTransition, Refused, SendOp
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
-from dynaresized.core.idle import IdleTotals
 from dynaresized.core.policy import Policy, UnknownPolicyError, load_policy
 from dynaresized.core.state import ClusterState, Phase
 from dynaresized.daemon.config import Config, is_loopback_endpoint
@@ -615,17 +614,12 @@ def status_of(state: ClusterState, daemon: Daemon | None = None) -> dict[str, An
 def idle_status(state: ClusterState) -> dict[str, Any]:
     """Idle accounting as plain data (docs/idle.md); a ratio is None where it is unknown."""
     ledger, last = state.idle, state.idle.last
-
-    def totals(t: IdleTotals) -> dict[str, Any]:
-        return {"busy_s": t.busy_s, "idle_s": t.idle_s, "ratio": t.ratio, "steps": t.steps,
-                "unknown_steps": t.unknown_steps}
-
     pools = {}
     for pool in Pool:
         share = last.pool(pool) if last is not None else None
-        pools[pool.value] = {**totals(ledger.pool(pool)), "last_step_ratio": share.ratio if share else None}
+        pools[pool.value] = {**ledger.pool(pool).summary(), "last_step_ratio": share.ratio if share else None}
     return {"last_step": last.step if last is not None else None, "pools": pools,
-            "devices": {d: totals(t) for d, t in sorted(ledger.devices.items())}}
+            "devices": {d: t.summary() for d, t in sorted(ledger.devices.items())}}
 
 
 def outcome_status(state: ClusterState) -> dict[str, Any]:
@@ -654,4 +648,4 @@ def run_daemon(config: Config) -> int:
     return runner(daemon.run())
 
 
-__all__ = ["Daemon", "StartupError", "run_daemon", "status_of", "idle_status", "outcome_status", "Phase"]
+__all__ = ["Daemon", "StartupError", "run_daemon", "status_of", "Phase"]
