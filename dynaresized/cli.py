@@ -92,7 +92,12 @@ def render_status(data: dict[str, Any]) -> str:
             lines.append(f"in flight   {fl['resize_id']} {fl['from']} -> {fl['to']} on {', '.join(fl['devices'])}; "
                          f"op {fl['op']}{' (rolling back)' if fl['rolling_back'] else ''}")
     lines.append("")
-    lines.append(f"{'DEVICE':<20} {'POOL':<28} WORKERS")
+    outcome = _outcome_lines(data)  # idle figures and how the last resize did (docs/idle.md)
+    lines.extend([*outcome, ""] if outcome else [])
+    lines.append(f"{'DEVICE':<20} {'POOL':<28} {'IDLE':<9} WORKERS")
+    from dynaresized.core.idle import percent
+
+    idle = data.get("idle", {}).get("devices", {})
     by_device: dict[str, list[str]] = {}
     for w in data["workers"]:
         held = w.get("actual") or "?"
@@ -103,8 +108,41 @@ def render_status(data: dict[str, Any]) -> str:
         for d in w["devices"]:
             by_device.setdefault(d, []).append(f"{w['id']}({w['kind']},{w['status']},{held})")
     for device, pool in data["devices"].items():
-        lines.append(f"{device:<20} {pool:<28} {' '.join(by_device.get(device, [])) or '-'}")
+        ratio = percent(idle[device]["ratio"]) if device in idle else "unknown"
+        lines.append(f"{device:<20} {pool:<28} {ratio:<9} {' '.join(by_device.get(device, [])) or '-'}")
     return "\n".join(lines)
+
+
+def _outcome_lines(data: dict[str, Any]) -> list[str]:
+    """Idle ratios per pool and how the last resize turned out (docs/idle.md)."""
+    from dynaresized.core.idle import percent
+
+    lines = []
+    idle = data.get("idle")
+    if idle:
+        parts = []
+        for pool, t in idle["pools"].items():
+            parts.append(f"{pool} {percent(t['ratio'])} (last step {percent(t['last_step_ratio'])})")
+        some = next(iter(idle["pools"].values()))
+        lines.append(f"idle        {', '.join(parts)}; {some['steps']} step(s) accounted, "
+                     f"{some['unknown_steps']} unknown")
+    outcome = data.get("outcome")
+    if outcome:
+        p = outcome["last_prediction"]
+        if p:
+            lines.append(f"prediction  {p['resize_id']}: step {p['predicted_step_s_after']:.1f}s predicted, "
+                         f"{p['measured_step_s_after']:.1f}s measured, error {p['error_s']:+.1f}s")
+        v = outcome["last_verdict"]
+        if v:
+            saved = "unknown" if v["saved_s"] is None else f"{v['saved_s']:+.1f}s"
+            flag = "MADE THINGS WORSE" if v["verdict"] == "worse" else v["verdict"].replace("_", " ")
+            lines.append(f"last resize {v['resize_id']} {flag}: saved {saved} over {v['steps']} step(s)")
+        m = outcome["measuring"]
+        if m and m["committed"]:
+            lines.append(f"measuring   {m['resize_id']}: {m['steps']} of {m['payback_steps']} step(s)")
+        if outcome["payback_factor"] != 1.0:
+            lines.append(f"payback     required payback raised x{outcome['payback_factor']:g} by past resizes")
+    return lines
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -130,7 +168,9 @@ def _simple(request_of) -> Any:  # type: ignore[no-untyped-def]
 
 
 def _cmd_events(args: argparse.Namespace) -> int:
-    from dynaresized.core.facts import decode_fact, fact_to_json
+    from dynaresized.core.facts import StepObserved, decode_fact, fact_to_json
+    from dynaresized.core.idle import idle_ratio
+    from dynaresized.domain import Pool
     from dynaresized.daemon.config import ConfigError
     from dynaresized.daemon.service import EVENTS_FILE
     from dynaresized.explain import explain
@@ -161,6 +201,9 @@ def _cmd_events(args: argparse.Namespace) -> int:
                 if as_json:
                     body = json.loads(fact_to_json(fact))
                     body = {"position": stored.position, "recorded_at": stored.recorded_at, **body}
+                    if isinstance(fact, StepObserved):
+                        # derived, not stored: each pool's idle share of the step (docs/idle.md)
+                        body["idle_ratio"] = {p.value: idle_ratio(fact.timing, p) for p in Pool}
                     sys.stdout.write(json.dumps(body) + "\n")
                 else:
                     stamp = time.strftime("%H:%M:%S", time.localtime(fact.at))

@@ -24,6 +24,8 @@ from typing import Any
 
 from dynaresized import wire
 from dynaresized.core import facts as f
+from dynaresized.core.idle import percent
+from dynaresized.core.state import ClusterState, mutate
 from dynaresized.domain import OpKind, Pool, Split
 from dynaresized.explain import explain
 
@@ -162,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         "best_static_split": str(best_split), "best_static_total_time_s": round(best_total, 1),
         "speedup_vs_best_static": round(best_total / dynamic, 4) if dynamic else None,
         "wall_s": round(summary["wall_s"], 1), "state_dir": str(state) if args.keep else None,
+        "idle_ratio": {pool: None if t.ratio is None else round(t.ratio, 4) for pool, t in summary["idle"].items()},
     }
     say("")
     say(f"done: {summary['steps']} steps, {summary['resizes']} resize(s), final split {summary['final_split']}")
@@ -169,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
     say(f"  on the static split {initial}:     {static_initial / 3600:7.2f} h  "
         f"(dynamic is {static_initial / dynamic:.2f}x faster)")
     say(f"  on the best static split {best_split} (chosen with hindsight): {best_total / 3600:.2f} h")
+    for pool, t in summary["idle"].items():
+        say(f"  idle {pool:<9} {percent(t.ratio):>7} of its device time ({t.idle_s / 3600:.2f} of "
+            f"{(t.busy_s + t.idle_s) / 3600:.2f} device-hours; {t.steps} steps accounted, {t.unknown_steps} unknown)")
     say(f"  wall time {summary['wall_s']:.1f}s; the daemon's log: `dynaresized events --state-dir {state}`"
         if args.keep else f"  wall time {summary['wall_s']:.1f}s")
     if args.json:
@@ -184,6 +190,7 @@ def _follow(state: Path, leader: subprocess.Popen[bytes], say: Any,
     started = time.monotonic()
     recorder = open_recorder(state / "events.sqlite", read_only=True)
     position, seen_steps, total, resizes = 0, 0, 0.0, 0
+    cluster = ClusterState()  # the log folded as the daemon folds it: its idle figures
     split = None
     last_rejection = ""
     try:
@@ -192,6 +199,7 @@ def _follow(state: Path, leader: subprocess.Popen[bytes], say: Any,
             for stored in recorder.read_all(after_position=position):
                 position = stored.position
                 fact = decode_fact(stored.data)
+                cluster = mutate(cluster, fact)
                 if isinstance(fact, f.StepObserved):
                     t = fact.timing
                     step_s = max(t.rollout_s, t.train_s) + t.weight_sync_s
@@ -201,7 +209,7 @@ def _follow(state: Path, leader: subprocess.Popen[bytes], say: Any,
                     say(f"step {t.step:4d}  {_bar(split):<22} rollout {t.rollout_s:7.1f}s  "
                         f"train {t.train_s:7.1f}s  step {step_s:7.1f}s")
                 elif isinstance(fact, f.ResizeStarted | f.ResizeCommitted | f.ResizeRolledBack | f.Degraded
-                                | f.WorkerLost):
+                                | f.WorkerLost | f.PredictionChecked | f.ResizeJudged):
                     resizes += isinstance(fact, f.ResizeCommitted)
                     say(f"  >> {explain(fact)}")
                 elif isinstance(fact, f.ProposalRejected) and fact.guard != last_rejection:
@@ -212,5 +220,7 @@ def _follow(state: Path, leader: subprocess.Popen[bytes], say: Any,
             time.sleep(0.1)
     finally:
         recorder.close()
+    idle = {p.value: cluster.idle.pool(p) for p in Pool}
     return {"steps": seen_steps, "total_time_s": total, "resizes": resizes,
-            "final_split": str(split) if split else "", "wall_s": time.monotonic() - started}
+            "final_split": str(split) if split else "", "wall_s": time.monotonic() - started,
+            "idle": idle, "payback_factor": cluster.history.payback_factor}

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 from dynaresized.core import facts as f
+from dynaresized.core.idle import idle_ratio, percent
+from dynaresized.domain import Pool
 
 
 def explain(fact: f.Fact) -> str:
@@ -25,7 +27,9 @@ def explain(fact: f.Fact) -> str:
             return f"worker {fact.worker_id} left"
         case f.StepObserved():
             t = fact.timing
-            return f"step {t.step}: rollout {t.rollout_s:.2f}s, train {t.train_s:.2f}s, sync {t.weight_sync_s:.2f}s"
+            return (f"step {t.step}: rollout {t.rollout_s:.2f}s, train {t.train_s:.2f}s, sync {t.weight_sync_s:.2f}s; "
+                    f"idle rollout {percent(idle_ratio(t, Pool.ROLLOUT))}, "
+                    f"training {percent(idle_ratio(t, Pool.TRAINING))}")
         case f.ProgressObserved():
             return f"{fact.worker_id} step {fact.step}: {fact.done}/{fact.total} samples, {fact.tokens} tokens"
         case f.ProposalRejected():
@@ -51,6 +55,15 @@ def explain(fact: f.Fact) -> str:
         case f.Degraded():
             return f"DEGRADED after resize {fact.resize_id}: {fact.reason}; devices placed in " \
                    f"{fact.placed_in.value}; run `dynaresized resume` once fixed"
+        case f.PredictionChecked():
+            before = ""
+            if fact.predicted_step_s is not None and fact.measured_step_s is not None:
+                before = f" (before: predicted {fact.predicted_step_s:.1f}s, measured {fact.measured_step_s:.1f}s)"
+            return (f"resize {fact.resize_id} prediction: step {fact.predicted_step_s_after:.1f}s predicted, "
+                    f"{fact.measured_step_s_after:.1f}s measured over {fact.steps} step(s), "
+                    f"error {fact.error_s:+.1f}s ({fact.error_s / fact.predicted_step_s_after:+.0%}){before}")
+        case f.ResizeJudged():
+            return f"resize {fact.resize_id} {_verdict(fact)}; payback guard factor now {fact.payback_factor:g}"
         case f.ResizingPaused():
             return f"resizing paused by {fact.requested_by}" + (f": {fact.reason}" if fact.reason else "")
         case f.ResizingResumed():
@@ -73,3 +86,15 @@ def explain(fact: f.Fact) -> str:
             return f"worker {fact.worker_id} cannot be converged ({fact.reason}); its devices are left out of " \
                    "resizes until it reports a state that agrees with the log or registers again"
     return f"{type(fact).__name__}"  # pragma: no cover - every fact type is matched above
+
+
+def _verdict(fact: f.ResizeJudged) -> str:
+    over = f"over {fact.steps} of {fact.payback_steps} step(s)"
+    if fact.verdict is f.Verdict.UNKNOWN or fact.saved_s is None:
+        return f"outcome unknown {over}: no measured step on one side of it"
+    cost = f"{fact.cost_s:.1f}s" if fact.cost_s is not None else "unknown"
+    if fact.verdict is f.Verdict.WORSE:
+        return f"MADE THINGS WORSE {over}: lost {-fact.saved_s:.1f}s against the old split, plus its cost {cost}"
+    if fact.verdict is f.Verdict.NOT_PAID_BACK:
+        return f"did not pay back {over}: saved {fact.saved_s:.1f}s, cost {cost}"
+    return f"paid back {over}: saved {fact.saved_s:.1f}s, cost {cost}"

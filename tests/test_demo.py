@@ -26,6 +26,11 @@ def test_demo_moves_devices_to_the_slow_stage_and_beats_the_static_split() -> No
         assert summary["resizes"] >= 1 and summary["final_split"] == "4:4"
         assert summary["speedup_vs_static_split"] > 1.2
         assert "resize r1 started: 6:2 -> 4:4" in result.stderr  # shown live, with its reason
+        assert "resize r1 prediction: step" in result.stderr  # checked against what was measured
+        # idle figures per pool at the end, from the daemon's own accounting (docs/idle.md)
+        for pool in ("rollout", "training"):
+            assert f"  idle {pool}" in result.stderr
+            assert 0.0 <= summary["idle_ratio"][pool] < 1.0
         recorder = open_recorder(state / "events.sqlite", read_only=True)
         facts = [decode_fact(e.data) for e in recorder.read_all()]
         recorder.close()

@@ -161,6 +161,10 @@ class RolloutEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from dynaresized.backends.vllm.logs import drop_harmless_reload_warning
+
+        drop_harmless_reload_warning()  # once per reload per engine otherwise; see logs.py for why harmless
+
         args = AsyncEngineArgs(
             model=self.config.model,
             dtype=self.config.dtype,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import enum
+
 import msgspec
 
 from dynaresized.domain import ActualState, DeviceId, Holding, OpSpec, Pool, ResizePlan, Split, StepTiming, Worker, WorkerId
@@ -70,6 +72,14 @@ class ResizeStarted(Fact, frozen=True, tag="resize_started"):
     source: str
     reason: str
     op_deadline: float
+    # What the decision expected, kept so that the outcome can be checked against it
+    # (PredictionChecked, ResizeJudged). None where nobody predicted (an operator's resize).
+    predicted_step_s: float | None = None  # the policy's step time if nothing changed
+    predicted_step_s_after: float | None = None  # ... and on the target split
+    measured_step_s: float | None = None  # mean measured step period on the old split
+    predicted_cost_s: float | None = None  # critical-path cost the payback guard assumed
+    payback_steps: int = 0  # steps after the commit over which the resize is judged
+    measured_s_per_token: float | None = None  # old split's step period per response token
 
 
 class OpAcked(Fact, frozen=True, tag="op_acked"):
@@ -117,6 +127,37 @@ class Degraded(Fact, frozen=True, tag="degraded"):
     reason: str
     placed_in: Pool  # where the moving devices were put
     step: int
+
+
+class PredictionChecked(Fact, frozen=True, tag="prediction_checked"):
+    """The first steps after a resize, measured against the step time its policy predicted."""
+
+    resize_id: str
+    steps: int  # steps on the new split the measurement averages
+    predicted_step_s_after: float
+    measured_step_s_after: float
+    error_s: float  # measured - predicted: positive when the run is slower than predicted
+    predicted_step_s: float | None = None  # prediction for the old split
+    measured_step_s: float | None = None  # what the old split measured
+
+
+class Verdict(str, enum.Enum):
+    PAID_BACK = "paid_back"  # the steps saved cover the resize's cost
+    NOT_PAID_BACK = "not_paid_back"  # faster per step, but not by enough to cover the cost yet
+    WORSE = "worse"  # the new split is slower per step than the old one: the resize hurt
+    UNKNOWN = "unknown"  # no measured step on one side of the resize
+
+
+class ResizeJudged(Fact, frozen=True, tag="resize_judged"):
+    """A committed resize measured over its payback window (or until the next resize)."""
+
+    resize_id: str
+    verdict: Verdict
+    steps: int  # steps measured after the commit
+    payback_steps: int  # the window it was to be judged over
+    saved_s: float | None  # what the old split would have taken for those steps - what they took
+    cost_s: float | None  # the resize cost the payback guard assumed
+    payback_factor: float = 1.0  # the payback guard's learned multiplier from now on
 
 
 class ResizingPaused(Fact, frozen=True, tag="resizing_paused"):
@@ -186,6 +227,8 @@ AnyFact = (
     | ResizeCommitted
     | ResizeRolledBack
     | Degraded
+    | PredictionChecked
+    | ResizeJudged
     | ResizingPaused
     | ResizingResumed
     | ShutdownStarted

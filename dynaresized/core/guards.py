@@ -32,6 +32,13 @@ class GuardConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Steps over which a resize must pay back when the job length is unknown."""
     payback_safety: float = 1.5
     """Predicted saving over the horizon must exceed predicted resize cost times this."""
+    verify_steps: int = 3
+    """Steps on the new split whose mean is checked against the policy's prediction."""
+    payback_backoff: float = 2.0
+    """A resize that measured worse (or did not pay back over its window) multiplies the
+    required payback by this; one that paid back divides it again, down to 1."""
+    payback_backoff_max: float = 8.0
+    """The learned payback multiplier never exceeds this."""
 
 
 class Rejection(msgspec.Struct, frozen=True):
@@ -44,6 +51,7 @@ class History(msgspec.Struct, frozen=True):
 
     last_resize_end_at: float | None = None
     last_resize_end_step: int | None = None
+    payback_factor: float = 1.0  # learned: raised by resizes that hurt, lowered by ones that paid back
 
 
 def signal(timing: StepTiming, threshold: float) -> Pool | None:
@@ -136,16 +144,23 @@ def check_cooldown(view: ObservedView, p: Proposal, cfg: GuardConfig, h: History
 
 
 def check_payback(view: ObservedView, p: Proposal, cfg: GuardConfig, h: History) -> Rejection | None:
-    horizon = view.steps_remaining if view.steps_remaining is not None else cfg.payback_horizon_steps
+    horizon = payback_horizon(view, cfg)
     cost = view.costs.for_move(view.split, p.target)
     gain = p.saving_per_step_s * horizon
-    if gain <= cost * cfg.payback_safety:
+    if gain <= cost * cfg.payback_safety * h.payback_factor:
+        learned = (f" x {h.payback_factor:g} (raised after resizes that did not pay back)"
+                   if h.payback_factor != 1.0 else "")
         return Rejection(
             "payback",
             f"saves {p.saving_per_step_s:.2f}s/step x {horizon} steps = {gain:.1f}s, "
-            f"not above cost {cost:.1f}s x payback_safety {cfg.payback_safety:g}",
+            f"not above cost {cost:.1f}s x payback_safety {cfg.payback_safety:g}{learned}",
         )
     return None
+
+
+def payback_horizon(view: ObservedView, cfg: GuardConfig) -> int:
+    """Steps over which a resize decided now must pay back (and is judged afterwards)."""
+    return view.steps_remaining if view.steps_remaining is not None else cfg.payback_horizon_steps
 
 
 Guard = Callable[[ObservedView, Proposal, GuardConfig, History], Rejection | None]

@@ -17,6 +17,7 @@ from msgspec.structs import replace
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.core import guards
+from dynaresized.core.idle import step_period_s
 from dynaresized.core.policy import ObservedView, Policy, Proposal, ResizeCosts
 from dynaresized.core.state import ClusterState, Phase, mutate
 from dynaresized.domain import (
@@ -252,6 +253,7 @@ def _observe_step(core: Core, tx: _Tx, e: ev.StepReported) -> None:
         if not math.isfinite(value) or value < 0:
             raise Refused("bad_value", f"{name}={value!r} must be a finite number of seconds >= 0")
     tx.emit(f.StepObserved(at=e.at, worker_id=e.worker_id, timing=t))
+    _check_outcome(core, tx, e.at)
 
 
 def on_step_steady(core: Core, tx: _Tx, e: ev.StepReported) -> None:
@@ -415,9 +417,79 @@ def _decide(core: Core, tx: _Tx, view: ObservedView, proposal: Proposal, source:
     if isinstance(plan_or_reason, str):
         _reject(tx, at, source, proposal.target, "capacity", plan_or_reason)
         return
-    tx.emit(f.ResizeStarted(at=at, plan=plan_or_reason, source=source, reason=proposal.reason,
-                            op_deadline=at + core.config.op_timeout_s))
+    if tx.state.outcome is not None:
+        _judge(core, tx, at)  # the next resize starts before the window ended: judge what was seen
+    predicted = proposal.predicted_step_s_after > 0  # an operator's resize predicts nothing
+    measured = [(p, t.response_tokens) for t in view.recent if (p := step_period_s(t)) is not None]
+    periods = [p for p, _ in measured]
+    per_token = None
+    if measured and all(tokens > 0 for _, tokens in measured):
+        per_token = sum(periods) / sum(tokens for _, tokens in measured)
+    tx.emit(f.ResizeStarted(
+        at=at, plan=plan_or_reason, source=source, reason=proposal.reason,
+        op_deadline=at + core.config.op_timeout_s,
+        predicted_step_s=proposal.predicted_step_s if predicted else None,
+        predicted_step_s_after=proposal.predicted_step_s_after if predicted else None,
+        measured_step_s=sum(periods) / len(periods) if periods else None,
+        predicted_cost_s=view.costs.for_move(view.split, proposal.target),
+        payback_steps=max(guards.payback_horizon(view, core.config.guards), 1),
+        measured_s_per_token=per_token))
     _advance(core, tx, at, fresh=True)
+
+
+# -- owning the outcome: a resize measured against what its decision expected ----------
+
+
+def _check_outcome(core: Core, tx: _Tx, at: float) -> None:
+    """After a step: check the prediction once `verify_steps` steps ran on the new split, and
+    judge the resize once its payback window (or the job) is over."""
+    o = tx.state.outcome
+    if o is None or not o.committed:
+        return
+    n = len(o.after)
+    verify = max(core.config.guards.verify_steps, 1)
+    if not o.checked and n >= verify and o.predicted_step_s_after is not None:
+        measured = sum(o.after[:verify]) / verify
+        tx.emit(f.PredictionChecked(
+            at=at, resize_id=o.resize_id, steps=verify, predicted_step_s_after=o.predicted_step_s_after,
+            measured_step_s_after=measured, error_s=measured - o.predicted_step_s_after,
+            predicted_step_s=o.predicted_step_s, measured_step_s=o.measured_step_s))
+    total = core.config.steps_total
+    if n >= o.payback_steps or (total is not None and tx.state.last_step >= total - 1):
+        _judge(core, tx, at)  # the window is over, or the job is: nothing more will be measured
+
+
+def _judge(core: Core, tx: _Tx, at: float) -> None:
+    """The verdict on the resize being measured, and what the payback guard learns from it."""
+    o = tx.state.outcome
+    assert o is not None
+    cfg, factor = core.config.guards, tx.state.history.payback_factor
+    n = len(o.after)
+    if not o.committed or n == 0 or o.measured_step_s is None:
+        verdict, saved = f.Verdict.UNKNOWN, None
+    else:
+        # What the old split would have taken for the same steps: scaled by their response
+        # tokens when every step reported them (responses grow during RL; a longer step is not
+        # the resize's fault), else its mean step period.
+        if o.measured_s_per_token is not None and all(t > 0 for t in o.after_tokens):
+            expected = o.measured_s_per_token * sum(o.after_tokens)
+        else:
+            expected = n * o.measured_step_s
+        saved = expected - sum(o.after)
+        if saved < 0:
+            verdict = f.Verdict.WORSE
+        elif saved < (o.cost_s or 0.0):
+            verdict = f.Verdict.NOT_PAID_BACK
+        else:
+            verdict = f.Verdict.PAID_BACK
+    # A resize that hurt raises the bar; one cut short by the next resize is not held against
+    # its policy unless it already measured slower per step.
+    if verdict is f.Verdict.WORSE or (verdict is f.Verdict.NOT_PAID_BACK and n >= o.payback_steps):
+        factor = min(factor * cfg.payback_backoff, max(cfg.payback_backoff_max, 1.0))
+    elif verdict is f.Verdict.PAID_BACK:
+        factor = max(factor / cfg.payback_backoff, 1.0) if cfg.payback_backoff > 0 else 1.0
+    tx.emit(f.ResizeJudged(at=at, resize_id=o.resize_id, verdict=verdict, steps=n, payback_steps=o.payback_steps,
+                           saved_s=saved, cost_s=o.cost_s, payback_factor=factor))
 
 
 def plan_resize(state: ClusterState, target: Split) -> ResizePlan | str:

@@ -19,6 +19,7 @@ from msgspec.structs import replace
 
 from dynaresized.core import facts as f
 from dynaresized.core.guards import History
+from dynaresized.core.idle import IdleLedger, step_period_s
 from dynaresized.domain import (
     ActualState,
     DeviceId,
@@ -84,6 +85,24 @@ class InFlight(msgspec.Struct, frozen=True):
         return self.ops[self.index]
 
 
+class Outcome(msgspec.Struct, frozen=True):
+    """A resize whose outcome is still being measured: what was expected, and the measured
+    step periods on the new split so far (from its commit until it is judged)."""
+
+    resize_id: str
+    predicted_step_s: float | None
+    predicted_step_s_after: float | None
+    measured_step_s: float | None
+    cost_s: float | None
+    payback_steps: int
+    measured_s_per_token: float | None = None
+    before: Split | None = None  # the split it left
+    committed: bool = False
+    checked: bool = False  # its PredictionChecked is in the log
+    after: tuple[float, ...] = ()
+    after_tokens: tuple[int, ...] = ()  # response tokens of those steps (0: not reported)
+
+
 class Progress(msgspec.Struct, frozen=True, array_like=True):
     step: int
     done: int
@@ -109,6 +128,10 @@ class ClusterState(msgspec.Struct, frozen=True):
     step_history: tuple[StepTiming, ...] = ()
     progress: dict[WorkerId, Progress] = {}
     history: History = History()
+    idle: IdleLedger = IdleLedger()
+    outcome: Outcome | None = None  # the last committed (or in-flight) resize, until judged
+    last_prediction: f.PredictionChecked | None = None
+    last_verdict: f.ResizeJudged | None = None
     paused: bool = False
     stopping: bool = False
     resizes_started: int = 0
@@ -203,7 +226,7 @@ def _end_resize(state: ClusterState, at: float, step: int) -> ClusterState:
     return replace(
         state,
         inflight=None,
-        history=History(last_resize_end_at=at, last_resize_end_step=step),
+        history=replace(state.history, last_resize_end_at=at, last_resize_end_step=step),
     )
 
 
@@ -291,7 +314,17 @@ def _(s: ClusterState, e: f.WorkerLeft) -> ClusterState:
 def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
     recent = (s.recent + (e.timing,))[-RECENT_WINDOW:]
     step_history = (s.step_history + (e.timing,))[-HISTORY_WINDOW:]
-    return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history)
+    outcome = s.outcome
+    period = step_period_s(e.timing)
+    t = e.timing
+    # In a pipeline the first step reported after a commit may still have run on the old
+    # split (its rollout started before): a step that says so does not measure the new one.
+    ran_before = outcome is not None and outcome.before == Split(train=t.train_devices, rollout=t.rollout_devices)
+    if outcome is not None and outcome.committed and period is not None and not ran_before:
+        outcome = replace(outcome, after=outcome.after + (period,),
+                          after_tokens=outcome.after_tokens + (e.timing.response_tokens,))
+    return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history,
+                   idle=s.idle.add(e.timing, s.devices), outcome=outcome)
 
 
 @_on(f.ProgressObserved)
@@ -320,11 +353,16 @@ def _(s: ClusterState, e: f.ResizeStarted) -> ClusterState:
         op_started_at=e.at,
         op_deadline=e.op_deadline,
     )
+    outcome = Outcome(resize_id=plan.resize_id, predicted_step_s=e.predicted_step_s,
+                      predicted_step_s_after=e.predicted_step_s_after, measured_step_s=e.measured_step_s,
+                      cost_s=e.predicted_cost_s, payback_steps=e.payback_steps,
+                      measured_s_per_token=e.measured_s_per_token, before=plan.before)
     return replace(
         s,
         inflight=inflight,
         phase=PHASE_OF_OP[plan.ops[0].kind],
         resizes_started=s.resizes_started + 1,
+        outcome=outcome,
     )
 
 
@@ -383,7 +421,11 @@ def _(s: ClusterState, e: f.ResizeCommitted) -> ClusterState:
     per_device = e.duration_s / max(len(plan.devices), 1)
     old = costs.get(plan.direction)
     costs[plan.direction] = per_device if old is None else 0.5 * old + 0.5 * per_device
-    s = replace(s, phase=Phase.STEADY, recent=(), resizes_committed=s.resizes_committed + 1, cost_per_device_s=costs)
+    outcome = s.outcome
+    if outcome is not None and outcome.resize_id == e.resize_id:
+        outcome = replace(outcome, committed=True)
+    s = replace(s, phase=Phase.STEADY, recent=(), resizes_committed=s.resizes_committed + 1, cost_per_device_s=costs,
+                outcome=outcome)
     return _end_resize(s, e.at, e.step)
 
 
@@ -391,7 +433,7 @@ def _(s: ClusterState, e: f.ResizeCommitted) -> ClusterState:
 def _(s: ClusterState, e: f.ResizeRolledBack) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
     s = _place(s, plan.devices, placed(plan.from_pool))
-    s = replace(s, phase=Phase.STEADY, resizes_rolled_back=s.resizes_rolled_back + 1)
+    s = replace(s, phase=Phase.STEADY, resizes_rolled_back=s.resizes_rolled_back + 1, outcome=None)
     return _end_resize(s, e.at, e.step)
 
 
@@ -399,8 +441,23 @@ def _(s: ClusterState, e: f.ResizeRolledBack) -> ClusterState:
 def _(s: ClusterState, e: f.Degraded) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
     s = _place(s, plan.devices, placed(e.placed_in))
-    s = replace(s, phase=Phase.DEGRADED, degraded_reason=e.reason)
+    s = replace(s, phase=Phase.DEGRADED, degraded_reason=e.reason, outcome=None)
     return _end_resize(s, e.at, e.step)
+
+
+@_on(f.PredictionChecked)
+def _(s: ClusterState, e: f.PredictionChecked) -> ClusterState:
+    outcome = s.outcome
+    if outcome is not None and outcome.resize_id == e.resize_id:
+        outcome = replace(outcome, checked=True)
+    return replace(s, outcome=outcome, last_prediction=e)
+
+
+@_on(f.ResizeJudged)
+def _(s: ClusterState, e: f.ResizeJudged) -> ClusterState:
+    outcome = None if s.outcome is not None and s.outcome.resize_id == e.resize_id else s.outcome
+    history = replace(s.history, payback_factor=e.payback_factor)
+    return replace(s, outcome=outcome, last_verdict=e, history=history)
 
 
 @_on(f.ResizingPaused)

@@ -153,6 +153,11 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
     need(0 <= g.imbalance_threshold < 1, "guards.imbalance_threshold", "must be in [0, 1)")
     need(g.payback_horizon_steps >= 1, "guards.payback_horizon_steps", "must be >= 1")
     need(g.payback_safety >= 0, "guards.payback_safety", "must be >= 0")
+    need(g.verify_steps >= 1, "guards.verify_steps", f"must be >= 1, got {g.verify_steps}")
+    need(math.isfinite(g.payback_backoff) and g.payback_backoff >= 1, "guards.payback_backoff",
+         f"must be >= 1 (1: never learn), got {g.payback_backoff}")
+    need(math.isfinite(g.payback_backoff_max) and g.payback_backoff_max >= 1, "guards.payback_backoff_max",
+         f"must be >= 1, got {g.payback_backoff_max}")
     need(g.min_rollout >= 0 and g.min_train >= 0, "guards.min_rollout", "pool minimums must be >= 0")
     need(c.steps_total is None or c.steps_total > 0, "core.steps_total", "must be > 0 when set")
     need(cfg.costs.to_training_s >= 0 and cfg.costs.to_rollout_s >= 0, "costs", "costs must be >= 0")

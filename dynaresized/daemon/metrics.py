@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from dynaresized.core import facts as f
@@ -29,6 +31,33 @@ class Metrics:
                                 registry=r)
         self.stage_seconds = Gauge("dynaresized_stage_seconds", "Last observed stage time", ["stage"], registry=r)
         self.facts = Counter("dynaresized_facts_total", "Facts appended to the log", registry=r)
+        # Idle accounting (docs/idle.md). A ratio with no figure behind it is NaN, never 0.
+        self.pool_idle_ratio = Gauge("dynaresized_pool_idle_ratio",
+                                     "Idle share of the last step's period, per pool (NaN: unknown)", ["pool"],
+                                     registry=r)
+        self.pool_busy_seconds = Gauge("dynaresized_pool_busy_device_seconds",
+                                       "Busy device-seconds accounted per pool since the log began", ["pool"],
+                                       registry=r)
+        self.pool_idle_seconds = Gauge("dynaresized_pool_idle_device_seconds",
+                                       "Idle device-seconds accounted per pool since the log began", ["pool"],
+                                       registry=r)
+        self.pool_unknown_steps = Gauge("dynaresized_pool_idle_unknown_steps",
+                                        "Steps with no idle figure for the pool (a stage not measured)", ["pool"],
+                                        registry=r)
+        self.device_idle_ratio = Gauge("dynaresized_device_idle_ratio",
+                                       "Idle share of each device's accounted time since the log began (NaN: unknown)",
+                                       ["device"], registry=r)
+        # Owning misses: predicted against measured step time after each resize.
+        self.prediction_error = Gauge("dynaresized_prediction_error_ratio",
+                                      "(measured - predicted) / predicted step time after the last resize",
+                                      registry=r)
+        self.prediction_error_seconds = Histogram(
+            "dynaresized_prediction_error_seconds", "Measured minus predicted step time after resizes (absolute)",
+            buckets=(0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800, 3600), registry=r)
+        self.verdicts = Counter("dynaresized_resize_verdicts_total", "Committed resizes judged over their payback window",
+                                ["verdict"], registry=r)
+        self.payback_factor = Gauge("dynaresized_payback_factor",
+                                    "Learned multiplier on the required payback (1: nothing learned)", registry=r)
 
         self._message_counts: dict[type, int] = {}
 
@@ -64,8 +93,28 @@ class Metrics:
                 self.stage_seconds.labels("rollout").set(fact.timing.rollout_s)
                 self.stage_seconds.labels("train").set(fact.timing.train_s)
                 self.stage_seconds.labels("weight_sync").set(fact.timing.weight_sync_s)
+                self.observe_idle(state)
+            elif isinstance(fact, f.PredictionChecked):
+                self.prediction_error.set(fact.error_s / fact.predicted_step_s_after)
+                self.prediction_error_seconds.observe(abs(fact.error_s))
+            elif isinstance(fact, f.ResizeJudged):
+                self.verdicts.labels(fact.verdict.value).inc()
+                self.payback_factor.set(fact.payback_factor)
         if facts:
             self.update_gauges(state)
+
+    def observe_idle(self, state: ClusterState) -> None:
+        ledger, last = state.idle, state.idle.last
+        for pool in Pool:
+            share = last.pool(pool) if last is not None else None
+            self.pool_idle_ratio.labels(pool.value).set(share.ratio if share is not None else math.nan)
+            totals = ledger.pool(pool)
+            self.pool_busy_seconds.labels(pool.value).set(totals.busy_s)
+            self.pool_idle_seconds.labels(pool.value).set(totals.idle_s)
+            self.pool_unknown_steps.labels(pool.value).set(totals.unknown_steps)
+        for device, totals in ledger.devices.items():
+            ratio = totals.ratio
+            self.device_idle_ratio.labels(device).set(ratio if ratio is not None else math.nan)
 
     def update_gauges(self, state: ClusterState) -> None:
         split = state.split

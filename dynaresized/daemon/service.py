@@ -43,7 +43,7 @@ from dynaresized.daemon.preflight import (
     log_problem,
 )
 from dynaresized.daemon.security import CurveServer, SecurityError
-from dynaresized.domain import Split
+from dynaresized.domain import Pool, Split
 from dynaresized.explain import explain
 from dynaresized.store import FactLog, open_recorder
 
@@ -194,6 +194,8 @@ class Daemon:
             self._close()
             raise
         self.metrics.update_gauges(self.state)
+        self.metrics.observe_idle(self.state)
+        self.metrics.payback_factor.set(self.state.history.payback_factor)
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGTERM, self.request_stop)
@@ -659,6 +661,8 @@ class Daemon:
             if isinstance(fact, f.ProgressObserved):
                 continue  # too chatty for the log; it is in the event store
             level = "warning" if isinstance(fact, f.OpFailed | f.WorkerLost | f.ResizeAborted) else "info"
+            if isinstance(fact, f.ResizeJudged) and fact.verdict is f.Verdict.WORSE:
+                level = "warning"  # the daemon's own decision cost the job time
             if isinstance(fact, f.Degraded):
                 level = "error"
             resize = state.inflight.plan.resize_id if state.inflight else None
@@ -704,6 +708,33 @@ def status_of(state: ClusterState, daemon: Daemon | None = None) -> dict[str, An
             "reconciling": fl.reconciling},
         "policy": daemon.policy.name if daemon else "",
         "boot_id": daemon.boot_id if daemon else "",
+        "idle": idle_status(state),
+        "outcome": outcome_status(state),
+    }
+
+
+def idle_status(state: ClusterState) -> dict[str, Any]:
+    """Idle accounting as plain data (docs/idle.md); a ratio is None where it is unknown."""
+    ledger, last = state.idle, state.idle.last
+    pools = {}
+    for pool in Pool:
+        share = last.pool(pool) if last is not None else None
+        pools[pool.value] = {**ledger.pool(pool).summary(), "last_step_ratio": share.ratio if share else None}
+    return {"last_step": last.step if last is not None else None, "pools": pools,
+            "devices": {d: t.summary() for d, t in sorted(ledger.devices.items())}}
+
+
+def outcome_status(state: ClusterState) -> dict[str, Any]:
+    """What the last resizes were expected to do and what they did, as plain data."""
+    o = state.outcome
+    return {
+        "payback_factor": state.history.payback_factor,
+        "measuring": None if o is None else {
+            "resize_id": o.resize_id, "committed": o.committed, "steps": len(o.after),
+            "payback_steps": o.payback_steps, "predicted_step_s_after": o.predicted_step_s_after,
+            "measured_step_s": o.measured_step_s},
+        "last_prediction": msgspec.to_builtins(state.last_prediction),
+        "last_verdict": msgspec.to_builtins(state.last_verdict),
     }
 
 

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 import msgspec
 
+from dynaresized.core.idle import percent
 from dynaresized.core.policy import UnknownPolicyError, available_policies
 from dynaresized.sim.plot import PlotUnavailable
 from dynaresized.sim.profile import ProfileError, builtin_profiles, load_profile
@@ -195,6 +196,13 @@ def summary(r: SimReport) -> str:
         lines.append(f"  resize {e.resize_id} after step {e.step}: {e.before} -> {e.after} ({e.outcome}): {e.reason}")
     if r.rejections:
         lines.append("  proposals held back by guards: " + ", ".join(f"{k} {v}" for k, v in r.rejections.items()))
+    if r.idle_ratio:
+        lines.append("  idle (docs/idle.md)  " + ", ".join(f"{pool} {percent(v)}" for pool, v in r.idle_ratio.items()))
+    if r.prediction_errors:
+        lines.append("  prediction error     " + ", ".join(f"{e:+.0%}" for e in r.prediction_errors)
+                     + " (measured vs predicted step time after each resize)")
+    if r.verdicts:
+        lines.append("  resize verdicts      " + ", ".join(f"{k} {v}" for k, v in r.verdicts.items()))
     return "\n".join(lines) + "\n"
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from dynaresized.core import facts as f
 from dynaresized.core.guards import GuardConfig
 from dynaresized.core.policy import load_policy
-from dynaresized.domain import Split
+from dynaresized.domain import Pool, Split
 from dynaresized.sim.bounds import lower_bound
 from dynaresized.sim.pipeline import (
     DynamicPipeline,
@@ -93,6 +93,13 @@ class SimReport(msgspec.Struct, frozen=True):
     """Steps where the policy was asked and proposed nothing (reason: `last_hold_reason`)."""
     last_hold_reason: str
     resize_events: list[ResizeEvent]
+    idle_ratio: dict[str, float | None] = {}
+    """Idle share per pool over the run, as the daemon accounts it from the reported step
+    timings (docs/idle.md); None where no step had a figure."""
+    prediction_errors: list[float] = []
+    """(measured - predicted) / predicted step time after each resize its policy predicted."""
+    verdicts: dict[str, int] = {}
+    """Committed resizes judged over their payback window, by verdict (paid_back, worse...)."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,10 @@ def simulate(
         policy_holds=len(run.held),
         last_hold_reason=run.held[-1][1] if run.held else "",
         resize_events=events,
+        idle_ratio={p.value: None if (r := run.state.idle.pool(p).ratio) is None else _r(r, 4) for p in Pool},
+        prediction_errors=[_r(x.error_s / x.predicted_step_s_after, 4) for x in run.facts
+                           if isinstance(x, f.PredictionChecked)],
+        verdicts=dict(sorted(Counter(x.verdict.value for x in run.facts if isinstance(x, f.ResizeJudged)).items())),
     )
     return SimRun(report=report, run=run, model=model)
 

@@ -321,6 +321,25 @@ op_timeout_s = 240.0
                 await worker.client.report_step(result.timing(train_s=train_s, train_devices=train_devices))
                 return
 
+    async def show_attach_progress(self, started: float, every_s: float = 10.0) -> None:
+        """One line whenever a trainer or engine attaches or an engine finishes starting, and
+        at least every `every_s` seconds, until the driver cancels it."""
+        from dynaresized.backends.vllm.engine import EngineState
+
+        last, last_at = None, 0.0
+        while True:
+            kinds = [w["kind"] for w in self.status()["workers"] if w["status"] == "live"]
+            engines = getattr(self, "engines", {})
+            running = sum(e.state is EngineState.RUNNING for e in engines.values())
+            now = (kinds.count("trainer-rank"), running, kinds.count("rollout-engine"))
+            elapsed = time.monotonic() - started
+            if now != last or elapsed - last_at >= every_s:
+                n = len(self.devices)
+                self.say(f"  attaching: trainers {now[0]}/{n} registered; engines {now[1]}/"
+                         f"{n - len(self.training0)} started, {now[2]}/{n} registered ({elapsed:.0f}s)")
+                last, last_at = now, elapsed
+            await asyncio.sleep(0.5)
+
     def tail_events(self) -> None:
         from dynaresized.core import facts as f
         from dynaresized.core.facts import decode_fact
@@ -336,7 +355,7 @@ op_timeout_s = 240.0
                 self._position = stored.position
                 fact = decode_fact(stored.data)
                 if isinstance(fact, f.ResizeStarted | f.ResizeCommitted | f.ResizeRolledBack | f.Degraded
-                              | f.WorkerLost):
+                              | f.WorkerLost | f.PredictionChecked | f.ResizeJudged):
                     line = explain(fact)
                     self.events.append(f"{type(fact).__name__}: {line}")
                     self.say(f"    >> {line}")
@@ -451,6 +470,7 @@ op_timeout_s = 240.0
         self.say(f"grpo_tiny: {cfg.steps} steps, {cfg.devices} devices (start {cfg.initial_train}:"
                  f"{cfg.devices - cfg.initial_train} train:rollout), policy {cfg.policy}, work dir {self.work}")
         if not (self.work / "model" / "config.json").exists():
+            self.say(f"  building the tiny policy ({cfg.sft_steps} supervised warm-start steps)")
             task.build_policy(self.work / "model", sft_steps=cfg.sft_steps, seed=cfg.seed)
         from dynaresized.backends.vllm.weights import WeightStore
 
@@ -463,11 +483,18 @@ op_timeout_s = 240.0
         else:
             self.daemon_config()
             self.start_daemon()
-        self.start_trainers()
-        await self.start_engines()
-        while len(self.status()["workers"]) < 2 * len(self.devices):
-            self.check_trainers()
-            await asyncio.sleep(0.2)
+        self.say(f"  daemon up ({time.monotonic() - started:.1f}s); starting {len(self.devices)} trainers and "
+                 f"{len(self.devices) - len(self.training0)} engine(s) (vLLM takes tens of seconds per engine here)")
+        progress = asyncio.create_task(self.show_attach_progress(started), name="attach-progress")
+        try:
+            self.start_trainers()
+            await self.start_engines()
+            while len(self.status()["workers"]) < 2 * len(self.devices):
+                self.check_trainers()
+                await asyncio.sleep(0.2)
+        finally:
+            progress.cancel()
+            await asyncio.gather(progress, return_exceptions=True)
         setup_s = time.monotonic() - started
         self.say(f"  daemon, {len(self.devices)} trainers and {len(self.devices)} engine workers attached "
                  f"in {setup_s:.1f}s")
@@ -490,6 +517,7 @@ op_timeout_s = 240.0
             "resizes": status.get("resizes", {}), "final_split": status.get("split"), "phase": status.get("phase"),
             "ledger_ok": not checks["ledger_problems"], "ledger_problems": checks["ledger_problems"][:10],
             "events": self.events,
+            "idle_ratio": {pool: t["ratio"] for pool, t in status.get("idle", {}).get("pools", {}).items()},
         }
         self.summary = {**summary, "params_sha": checks["params_sha"],
                         "sample_hashes": [x.hashes for x in self.lines],
@@ -499,6 +527,13 @@ op_timeout_s = 240.0
                  f"final split {summary['final_split']}")
         self.say(f"  held-out greedy reward: {before:.3f} before -> {after:.3f} after")
         self.say(f"  ledger: {'every sample produced once and trained on once' if summary['ledger_ok'] else checks['ledger_problems']}")
+        idle = status.get("idle", {}).get("pools", {})
+        if idle:
+            from dynaresized.core.idle import percent
+
+            self.say("  idle (docs/idle.md): " + ", ".join(
+                f"{pool} {percent(t['ratio'])} ({t['steps']} steps, {t['unknown_steps']} unknown)"
+                for pool, t in idle.items()))
         return self.summary
 
     async def close(self) -> None:
@@ -556,7 +591,32 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line at the end")
     p.add_argument("--gpu", action="store_true", help="device i = GPU i (NCCL trainers, pinned engines, sleep mode)")
     p.add_argument("--kv-cache-mib", type=int, default=32)
+    p.add_argument("--verbose", action="store_true",
+                   help="leave vLLM's, torch's and the libraries' logs on this terminal (default: <work>/engines.log)")
     return p.parse_args(argv)
+
+
+def quiet_output(work: Path) -> Path:
+    """Engine and library logs to `<work>/engines.log`; this terminal keeps the run's own lines.
+
+    vLLM's loggers and Python warnings go there through a logging config that every engine-core
+    process reads again (`dynaresized.backends.vllm.logs`), the driver's structlog lines go
+    there as JSON, progress bars are off, and file descriptor 2 of this process, inherited by
+    the engine cores, points there too (torch's and vLLM's C++ warnings write to it directly).
+    Python's `sys.stderr` stays on the terminal, so an error still shows where you ran it."""
+    from dynaresized.backends.vllm.logs import route_vllm_logs
+    from dynaresized.daemon.logs import configure_logging
+
+    log = work / "engines.log"
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' and the hub's bars
+    route_vllm_logs(log)
+    configure_logging("json", "info", stream=log.open("a", buffering=1))
+    terminal = os.dup(2)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = os.fdopen(terminal, "w", buffering=1)
+    return log
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -567,17 +627,27 @@ def main(argv: list[str] | None = None) -> int:
         if kind not in ("grow", "shrink") or not at.isdigit():
             raise SystemExit(f"--force: bad item {item!r}; use STEP:grow or STEP:shrink")
         force.append((int(at), kind))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="grpo-tiny-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if not args.verbose:
+        log = quiet_output(work)
+        print(f"engine and library logs: {log}" + ("" if args.work else " (kept only if the run fails; --work DIR "
+                                                                        "keeps it)"), flush=True)
     cfg = RunConfig(steps=args.steps, devices=args.devices, initial_train=args.initial_train, policy=args.policy,
                     prompts=args.prompts, group=args.group, micro_batches=args.micro_batches, seed=args.seed,
-                    deterministic=args.deterministic, force=tuple(force),
-                    work=Path(args.work) if args.work else None, keep=bool(args.work),
+                    deterministic=args.deterministic, force=tuple(force), work=work, keep=True,
                     daemon=args.daemon, control=args.control, gpu=args.gpu, kv_cache_bytes=args.kv_cache_mib << 20)
-    summary = asyncio.run(run_once(cfg))
+    try:
+        summary = asyncio.run(run_once(cfg))
+    except BaseException:
+        print(f"grpo_tiny: the run failed; its work directory is kept: {work}", file=sys.stderr, flush=True)
+        raise
     result = {k: v for k, v in summary.items() if k not in ("params_sha", "sample_hashes", "versions")}
     if args.compare_static:
         print("\n== the same run on the static split ==", flush=True)
         static_cfg = RunConfig(**{**cfg.__dict__, "policy": "static", "force": (),
-                                  "work": Path(args.work + "-static") if args.work else None})
+                                  "work": Path(args.work + "-static") if args.work else None,
+                                  "keep": bool(args.work)})
         static = asyncio.run(run_once(static_cfg))
         result["static"] = {k: static[k] for k in ("loop_s", "eval_reward_after", "train_reward_last3", "ledger_ok")}
         print(f"\ndynamic ({cfg.policy}): {summary['loop_s']:.1f}s, static {cfg.initial_train}:"
@@ -585,6 +655,10 @@ def main(argv: list[str] | None = None) -> int:
               f"({static['loop_s'] / summary['loop_s']:.2f}x); same prompts and sample counts per step", flush=True)
     if args.json:
         print(json.dumps(result))
+    if not summary["ledger_ok"]:
+        print(f"grpo_tiny: the ledger check failed; its work directory is kept: {work}", file=sys.stderr)
+    elif not args.work:
+        shutil.rmtree(work, ignore_errors=True)
     return 0 if summary["ledger_ok"] else 1
 
 

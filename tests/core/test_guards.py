@@ -346,3 +346,11 @@ def test_a_sustained_imbalance_of_any_size_resizes_after_exactly_signal_run_step
         assert bool(started) == (k == signal_run - 1)
     grows = Pool.ROLLOUT if rollout_slow else Pool.TRAINING
     assert started[0].plan.to_pool is grows
+
+
+def test_payback_learned_factor_raises_the_bar() -> None:
+    # cost 2 x 30 s = 60 s, x payback_safety 1.5 = 90 s; 2.5 s/step x 50 steps = 125 s clears
+    # that at factor 1, not at factor 2 (180 s)
+    v, p = view(tuple(ROLLOUT_SLOW)), proposal(Split(4, 4), saving_s=2.5)
+    assert g.check_payback(v, p, CFG, NOBODY) is None
+    rejected(g.check_payback(v, p, CFG, History(payback_factor=2.0)), "payback", "x 2 (raised")
