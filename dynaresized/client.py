@@ -286,7 +286,7 @@ class WorkerClient:
 
     def _on_error(self, err: wire.Error) -> None:
         self.errors.append(err)
-        if err.reason == "stale_token" and err.token and err.token != self.token:
+        if err.token and err.token != self.token:
             return  # about a message sent under an earlier registration: this one is current
         if err.reason in ("stale_op", "illegal_transition") and err.ref_type == "op_result":
             # A late answer to a re-sent op: the daemon moved on after the first one.
