@@ -112,6 +112,15 @@ def test_daemon_decisions_reach_verl_in_order_without_flapping(make_daemon: Any,
     assert lines[0]["policy"] == "dynaresized.integrations.verl.policy.DynaresizedSchedulePolicy"
     steps = job.steps()
     assert len(steps) == len(phases)
+    calls = lines[-1]["rollouter"]
+    hybrids = ["hybrid_0", "hybrid_1"]
+    # verl's controller woke both hybrid replicas once, rebalanced once, and put them to sleep once;
+    # on the steps between, it re-added them (a no-op for active replicas) with fresh weights.
+    assert [c for c in calls if c[0] != "add_replicas"] == [["rebalance_requests", hybrids],
+                                                             ["remove_replicas", hybrids]]
+    assert lines[-1]["checkpoints"].count("sleep") == 1
+    # An active hybrid replica received every new version of the weights (no stale generation).
+    assert all(f"update@{s['step']}" in lines[-1]["checkpoints"] for s in steps if s["active"])
     facts = read_facts(daemon.state_dir)
 
     # The daemon moved the hybrid replicas to rollout once and back once; verl did the same, in order.
@@ -143,7 +152,7 @@ def test_daemon_decisions_reach_verl_in_order_without_flapping(make_daemon: Any,
     status = daemon.status()
     assert status["devices"]["verl:hybrid_0"] == "training"
     # Every step verl completed reached the daemon as a StepTiming (the first may precede attachment).
-    observed = {x.step for x in facts if isinstance(x, f.StepObserved)}
+    observed = {x.timing.step for x in facts if isinstance(x, f.StepObserved)}
     assert observed >= {s["step"] for s in steps[2:]}
 
 

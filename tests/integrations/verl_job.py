@@ -55,6 +55,10 @@ class FakeRollouter:
         self.alive.difference_update(gone)
         return len(gone)
 
+    async def rebalance_requests(self) -> dict[str, object]:
+        self.calls.append(("rebalance_requests", sorted(self.alive)))
+        return {"cleared_entries": 0, "server_loads": {}}
+
     def wait_for_enough_samples(self, threshold: int) -> bool:
         return True
 

@@ -193,6 +193,7 @@ class DynaresizedSchedulePolicy(DynamicSchedulePolicyBase):
         self._step_started: float | None = None
         self._generated = 0
         self._activating = False
+        self._waking = False  # this step's activation wakes replicas that were asleep
 
     # verl's call order per step: should_deactivate (before training), deactivate_wait_samples,
     # should_activate_after_step (after weight sync), request_rebalance, update_after_step.
@@ -212,7 +213,21 @@ class DynaresizedSchedulePolicy(DynamicSchedulePolicyBase):
         # An active replica gets every new version of the weights (verl syncs hybrid replicas only
         # when this says True), even when it is to sleep at the next step's start.
         self._activating = self.hybrid.wanted or is_hybrid_active
+        self._waking = self._activating and not is_hybrid_active
         return self._activating
+
+    def request_rebalance(self, global_steps: int, ctx: DynamicScheduleContext) -> None:
+        """As verl's default policy, spread in-flight requests over the replicas just woken;
+        not on the steps where active replicas only receive new weights."""
+        rollouter = getattr(self, "_rollouter", None)  # verl's controller sets it after construction
+        if not self._waking or rollouter is None:
+            return
+        import ray
+
+        try:
+            ray.get(rollouter.rebalance_requests.remote())
+        except Exception as exc:  # a failed rebalance costs balance, not correctness
+            log.warning("request rebalance after activation failed", step=global_steps, error=str(exc))
 
     def update_after_step(self, global_steps: int, ctx: DynamicScheduleContext) -> None:
         if self._activating and ctx.last_activate_duration_s > 0:
