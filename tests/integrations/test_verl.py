@@ -36,14 +36,17 @@ pytestmark = [
 ]
 
 
+def verl_sections() -> dict[str, dict[str, Any]]:
+    """The daemon for a verl job: the layout's [cluster] section, the hysteresis policy, guards
+    sized for steps of a fraction of a second, and op deadlines above one verl step."""
+    return {"cluster": LAYOUT.cluster_section(), "policy": {"name": "hysteresis"},
+            "core": {"heartbeat_timeout_s": 3.0, "op_timeout_s": 20.0},
+            "guards": {"signal_run": 2, "cooldown_steps": 2, "min_dwell_s": 0.0, "payback_safety": 0.0,
+                       "imbalance_threshold": 0.2}}
+
+
 def verl_daemon(make_daemon: Any) -> Any:  # noqa: F811
-    return make_daemon(
-        cluster=LAYOUT.cluster_section(),
-        policy={"name": "hysteresis"},
-        core={"heartbeat_timeout_s": 3.0, "op_timeout_s": 20.0},
-        guards={"signal_run": 2, "cooldown_steps": 2, "min_dwell_s": 0.0, "payback_safety": 0.0,
-                "imbalance_threshold": 0.2},
-    )
+    return make_daemon(**verl_sections())
 
 
 class VerlJob:
@@ -185,3 +188,23 @@ def test_daemon_death_leaves_verl_running_and_a_restarted_daemon_resumes_control
     assert [to for _, to in committed_moves(facts)] == [Pool.ROLLOUT, Pool.TRAINING]
     assert any(isinstance(x, f.ResizeCommitted) for x in after)
     assert [kind for _, kind in transitions(job.steps())] == ["activate", "deactivate"]
+
+
+def test_verl_starts_without_the_daemon_and_is_taken_over_when_it_comes_up(make_daemon: Any,
+                                                                            tmp_path: Path) -> None:  # noqa: F811
+    daemon = make_daemon(start=False, **verl_sections())
+    phase = tmp_path / "phase"
+    phase.write_text("rollout")
+    job = VerlJob(tmp_path, daemon.worker_endpoint, "--phase-file", str(phase), "--max-steps", "400")
+    try:
+        wait_for(lambda: len(job.steps()) >= 8, timeout=120, what="verl steps with no daemon")
+        assert not any(s["active"] for s in job.steps()), "no daemon, no decision: verl stays as it started"
+        wait_for(lambda: "dynaresized is unreachable; verl keeps running" in job.output(), timeout=30,
+                 what="the policy logging that the daemon is unreachable")
+        daemon.start()
+        wait_for(lambda: job.steps()[-1]["active"], timeout=120, what="the daemon activating verl's hybrid replicas")
+        phase.write_text("stop")
+        assert job.wait() == 0, job.output()
+    finally:
+        job.stop()
+    assert [to for _, to in committed_moves(read_facts(daemon.state_dir))] == [Pool.ROLLOUT]
