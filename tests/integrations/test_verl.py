@@ -208,3 +208,29 @@ def test_verl_starts_without_the_daemon_and_is_taken_over_when_it_comes_up(make_
     finally:
         job.stop()
     assert [to for _, to in committed_moves(read_facts(daemon.state_dir))] == [Pool.ROLLOUT]
+
+
+def documented_verl_overrides() -> list[str]:
+    """The verl command-line lines in docs/verl.md, as the shell would pass them."""
+    import shlex
+
+    text = (ROOT / "docs" / "verl.md").read_text()
+    block = text.split("<!-- verl-config:", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    return shlex.split(block.replace("\\\n", " "))
+
+
+def test_documented_config_lines_reach_ray_init_and_select_the_policy() -> None:
+    overrides = documented_verl_overrides()
+    assert overrides, "docs/verl.md lists the verl config lines"
+    result = subprocess.run([str(VERL_PYTHON), str(JOB.with_name("verl_config.py")), *overrides], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    composed = json.loads(result.stdout.strip().splitlines()[-1])
+    assert composed["use_dynamic_resource_scheduling"] is True
+    assert composed["dynamic_schedule_policy"] == "dynaresized"
+    env = composed["runtime_env"]
+    assert env["worker_process_setup_hook"] == "dynaresized.integrations.verl.register"
+    documented = {k: v for k, v in env["env_vars"].items() if k.startswith("DYNARESIZED_")}
+    assert all(isinstance(v, str) for v in documented.values()), documented  # Ray takes only strings
+    assert VerlLayout.from_env(documented) == VerlLayout(hybrid=2, standalone=1)
+    assert documented["DYNARESIZED_ENDPOINT"].startswith("tcp://")
