@@ -16,11 +16,14 @@ background thread, and while the daemon is away the last decision stands.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import queue
 import threading
 import time
 
+import ray
 import structlog
 from verl.experimental.fully_async_policy.dynamic_schedule import (
     DynamicScheduleContext,
@@ -80,22 +83,26 @@ class VerlWorkers:
         self.retry_s = retry_s
         self.trainer: BlockingWorkerClient | None = None
         self.rollout: BlockingWorkerClient | None = None
-        self._reports: queue.Queue[StepTiming | None] = queue.Queue(maxsize=10_000)
+        self._reports: queue.Queue[StepTiming] = queue.Queue(maxsize=10_000)
         self._stop = threading.Event()
         threading.Thread(target=self._attach, name="dynaresized-verl-attach", daemon=True).start()
         threading.Thread(target=self._report, name="dynaresized-verl-report", daemon=True).start()
+        atexit.register(self.close)  # verl has no teardown for policies: say goodbye at exit
 
     def report(self, timing: StepTiming) -> None:
         """Queue one step's timings; never blocks verl (a full queue drops the oldest)."""
-        try:
-            self._reports.put_nowait(timing)
-        except queue.Full:
-            self._reports.get_nowait()
-            self._reports.put_nowait(timing)
+        while True:
+            try:
+                self._reports.put_nowait(timing)
+                return
+            except queue.Full:
+                with contextlib.suppress(queue.Empty):
+                    self._reports.get_nowait()
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
-        self._reports.put_nowait(None)
         for client in (self.trainer, self.rollout):
             if client is not None:
                 try:
@@ -108,11 +115,13 @@ class VerlWorkers:
         """Register both workers, retrying until the daemon answers. Once registered, the
         client re-registers by itself after a daemon restart."""
         while not self._stop.is_set():
-            try:
-                self.trainer = self._start(TRAINER_WORKER, WorkerKind.TRAINER_RANK, self.layout.trainer_worker_devices,
-                                           self._trainer_op)
-                self.rollout = self._start(ROLLOUT_WORKER, WorkerKind.ROLLOUT_ENGINE,
-                                           self.layout.rollout_worker_devices, self._rollout_op)
+            try:  # a worker that registered stays registered while the other one retries
+                if self.trainer is None:
+                    self.trainer = self._start(TRAINER_WORKER, WorkerKind.TRAINER_RANK,
+                                               self.layout.trainer_worker_devices, self._trainer_op)
+                if self.rollout is None:
+                    self.rollout = self._start(ROLLOUT_WORKER, WorkerKind.ROLLOUT_ENGINE,
+                                               self.layout.rollout_worker_devices, self._rollout_op)
                 log.info("verl job attached to dynaresized", endpoint=self.endpoint,
                          devices=list(self.layout.devices))
                 return
@@ -122,6 +131,10 @@ class VerlWorkers:
             except DaemonUnavailable as exc:
                 log.warning("dynaresized is unreachable; verl keeps running on its last decision",
                             error=str(exc), retry_in_s=self.retry_s)
+                self._stop.wait(self.retry_s)
+            except Exception as exc:  # a bug or a broken endpoint: say so, keep verl going, retry
+                log.error("attaching to dynaresized failed; verl keeps running on its last decision",
+                          error=f"{type(exc).__name__}: {exc}", retry_in_s=self.retry_s)
                 self._stop.wait(self.retry_s)
 
     def _start(self, worker_id: str, kind: WorkerKind, devices: tuple[str, ...],
@@ -137,13 +150,16 @@ class VerlWorkers:
         return client
 
     def _report(self) -> None:
-        while True:
-            timing = self._reports.get()
-            if timing is None:
-                return
+        while not self._stop.is_set():
+            try:
+                timing = self._reports.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            while self.trainer is None and not self._stop.wait(0.1):
+                pass  # not attached yet: hold the step until it can be reported
             client = self.trainer
             if client is None:
-                continue  # not attached yet: the daemon cannot use a step it has no worker for
+                return
             try:
                 client.report_step(timing)
             except Exception as exc:  # verl must not die of it; the next step reports again
@@ -222,8 +238,6 @@ class DynaresizedSchedulePolicy(DynamicSchedulePolicyBase):
         rollouter = getattr(self, "_rollouter", None)  # verl's controller sets it after construction
         if not self._waking or rollouter is None:
             return
-        import ray
-
         try:
             ray.get(rollouter.rebalance_requests.remote())
         except Exception as exc:  # a failed rebalance costs balance, not correctness
