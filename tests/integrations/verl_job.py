@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hybrid", type=int, default=2)
     parser.add_argument("--standalone", type=int, default=1)
     parser.add_argument("--phases", default="", help="comma-separated phase per step (rollout/train)")
-    parser.add_argument("--phase-file", type=Path, help="read each step's phase from this file; 'stop' ends the job")
+    parser.add_argument("--phase-file", type=Path,
+                        help="read each step's phase (and a time scale) from this file; 'stop' ends the job")
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--unit-s", type=float, default=0.05)
     parser.add_argument("--noise", type=float, default=0.2)
@@ -198,16 +199,18 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"policy": ray.get(trainer.policy_class.remote())}), flush=True)
         phases = [p for p in args.phases.split(",") if p]
         for k in range(args.max_steps):
-            if args.phase_file is not None:
-                phase = args.phase_file.read_text().strip()
+            unit_s = args.unit_s
+            if args.phase_file is not None:  # "<phase> [time scale]", or "stop"
+                phase, *scale = args.phase_file.read_text().split() or ["stop"]
                 if phase == "stop":
                     break
+                unit_s *= float(scale[0]) if scale else 1.0
             elif k < len(phases):
                 phase = phases[k]
             else:
                 break
             noise = 1.0 + rng.uniform(-args.noise, args.noise)
-            print(json.dumps(ray.get(trainer.step.remote(phase, noise, args.unit_s))), flush=True)
+            print(json.dumps(ray.get(trainer.step.remote(phase, noise, unit_s))), flush=True)
         print(json.dumps({"rollouter": ray.get(rollouter.calls_made.remote()),
                           "checkpoints": ray.get(trainer.checkpoint_calls.remote())}), flush=True)
     finally:
