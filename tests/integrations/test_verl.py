@@ -239,3 +239,27 @@ def test_documented_config_lines_reach_ray_init_and_select_the_policy() -> None:
     assert all(isinstance(v, str) for v in documented.values()), documented  # Ray takes only strings
     assert VerlLayout.from_env(documented) == VerlLayout(hybrid=2, standalone=1)
     assert documented["DYNARESIZED_ENDPOINT"].startswith("tcp://")
+
+
+def test_without_standalone_replicas_verl_keeps_its_own_cycle_and_the_daemon_observes(make_daemon: Any,
+                                                                                        tmp_path: Path) -> None:  # noqa: F811
+    only_hybrid = VerlLayout(hybrid=2, standalone=0)
+    sections = verl_sections()
+    sections["cluster"] = only_hybrid.cluster_section()
+    daemon = make_daemon(**sections)
+    job = VerlJob(tmp_path, daemon.worker_endpoint, "--phases", ",".join(["rollout"] * 6), "--standalone", "0")
+    try:
+        assert job.wait() == 0, job.output()
+    finally:
+        job.stop()
+    steps = job.steps()
+    # verl's only-hybrid cycle: the hybrid replicas (its only rollout) wake after every weight sync
+    # and sleep at every step's start; asleep for good they would leave verl nothing to generate with.
+    assert [s["activations"] for s in steps] == list(range(1, 7))
+    assert [s["deactivations"] for s in steps] == list(range(0, 6))
+    facts = read_facts(daemon.state_dir)
+    assert [x.timing.step for x in facts if isinstance(x, f.StepObserved)] == [s["step"] for s in steps]
+    assert {x.worker.worker_id for x in facts if isinstance(x, f.WorkerRegistered)} == {TRAINER_WORKER}
+    assert not any(isinstance(x, f.ResizeStarted) for x in facts)
+    assert any(isinstance(x, f.ProposalRejected) and x.guard == "capacity" for x in facts), \
+        [x for x in facts if isinstance(x, f.ProposalRejected)]

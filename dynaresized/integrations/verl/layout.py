@@ -86,7 +86,9 @@ class VerlLayout(msgspec.Struct, frozen=True):
         return Split(train=1, rollout=self.hybrid + self.standalone)
 
     def cluster_section(self) -> dict[str, object]:
-        """The daemon's `[cluster]` keys for this job."""
+        """The daemon's `[cluster]` keys for this job. Without standalone replicas (verl's
+        only_hybrid) the daemon only observes; the "active" split is still listed so that the
+        hybrid slots' would-be move shows in `events` as refused for want of a rollout worker."""
         return {"devices": list(self.devices), "training": list(self.trainer_worker_devices),
                 "candidates": [str(self.asleep), str(self.active)]}
 

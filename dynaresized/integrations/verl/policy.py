@@ -119,7 +119,7 @@ class VerlWorkers:
                 if self.trainer is None:
                     self.trainer = self._start(TRAINER_WORKER, WorkerKind.TRAINER_RANK,
                                                self.layout.trainer_worker_devices, self._trainer_op)
-                if self.rollout is None:
+                if self.rollout is None and self.layout.standalone > 0:
                     self.rollout = self._start(ROLLOUT_WORKER, WorkerKind.ROLLOUT_ENGINE,
                                                self.layout.rollout_worker_devices, self._rollout_op)
                 log.info("verl job attached to dynaresized", endpoint=self.endpoint,
@@ -205,6 +205,13 @@ class DynaresizedSchedulePolicy(DynamicSchedulePolicyBase):
         self.layout = layout or VerlLayout.from_env()
         self.hybrid = HybridState()
         self.endpoint = endpoint or os.environ.get("DYNARESIZED_ENDPOINT", "tcp://127.0.0.1:5555")
+        if only_hybrid:
+            # No standalone replica: asleep, the hybrid replicas would leave verl no rollout at all.
+            # verl's own only-hybrid cycle stays (wake after each weight sync, sleep once the cycle's
+            # samples are in) and the daemon only observes: no rollout worker attaches, so it can
+            # plan no move of the hybrid slots.
+            log.warning("verl runs without standalone replicas (only_hybrid): dynaresized observes its "
+                        "steps but does not move its hybrid replicas")
         self.workers = VerlWorkers(self.endpoint, self.layout, self.hybrid)
         self._step_started: float | None = None
         self._generated = 0
@@ -217,6 +224,8 @@ class DynaresizedSchedulePolicy(DynamicSchedulePolicyBase):
         if self._step_started is None:
             self._step_started = time.monotonic()
         self.hybrid.observe(is_hybrid_active, global_steps)
+        if self.only_hybrid:
+            return is_hybrid_active
         return is_hybrid_active and not self.hybrid.wanted
 
     def deactivate_wait_samples(self, ctx: DynamicScheduleContext) -> int:
@@ -228,7 +237,7 @@ class DynaresizedSchedulePolicy(DynamicSchedulePolicyBase):
         self.hybrid.observe(is_hybrid_active, global_steps)
         # An active replica gets every new version of the weights (verl syncs hybrid replicas only
         # when this says True), even when it is to sleep at the next step's start.
-        self._activating = self.hybrid.wanted or is_hybrid_active
+        self._activating = self.only_hybrid or self.hybrid.wanted or is_hybrid_active
         self._waking = self._activating and not is_hybrid_active
         return self._activating
 
