@@ -58,12 +58,10 @@ HERE = Path(__file__).resolve()
 def worker_main(endpoint: str, device: str, pool: str, record: Path) -> int:
     """One device's process: its engine and its trainer, holding what `pool` says at launch
     ("none": a restarted process, holding nothing)."""
+    from dynaresized.backends.sim import HOLDING_AFTER as after
     from dynaresized.client import OpRequest, WorkerClient
     from dynaresized.domain import ActualState, Holding, OpKind, WorkerKind
 
-    after = {OpKind.DRAIN: Holding.DRAINED, OpKind.RELEASE: Holding.RELEASED, OpKind.JOIN: Holding.SERVING,
-             OpKind.RESTORE: Holding.SERVING, OpKind.RESUME: Holding.SERVING, OpKind.RECLAIM: Holding.DRAINED,
-             OpKind.EVICT: Holding.RELEASED}
     holding = {kind: Holding.SERVING if kind.pool.value == pool else Holding.RELEASED for kind in WorkerKind}
 
     def save() -> None:

@@ -17,10 +17,12 @@ from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.core.guards import GuardConfig
 from dynaresized.core.state import PHASE_OF_OP, decode_state, encode_state
+from dynaresized.backends.sim import HOLDING_AFTER
 from dynaresized.core.policy import load_policy
 from dynaresized.domain import (
     ActualState,
     Holding,
+    OpKind,
     Placement,
     Split,
     StepTiming,
@@ -203,12 +205,9 @@ class Run:
         raise AssertionError(f"unknown action {kind}")
 
     @staticmethod
-    def after(kind: object) -> ActualState:
-        """What a truthful worker holds after an op of `kind` (commit leaves it as it was)."""
-        name = getattr(kind, "value", "")
-        holding = {"drain": Holding.DRAINED, "release": Holding.RELEASED, "reclaim": Holding.DRAINED,
-                   "evict": Holding.RELEASED}.get(name, Holding.SERVING)
-        return ActualState(holding=holding)
+    def after(kind: OpKind) -> ActualState:
+        """What a truthful worker holds after an op of `kind` (a commit: it serves)."""
+        return ActualState(holding=HOLDING_AFTER.get(kind, Holding.SERVING))
 
     # -- one event ------------------------------------------------------------------------
     def apply(self, event: ev.Event) -> None:

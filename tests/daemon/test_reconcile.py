@@ -13,17 +13,13 @@ import pytest
 import zmq
 
 from dynaresized import wire
+from dynaresized.backends.sim import HOLDING_AFTER as AFTER
 from dynaresized.client import DaemonRejected, OpRequest, WorkerClient
 from dynaresized.core import facts as f
 from dynaresized.domain import ActualState, Holding, OpKind, Pool, WorkerKind
 
 from .conftest import DEVICES, read_facts, until
 
-AFTER: dict[OpKind, Holding] = {
-    OpKind.DRAIN: Holding.DRAINED, OpKind.RELEASE: Holding.RELEASED, OpKind.JOIN: Holding.SERVING,
-    OpKind.RESTORE: Holding.SERVING, OpKind.RESUME: Holding.SERVING, OpKind.RECLAIM: Holding.DRAINED,
-    OpKind.EVICT: Holding.RELEASED,
-}
 
 
 class Device:
