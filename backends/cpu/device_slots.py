@@ -36,6 +36,7 @@ log = structlog.get_logger("dynaresized.backends.cpu")
 DEFAULT_PARENT = "dynaresized"
 DEFAULT_PERIOD_US = 100_000
 _MIN_QUOTA_US = 1_000  # the kernel refuses CFS quotas under 1 ms
+DEFAULT_WEIGHT = 1024  # v1 cpu.shares of a cgroup nobody set (v2 cpu.weight 100)
 _RUN_PREFIX = "run-"
 _run_numbers = itertools.count()  # two DeviceSlots of one process get distinct run directories
 
@@ -346,14 +347,23 @@ class DeviceSlots:
         cpus_per_device: float,
         parent: str = DEFAULT_PARENT,
         period_us: int = DEFAULT_PERIOD_US,
+        weight: int | None = None,
         mount: CgroupMount | None = None,
     ) -> DeviceSlots:
         """A cgroup per device with a quota of `cpus_per_device` cores, under
         `<this process's cgroup>/<parent>/`. Removes the runs of dead owners there first.
-        Raises `SlotsUnavailable` where there is no cpu controller or it is not writable."""
+        Raises `SlotsUnavailable` where there is no cpu controller or it is not writable.
+
+        The quota is a cap. Where the cores are contended, the kernel shares them by weight, and
+        the parent competes as ONE task-sized entity (weight 1024) for all its devices together;
+        `weight` (in v1 cpu.shares units, 2..262144) raises the parent's, the run's and every
+        slot's weight, so that the slots get their quota before other work gets the rest. They
+        still never get more than their quota."""
         devices = _checked_devices(devices)
         quota_us = _quota_us(cpus_per_device, period_us)
         _check_device_name(parent)
+        if weight is not None and not 2 <= weight <= 262_144:
+            raise ValueError(f"weight must be within 2..262144 (v1 cpu.shares), got {weight}")
         mount = mount or detect_cpu_cgroup()
         if mount is None:
             raise SlotsUnavailable(
@@ -377,6 +387,11 @@ class DeviceSlots:
                 raise _unavailable("create the cgroup", path, exc) from exc
             if mount.version is SlotMechanism.CGROUP_V2 and path.parent != run_dir:
                 write(path / "cgroup.subtree_control", "+cpu")  # hand the controller down
+            if weight is not None and mount.version is SlotMechanism.CGROUP_V1:
+                write(path / "cpu.shares", str(weight))
+            elif weight is not None:
+                # systemd's mapping of shares to weights: 1024 shares is weight 100.
+                write(path / "cpu.weight", str(min(10_000, max(1, round(weight * 100 / DEFAULT_WEIGHT)))))
 
         try:
             if mount.version is SlotMechanism.CGROUP_V2:
@@ -407,8 +422,8 @@ class DeviceSlots:
             if run_dir is not None:
                 _remove_cgroup(run_dir, home)
             raise
-        log.info("device slots made", mechanism=mount.version.value, run=str(run_dir),
-                 devices=list(devices), cpus_per_device=cpus_per_device, period_us=period_us)
+        log.info("device slots made", mechanism=mount.version.value, run=str(run_dir), devices=list(devices),
+                 cpus_per_device=cpus_per_device, period_us=period_us, weight=weight)
         return cls(mount.version, slots, run_dir, home)
 
     @classmethod
@@ -434,12 +449,13 @@ class DeviceSlots:
         devices: Sequence[str],
         cpus_per_device: float,
         parent: str = DEFAULT_PARENT,
+        weight: int | None = None,
         allow_pinning: bool = True,
     ) -> DeviceSlots:
         """Cgroup slots where cgroups are writable; otherwise, if `allow_pinning`, pinned ones
         (logged with the reason, and `mechanism` says which it is)."""
         try:
-            return cls.cgroups(devices, cpus_per_device, parent=parent)
+            return cls.cgroups(devices, cpus_per_device, parent=parent, weight=weight)
         except SlotsUnavailable as exc:
             if not allow_pinning:
                 raise

@@ -85,6 +85,8 @@ def test_bad_arguments_are_refused_before_anything_is_made() -> None:
         DeviceSlots.cgroups(["d0"], 0.0)
     with pytest.raises(ValueError, match="1 ms minimum"):
         DeviceSlots.cgroups(["d0"], 0.001)
+    with pytest.raises(ValueError, match="weight must be within"):
+        DeviceSlots.cgroups(["d0"], 0.5, weight=1)
 
 
 # -- real cgroups -------------------------------------------------------------------------------
@@ -129,7 +131,7 @@ def _relative_to_mount(slot: CgroupSlot) -> str:
 
 
 def test_slots_get_their_quota_and_close_removes_them(parent: str) -> None:
-    slots = DeviceSlots.cgroups(["node0:cpu0", "node0:cpu1"], 0.25, parent=parent, period_us=50_000)
+    slots = DeviceSlots.cgroups(["node0:cpu0", "node0:cpu1"], 0.25, parent=parent, period_us=50_000, weight=8192)
     assert slots.mechanism in (SlotMechanism.CGROUP_V1, SlotMechanism.CGROUP_V2)
     assert slots.devices == ["node0:cpu0", "node0:cpu1"]
     for slot in slots:
@@ -137,8 +139,13 @@ def test_slots_get_their_quota_and_close_removes_them(parent: str) -> None:
         if slot.mechanism is SlotMechanism.CGROUP_V1:
             assert (slot.path / "cpu.cfs_quota_us").read_text().strip() == "12500"
             assert (slot.path / "cpu.cfs_period_us").read_text().strip() == "50000"
+            # The weight is set on every level: the parent competes for all its devices.
+            for level in (slot.path, slot.path.parent, slot.path.parent.parent):
+                assert (level / "cpu.shares").read_text().strip() == "8192"
         else:
             assert (slot.path / "cpu.max").read_text().split() == ["12500", "50000"]
+            for level in (slot.path, slot.path.parent, slot.path.parent.parent):
+                assert (level / "cpu.weight").read_text().strip() == "800"
     first = slots["node0:cpu0"]
     assert isinstance(first, CgroupSlot)
     first.set_cpus(1.5)
