@@ -190,7 +190,8 @@ class WorkerProcess:
         for line in self.proc.stdout:
             if line.startswith(PROTOCOL + " "):
                 return json.loads(line[len(PROTOCOL) + 1:])
-        raise RuntimeError(f"worker {self.proc.pid} exited with {self.proc.wait()}")
+        code = self.proc.wait()
+        raise RuntimeError(f"worker {self.proc.pid} exited with {code}" + (" (killed by a signal)" if code < 0 else ""))
 
     def send(self, text: str) -> None:
         assert self.proc.stdin is not None
@@ -198,13 +199,12 @@ class WorkerProcess:
         self.proc.stdin.flush()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        try:
             self.send("")
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -254,7 +254,8 @@ def measure(kind: str, model: Path, slot_counts: list[int], cpus: float, window_
                 loads[-1]["after"] = loadavg()
         finally:
             for w in workers:
-                w.close()
+                if w.proc.poll() is None:
+                    w.close()
 
     def by_repeat(key: str) -> dict[int, float]:
         return {w["repeat"]: w["throughput"] for w in windows[key]}
@@ -333,7 +334,11 @@ def main() -> dict:
     }
     started = time.perf_counter()
     for kind in kinds:
-        result[kind] = measure(kind, model, slot_counts, args.cpus, args.window_s, args.repeats, args.weight)
+        try:
+            result[kind] = measure(kind, model, slot_counts, args.cpus, args.window_s, args.repeats, args.weight)
+        except RuntimeError as exc:  # a worker died: say so in the result, measure the other kind
+            result[kind] = {"failed": str(exc)}
+    kinds = [k for k in kinds if "failed" not in result[k]]
     ratios = [r for kind in kinds for s in result[kind]["scaling_ratio"].values() for r in s["ratios"]]
     result["worst_scaling_error"] = max(abs(r - 1) for r in ratios) if ratios else None
     result["median_scaling_within_10pct"] = all(

@@ -358,7 +358,7 @@ class DeviceSlots:
         the parent competes as ONE task-sized entity (weight 1024) for all its devices together;
         `weight` (in v1 cpu.shares units, 2..262144) raises the parent's, the run's and every
         slot's weight, so that the slots get their quota before other work gets the rest. They
-        still never get more than their quota."""
+        still never get more than their quota. None leaves the weights as they are."""
         devices = _checked_devices(devices)
         quota_us = _quota_us(cpus_per_device, period_us)
         _check_device_name(parent)
@@ -397,7 +397,11 @@ class DeviceSlots:
             if mount.version is SlotMechanism.CGROUP_V2:
                 # v2 hands a controller down only where every level above enables it in
                 # cgroup.subtree_control, and a non-root cgroup with processes cannot enable it.
-                if "cpu" not in (home / "cgroup.subtree_control").read_text().split():
+                try:
+                    enabled = (home / "cgroup.subtree_control").read_text().split()
+                except OSError as exc:
+                    raise _unavailable("read", home / "cgroup.subtree_control", exc) from exc
+                if "cpu" not in enabled:
                     write(home / "cgroup.subtree_control", "+cpu")
             # The parent is shared by every run under it and never removed: removing it could
             # race with another run creating its directory there.
