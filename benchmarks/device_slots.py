@@ -13,11 +13,14 @@ else, bounds a slot (its ratio to 2 · throughput(1) should also be near 1).
 
 The machine may be shared: a quota is a cap, not a guarantee. `quota_use` is each window's CPU
 time over its quota (1.0: the slot got all of it; less: other load or the worker's own waits
-kept it from its cap), and the load average is recorded before and after every repeat. Workers
-run one thread each (OMP_NUM_THREADS=1), so that a slot's CPU time is not spent spinning.
+kept it from its cap), `cpu_time_scaling_ratio` is the scaling ratio of CPU time instead of
+throughput (what the slots control; the rest of the throughput's spread is work per CPU-second,
+which moves with whatever else shares the cores and caches), and the load average is recorded
+before and after every repeat. Workers run one thread each (OMP_NUM_THREADS=1), so that a
+slot's CPU time is not spent spinning. `--weight` sets the slots' cpu.shares.
 
 Usage: python benchmarks/device_slots.py [--cpus 0.25] [--slots 1,2,4] [--window-s 10]
-                                         [--repeats 3] [--kinds vllm,trainer] [--quick]
+                                         [--repeats 3] [--kinds vllm,trainer] [--weight N] [--quick]
 Needs root (or a delegated cgroup) for the cgroups, the torch and vllm extras.
 """
 
@@ -155,9 +158,9 @@ async def worker(kind: str, model: str, out_fd: int) -> None:
         if not line.strip():
             break
         seconds = float(line)
-        cpu0, wall0 = time.process_time(), time.perf_counter()
+        wall0 = time.perf_counter()
         throughput = await work.run(seconds)
-        say(throughput=throughput, cpu_s=time.process_time() - cpu0, wall_s=time.perf_counter() - wall0)
+        say(throughput=throughput, wall_s=time.perf_counter() - wall0)
     await work.close()
 
 
@@ -243,6 +246,7 @@ def measure(kind: str, model: Path, slot_counts: list[int], cpus: float, window_
                     windows[f"{n}x{q:g}"].append({
                         "repeat": repeat,
                         "throughput": sum(r["throughput"] for r in results),
+                        "cpu_s": sum(used),
                         "per_slot": [round(r["throughput"], 1) for r in results],
                         # CPU time of everything in the slot over its quota for the window
                         "quota_use": [round(u / (q * r["wall_s"]), 3) for u, r in zip(used, results)],
@@ -257,22 +261,24 @@ def measure(kind: str, model: Path, slot_counts: list[int], cpus: float, window_
                 if w.proc.poll() is None:
                     w.close()
 
-    def by_repeat(key: str) -> dict[int, float]:
-        return {w["repeat"]: w["throughput"] for w in windows[key]}
+    def by_repeat(key: str, what: str = "throughput") -> dict[int, float]:
+        return {w["repeat"]: w[what] for w in windows[key]}
 
-    one = by_repeat(f"1x{cpus:g}")
-    scaling = {}
-    for n in slot_counts:
-        if n == 1:
-            continue
-        ratios = [by_repeat(f"{n}x{cpus:g}")[r] / (n * one[r]) for r in one]
-        scaling[str(n)] = spread(ratios) | {"ratios": [round(x, 4) for x in ratios]}
-    double = [by_repeat(f"1x{2 * cpus:g}")[r] / (2 * one[r]) for r in one]
+    def ratios(key: str, n: int, what: str) -> dict[str, Any]:
+        one = by_repeat(f"1x{cpus:g}", what)
+        values = [by_repeat(key, what)[r] / (n * one[r]) for r in one]
+        return spread(values) | {"ratios": [round(x, 4) for x in values]}
+
+    scaling = {str(n): ratios(f"{n}x{cpus:g}", n, "throughput") for n in slot_counts if n > 1}
+    # The same ratio of CPU time: what the slots control; the rest of the spread above is work
+    # per CPU-second, which moves with whatever else shares the cores and caches.
+    cpu_scaling = {str(n): ratios(f"{n}x{cpus:g}", n, "cpu_s") for n in slot_counts if n > 1}
     return {
         "unit": unit,
         "throughput": {key: spread([w["throughput"] for w in runs]) for key, runs in windows.items()},
         "scaling_ratio": scaling,
-        "double_quota_ratio": spread(double) | {"ratios": [round(x, 4) for x in double]},
+        "cpu_time_scaling_ratio": cpu_scaling,
+        "double_quota_ratio": ratios(f"1x{2 * cpus:g}", 2, "throughput"),
         "quota_use": {key: spread([u for w in runs for u in w["quota_use"]]) for key, runs in windows.items()},
         "windows": windows,
         "load": loads,
