@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dynaresized.backends.cpu.device_slots import DEFAULT_WEIGHT
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -215,7 +217,7 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def measure(kind: str, model: Path, slot_counts: list[int], cpus: float, window_s: float, repeats: int,
-            weight: int | None) -> dict:
+            weight: int) -> dict:
     from dynaresized.backends.cpu.device_slots import CgroupSlot, DeviceSlots
 
     count = max(slot_counts)
@@ -292,8 +294,8 @@ def main() -> dict:
     parser.add_argument("--window-s", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kinds", default=",".join(KINDS))
-    parser.add_argument("--weight", type=int, default=None,
-                        help="the slots' cpu.shares (DeviceSlots.cgroups weight); default: the kernel's 1024")
+    parser.add_argument("--weight", type=int, default=DEFAULT_WEIGHT,
+                        help=f"the slots' cpu.shares (DeviceSlots.cgroups weight); default {DEFAULT_WEIGHT}, the kernel's")
     parser.add_argument("--quick", action="store_true", help="1 repeat of 5 s windows")
     parser.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -325,7 +327,8 @@ def main() -> dict:
         os.write(out_fd, (json.dumps({"benchmark": "device_slots", "unavailable": str(exc)}) + "\n").encode())
         return {}
     mount = detect_cpu_cgroup()
-    model = build_tiny_model(Path(tempfile.mkdtemp(prefix="device-slots-bench-")) / "model")
+    work = tempfile.TemporaryDirectory(prefix="device-slots-bench-")
+    model = build_tiny_model(Path(work.name) / "model")
     result: dict[str, Any] = {
         "benchmark": "device_slots",
         "mechanism": mount.version.value if mount else None,
@@ -339,11 +342,12 @@ def main() -> dict:
         "load_start": loadavg(),
     }
     started = time.perf_counter()
-    for kind in kinds:
-        try:
-            result[kind] = measure(kind, model, slot_counts, args.cpus, args.window_s, args.repeats, args.weight)
-        except RuntimeError as exc:  # a worker died: say so in the result, measure the other kind
-            result[kind] = {"failed": str(exc)}
+    with work:
+        for kind in kinds:
+            try:
+                result[kind] = measure(kind, model, slot_counts, args.cpus, args.window_s, args.repeats, args.weight)
+            except RuntimeError as exc:  # a worker died: say so in the result, measure the other kind
+                result[kind] = {"failed": str(exc)}
     kinds = [k for k in kinds if "failed" not in result[k]]
     ratios = [r for kind in kinds for s in result[kind]["scaling_ratio"].values() for r in s["ratios"]]
     result["worst_scaling_error"] = max(abs(r - 1) for r in ratios) if ratios else None

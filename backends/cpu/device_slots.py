@@ -347,7 +347,7 @@ class DeviceSlots:
         cpus_per_device: float,
         parent: str = DEFAULT_PARENT,
         period_us: int = DEFAULT_PERIOD_US,
-        weight: int | None = None,
+        weight: int = DEFAULT_WEIGHT,
         mount: CgroupMount | None = None,
     ) -> DeviceSlots:
         """A cgroup per device with a quota of `cpus_per_device` cores, under
@@ -358,11 +358,12 @@ class DeviceSlots:
         the parent competes as ONE task-sized entity (weight 1024) for all its devices together;
         `weight` (in v1 cpu.shares units, 2..262144) raises the parent's, the run's and every
         slot's weight, so that the slots get their quota before other work gets the rest. They
-        still never get more than their quota. None leaves the weights as they are."""
+        still never get more than their quota. It is written at every start, so that a weight an
+        earlier run gave the shared parent does not outlive it."""
         devices = _checked_devices(devices)
         quota_us = _quota_us(cpus_per_device, period_us)
         _check_device_name(parent)
-        if weight is not None and not 2 <= weight <= 262_144:
+        if not 2 <= weight <= 262_144:
             raise ValueError(f"weight must be within 2..262144 (v1 cpu.shares), got {weight}")
         mount = mount or detect_cpu_cgroup()
         if mount is None:
@@ -387,9 +388,9 @@ class DeviceSlots:
                 raise _unavailable("create the cgroup", path, exc) from exc
             if mount.version is SlotMechanism.CGROUP_V2 and path.parent != run_dir:
                 write(path / "cgroup.subtree_control", "+cpu")  # hand the controller down
-            if weight is not None and mount.version is SlotMechanism.CGROUP_V1:
+            if mount.version is SlotMechanism.CGROUP_V1:
                 write(path / "cpu.shares", str(weight))
-            elif weight is not None:
+            else:
                 # systemd's mapping of shares to weights: 1024 shares is weight 100.
                 write(path / "cpu.weight", str(min(10_000, max(1, round(weight * 100 / DEFAULT_WEIGHT)))))
 
@@ -453,7 +454,7 @@ class DeviceSlots:
         devices: Sequence[str],
         cpus_per_device: float,
         parent: str = DEFAULT_PARENT,
-        weight: int | None = None,
+        weight: int = DEFAULT_WEIGHT,
         allow_pinning: bool = True,
     ) -> DeviceSlots:
         """Cgroup slots where cgroups are writable; otherwise, if `allow_pinning`, pinned ones

@@ -162,9 +162,13 @@ def test_slots_get_their_quota_and_close_removes_them(parent: str) -> None:
 
 
 def test_two_runs_of_one_process_share_the_parent_and_keep_apart(parent: str) -> None:
-    with DeviceSlots.cgroups(["d0"], 0.5, parent=parent) as a, DeviceSlots.cgroups(["d0"], 0.5, parent=parent) as b:
+    with DeviceSlots.cgroups(["d0"], 0.5, parent=parent, weight=4096) as a, DeviceSlots.cgroups(["d0"], 0.5, parent=parent) as b:
         assert a.run_dir != b.run_dir and a.run_dir is not None and b.run_dir is not None
         assert a.run_dir.is_dir() and b.run_dir.is_dir()  # b's start left a's live run alone
+        if b.mechanism is SlotMechanism.CGROUP_V1:
+            # b's default weight replaced the one a gave the shared parent: no stale weight lingers.
+            assert (b.run_dir.parent / "cpu.shares").read_text().strip() == "1024"
+            assert (a.run_dir / "cpu.shares").read_text().strip() == "4096"
 
 
 def test_children_forked_after_assign_stay_in_the_slot(parent: str) -> None:
