@@ -29,6 +29,12 @@ class Metrics:
                                 registry=r)
         self.stage_seconds = Gauge("dynaresized_stage_seconds", "Last observed stage time", ["stage"], registry=r)
         self.facts = Counter("dynaresized_facts_total", "Facts appended to the log", registry=r)
+        self.security_refusals = Counter(
+            "dynaresized_security_refusals_total",
+            "Refused handshakes, connections without a live worker, control requests without the secret, by kind",
+            ["kind"], registry=r)
+        self.worker_connections = Gauge("dynaresized_worker_connections",
+                                        "Connections to the worker endpoint that completed the handshake", registry=r)
 
         self._message_counts: dict[type, int] = {}
 

@@ -19,7 +19,7 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 def test_status_pause_resume_resize_and_events(make_daemon) -> None:
     daemon = make_daemon()
-    ctl = ["--control", daemon.control_endpoint]
+    ctl = ["--config", str(daemon.config_path)]  # the endpoint, and the state_dir holding the control secret
     out = cli("status", *ctl)
     assert out.returncode == 0, out.stderr
     assert "phase       steady" in out.stdout and "train 2 : rollout 2" in out.stdout
@@ -95,7 +95,7 @@ def test_events_follow_prints_facts_as_they_are_recorded(make_daemon) -> None:
                               stdout=subprocess.PIPE, text=True)
     try:
         time.sleep(1.0)  # it has printed the (empty) past and is waiting for more
-        assert cli("pause", "--control", daemon.control_endpoint, "--reason", "tailing").returncode == 0
+        assert cli("pause", "--config", str(daemon.config_path), "--reason", "tailing").returncode == 0
         line = follow.stdout.readline()  # blocks until the follower sees the new fact
         event = json.loads(line)
         assert event["type"] == "resizing_paused" and event["reason"] == "tailing"
