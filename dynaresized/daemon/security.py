@@ -5,11 +5,13 @@ directory and of secret files, and one rate-limited record of every refusal."""
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import os
 import secrets
+import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import structlog
@@ -70,13 +72,15 @@ def _certificate(kind: str, public_key: bytes, secret_key: bytes | None = None) 
 def make_state_dir(path: Path, group: str = "") -> None:
     """Create the state directory 0750 whoever starts the daemon (a umask of 022 would leave it
     0755), and tighten one this user owns that is wider. With a control group, that group owns
-    it: its members reach the control socket and read the event log, others reach nothing."""
+    it, setgid so that the log files created in it are the group's too: its members reach the
+    control socket and read the event log, others reach nothing."""
     path.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)
+    mode = STATE_DIR_MODE | (stat.S_ISGID if group else 0)
     st = path.stat()
-    if st.st_uid == os.geteuid() and st.st_mode & 0o777 != STATE_DIR_MODE:
-        os.chmod(path, STATE_DIR_MODE)
     if group:
         os.chown(path, -1, grp.getgrnam(group).gr_gid)
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(path, mode)
 
 
 def load_control_secret(state_dir: Path) -> bytes:
@@ -91,9 +95,21 @@ def load_control_secret(state_dir: Path) -> bytes:
     return secret
 
 
+@contextlib.contextmanager
+def owner_only_umask() -> Iterator[None]:
+    """Around binding the control socket: bind(2) creates an ipc:// socket file under the umask,
+    so with this one it is 0600 from the start, wherever it is configured to be. The umask is
+    the process's, and start-up runs no other thread that creates files meanwhile."""
+    old = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
 def restrict_ipc_socket(endpoint: str, group: str = "") -> None:
     """Give a bound ipc:// socket mode 0600, or 0660 owned by `group`: connecting needs write
-    permission on the socket file. Until then the state directory (0750) guards it."""
+    permission on the socket file."""
     if not endpoint.startswith("ipc://"):
         return
     path = endpoint[len("ipc://"):]

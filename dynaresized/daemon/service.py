@@ -41,6 +41,7 @@ from dynaresized.daemon.security import (
     SecurityError,
     load_control_secret,
     make_state_dir,
+    owner_only_umask,
     restrict_ipc_socket,
 )
 from dynaresized.domain import Split, WorkerStatus
@@ -169,7 +170,8 @@ class Daemon:
             except SecurityError as exc:
                 raise StartupError(str(exc)) from None
         self.workers_sock = self._router(d.worker_endpoint, curve=True)
-        self.control_sock = self._router(control_endpoint_of(d), curve=False)  # loopback only, see config
+        with owner_only_umask():
+            self.control_sock = self._router(control_endpoint_of(d), curve=False)  # loopback only, see config
         self.worker_endpoint = self.workers_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.control_endpoint = self.control_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         try:

@@ -85,7 +85,10 @@ class RunningDaemon:
 
     @property
     def control_endpoint(self) -> str:
-        return self.sections["daemon"]["control_endpoint"]
+        """As the CLI finds it: the configured endpoint, else the default ipc:// socket."""
+        from dynaresized.daemon.config import DaemonSection, control_endpoint_of
+
+        return control_endpoint_of(DaemonSection(**self.sections["daemon"]))
 
     @property
     def state_dir(self) -> Path:
