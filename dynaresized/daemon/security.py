@@ -32,12 +32,13 @@ class SecurityError(Exception):
     pass
 
 
-def write_private(path: Path, data: bytes) -> None:
-    """Create `path` with mode 0600 from its first byte: os.open sets the mode as it creates the
-    file, where open() then chmod leaves it readable under the umask in between. An existing
-    file is refused, never overwritten."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+def create_file(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Create `path` with `mode` from its first byte: os.open sets the mode as it creates the
+    file, where open() then chmod leaves it readable under the umask in between (fchmod: the
+    umask could only narrow it). An existing file is refused, never overwritten."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode & 0o600)
     try:
+        os.fchmod(fd, mode)
         os.write(fd, data)
         os.fsync(fd)
     finally:
@@ -54,8 +55,8 @@ def keygen(directory: str | Path, name: str) -> tuple[Path, Path]:
     for path in (public, secret):
         if path.exists():
             raise FileExistsError(f"{path} exists: move it aside to write a new key pair")
-    write_private(secret, _certificate("secret", public_key, secret_key))
-    public.write_bytes(_certificate("public", public_key))
+    create_file(secret, _certificate("secret", public_key, secret_key))
+    create_file(public, _certificate("public", public_key), 0o644)
     return public, secret
 
 
@@ -88,7 +89,7 @@ def load_control_secret(state_dir: Path) -> bytes:
     state directory, created 0600 with a fresh random value on the first start."""
     path = control_secret_file(state_dir)
     if not path.exists():
-        write_private(path, secrets.token_hex(32).encode() + b"\n")
+        create_file(path, secrets.token_hex(32).encode() + b"\n")
     secret = path.read_bytes().strip()
     if not secret:
         raise SecurityError(f"{path} is empty: delete it and the daemon writes a new one")

@@ -102,3 +102,15 @@ def test_events_follow_prints_facts_as_they_are_recorded(make_daemon) -> None:
     finally:
         follow.terminate()
         follow.wait(timeout=10)
+
+
+def test_check_config_warns_when_the_metrics_listener_binds_wider_than_loopback(tmp_path: Path) -> None:
+    sections = {"cluster": {"devices": ["a:gpu0", "a:gpu1"]}}
+    quiet = cli("check-config", "--config", str(write_config(tmp_path / "quiet.toml", sections)))
+    assert quiet.returncode == 0 and "warning" not in quiet.stderr
+    wide = write_config(tmp_path / "wide.toml", {**sections, "daemon": {"metrics_host": "0.0.0.0"}})
+    out = cli("check-config", "--config", str(wide))
+    assert out.returncode == 0, out.stderr  # allowed, but said
+    assert "warning" in out.stderr and "daemon.metrics_host" in out.stderr and "no authentication" in out.stderr
+    off = write_config(tmp_path / "off.toml", {**sections, "daemon": {"metrics_host": "0.0.0.0", "metrics_port": 0}})
+    assert "warning" not in cli("check-config", "--config", str(off)).stderr

@@ -154,3 +154,116 @@ async def test_without_handover_a_worker_still_comes_back_on_a_new_connection_an
                 what="re-registration with the restarted daemon")
     assert [(w["id"], w["status"]) for w in daemon.status()["workers"]] == [("w-b", "live")]
     await client.close()
+
+
+# -- files born private (#16, point 3) ---------------------------------------------------------
+
+def test_keygen_creates_the_secret_key_0600_before_its_first_byte(tmp_path, monkeypatch) -> None:
+    """Every write to the secret key file finds it 0600 already, and nothing widens or narrows
+    it later (a chmod after writing means it was readable in between), even under umask 0."""
+    import os
+    import sys
+
+    secret_path = str(tmp_path / "w-a.key_secret")
+    seen: list[tuple[str, int]] = []
+    real_write = os.write
+
+    def write(fd: int, data: bytes) -> int:
+        if os.path.realpath(f"/proc/self/fd/{fd}") == secret_path:
+            seen.append(("write", os.fstat(fd).st_mode & 0o777))
+        return real_write(fd, data)
+
+    def audit(event: str, args: tuple) -> None:  # type: ignore[type-arg]
+        if event == "os.chmod" and str(args[0]) == secret_path and os.path.exists(secret_path):
+            seen.append(("chmod", os.stat(secret_path).st_mode & 0o777))
+        if event == "open" and str(args[0]) == secret_path and os.path.exists(secret_path):
+            seen.append(("reopen", os.stat(secret_path).st_mode & 0o777))
+
+    monkeypatch.setattr(os, "write", write)
+    sys.addaudithook(audit)  # hooks cannot be removed; this one only records for this test's path
+    old = os.umask(0)
+    try:
+        keygen(tmp_path, "w-a")
+    finally:
+        os.umask(old)
+        secret_path = "/done"  # the hook and the wrapper go quiet
+    assert seen and seen[0][0] == "write", seen
+    assert all(mode == 0o600 for _, mode in seen), seen
+    assert (tmp_path / "w-a.key_secret").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "w-a.key").stat().st_mode & 0o777 == 0o644  # the public half is for copying around
+    CurveKeys(tmp_path / "w-a.key_secret", tmp_path / "w-a.key")  # and the pair loads
+    with pytest.raises(FileExistsError):
+        keygen(tmp_path, "w-a")  # never overwrites a key in use
+
+
+def test_state_dir_is_0750_and_its_files_private_whoever_starts_the_daemon(make_daemon) -> None:
+    import os
+
+    old = os.umask(0)  # the widest umask a user could start the daemon with
+    try:
+        daemon = make_daemon(start=False)
+        del daemon.sections["daemon"]["control_endpoint"]  # the default: ipc://<state_dir>/control.sock
+        from .conftest import write_config
+
+        write_config(daemon.config_path, daemon.sections)
+        daemon.start()
+    finally:
+        os.umask(old)
+    state = daemon.state_dir
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [state, *state.iterdir()]}
+    assert modes == {"state": 0o750, "events.sqlite": 0o640, "events.sqlite-wal": 0o640,
+                     "events.sqlite-shm": 0o640, "events.sqlite.lock": 0o640, "control.secret": 0o600,
+                     "control.sock": 0o600}, {k: oct(v) for k, v in modes.items()}
+    assert daemon.status()["phase"] == "steady"  # the CLI's default finds the ipc socket
+
+
+# -- visible refusals (#16, points 4 and 5) ----------------------------------------------------
+
+async def test_every_refused_handshake_is_counted_and_logged(make_daemon, tmp_path) -> None:
+    from .conftest import until
+    from .test_bad_input import metric
+
+    daemon, server_pub, secrets = _curve_daemon(make_daemon, tmp_path, "w-a")
+    keygen(tmp_path / "intruders", "intruder")
+    wrong_server_pub, _ = keygen(tmp_path / "other-server", "server")
+
+    def refusals(kind: str) -> float:
+        return metric(daemon, "dynaresized_security_refusals_total", f'kind="{kind}"')
+
+    attempts = [
+        ("unknown_key", CurveKeys(tmp_path / "intruders" / "intruder.key_secret", server_pub)),
+        ("handshake_failed", None),  # plaintext against a CURVE endpoint
+        ("handshake_failed", CurveKeys(secrets / "w-a.key_secret", wrong_server_pub)),
+    ]
+    for kind, curve in attempts:
+        before = refusals(kind)
+        ctx, sock = _squatter(daemon.worker_endpoint, b"w-a", curve)
+        try:
+            await until(lambda: refusals(kind) > before, timeout=10, what=f"{kind} counted")  # noqa: B023
+        finally:
+            sock.close()
+            ctx.term()
+    text = daemon.output()
+    assert "refused a CURVE handshake: key not in authorized_keys_dir" in text
+    assert "refused a handshake on the worker endpoint" in text
+    assert daemon.status()["workers"] == []
+
+
+def test_a_flood_of_refusals_is_all_counted_but_logged_once_per_window() -> None:
+    from prometheus_client import CollectorRegistry, Counter
+    from structlog.testing import capture_logs
+
+    from dynaresized.daemon.security import Refusals
+
+    now = [100.0]
+    counter = Counter("refusals_total", "test", ["kind"], registry=CollectorRegistry())
+    refusals = Refusals(counter, clock=lambda: now[0])
+    with capture_logs() as logs:
+        for _ in range(1000):
+            refusals.record("unknown_key", "refused", key="k")
+        now[0] += 10.0
+        refusals.record("unknown_key", "refused", key="k")
+        refusals.record("control_secret", "refused", request="pause")
+    assert counter.labels("unknown_key")._value.get() == 1001
+    assert [(e["refusal"], e.get("not_logged_since_last")) for e in logs] == [
+        ("unknown_key", None), ("unknown_key", 999), ("control_secret", None)]
