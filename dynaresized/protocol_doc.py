@@ -18,8 +18,10 @@ INTRO = f"""# Wire protocol (version {wire.PROTOCOL_VERSION})
 
 Workers talk to the daemon over ZeroMQ: the daemon binds a **ROUTER** socket
 (`daemon.worker_endpoint`), each worker connects a **DEALER** socket whose ZeroMQ identity
-(`ZMQ_IDENTITY`) is its worker id. Operators talk to a second ROUTER (`daemon.control_endpoint`)
-with a DEALER of any identity.
+(`ZMQ_IDENTITY`) is its worker id; a second connection with the identity of a connected worker
+is not routed (`ROUTER_HANDOVER` is off). Operators talk to a second ROUTER
+(`daemon.control_endpoint`) with a DEALER of any identity, sending two frames, the control
+secret (empty for `status`) and the request (see docs/security.md).
 
 **Frames.** Every message is exactly one frame holding one [MessagePack](https://msgpack.org)
 map. (The ROUTER sees `[identity, payload]`; the DEALER sends and receives just `[payload]`.)
