@@ -34,7 +34,7 @@ class Metrics:
             "Refused handshakes, connections without a live worker, control requests without the secret, by kind",
             ["kind"], registry=r)
         self.worker_connections = Gauge("dynaresized_worker_connections",
-                                        "Connections to the worker endpoint that completed the handshake", registry=r)
+                                        "Open connections to the worker endpoint", registry=r)
 
         self._message_counts: dict[type, int] = {}
 

@@ -189,8 +189,15 @@ class Daemon:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.daemon.max_message_bytes)
         sock.setsockopt(zmq.RCVHWM, 100_000)
-        if curve and self.curve is not None:
-            self.curve.apply(sock)
+        if curve:  # the worker endpoint
+            # ZMTP heartbeats drop a connection whose peer vanished without a FIN (host down)
+            # within the timeout, so that the worker's next connection can take its identity.
+            d = self.config.daemon
+            sock.setsockopt(zmq.HEARTBEAT_IVL, int(d.heartbeat_interval_s * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT,
+                            int(max(self.config.core.heartbeat_timeout_s, 3 * d.heartbeat_interval_s) * 1000))
+            if self.curve is not None:
+                self.curve.apply(sock)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -376,9 +383,8 @@ class Daemon:
         connection for a connected worker id shows: libzmq parks it unrouted without a word."""
         assert self.workers_sock is not None
         failed = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        monitor = self.workers_sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | failed)
-        connected: set[int] = set()
+        monitor = self.workers_sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | failed)
+        connected: set[int] = set()  # by file descriptor: libzmq names the fd on accept and disconnect only
         reported = 0  # connections without a live worker already counted
         excess_since = 0.0
         grace = self.config.core.heartbeat_timeout_s / self.scale
@@ -390,7 +396,7 @@ class Daemon:
                     frames = None
                 if frames:
                     event = parse_monitor_message(frames)
-                    if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    if event["event"] == zmq.EVENT_ACCEPTED:
                         connected.add(event["value"])
                     elif event["event"] == zmq.EVENT_DISCONNECTED:
                         connected.discard(event["value"])

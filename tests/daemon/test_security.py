@@ -267,3 +267,32 @@ def test_a_flood_of_refusals_is_all_counted_but_logged_once_per_window() -> None
     assert counter.labels("unknown_key")._value.get() == 1001
     assert [(e["refusal"], e.get("not_logged_since_last")) for e in logs] == [
         ("unknown_key", None), ("unknown_key", 999), ("control_secret", None)]
+
+
+async def test_a_worker_whose_new_connection_is_not_routed_reconnects_until_it_is(make_daemon) -> None:
+    """The worker's connection dropped (only its side saw it, as when a host link flaps) and,
+    meanwhile, another connection took its identity's free slot: the daemon parks the worker's
+    new connection, so the client must open another one until the slot is free again."""
+    import asyncio
+
+    from .conftest import DEVICES, until
+    from .test_bad_input import metric
+
+    daemon = make_daemon()
+    client = WorkerClient(daemon.worker_endpoint, "w-b", WorkerKind.TRAINER_RANK, (DEVICES[0],))
+    await client.start()
+    client._sock.disconnect(daemon.worker_endpoint)  # the drop
+    await until(lambda: metric(daemon, "dynaresized_worker_connections") == 0, what="the drop seen")
+    ctx, holder = _squatter(daemon.worker_endpoint, b"w-b", None)
+    try:
+        await until(lambda: metric(daemon, "dynaresized_worker_connections") == 1, what="the slot taken")
+        client._sock.connect(daemon.worker_endpoint)  # parked: the slot is held
+        await until(lambda: [w["status"] for w in daemon.status()["workers"]] == ["lost"], timeout=15,
+                    what="the worker declared lost")
+        await asyncio.sleep(1.0)
+    finally:
+        holder.close()
+        ctx.term()
+    await until(lambda: [w["status"] for w in daemon.status()["workers"]] == ["live"] and client._registered.is_set(),
+                timeout=20, what="the worker registered again on a new connection")
+    await client.close()
