@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import zmq
 
 from dynaresized.client import CurveKeys, DaemonRejected, DaemonUnavailable, WorkerClient
 from dynaresized.daemon.security import keygen
@@ -79,8 +80,6 @@ def _curve_daemon(make_daemon, tmp_path, *worker_ids: str):  # type: ignore[no-u
 
 
 def _squatter(endpoint: str, identity: bytes, curve: CurveKeys | None):  # type: ignore[no-untyped-def]
-    import zmq
-
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, identity)
@@ -109,9 +108,10 @@ async def test_a_second_connection_with_a_workers_identity_neither_takes_its_slo
         daemon, keys = make_daemon(), {"w-a": None, "w-b": None}
     victim = WorkerClient(daemon.worker_endpoint, "w-b", WorkerKind.TRAINER_RANK, (DEVICES[0],), curve=keys["w-b"])
     await victim.start()
-    # w-a's key (or, without CURVE, any local process) connects with w-b's routing identity, sits
-    # silent, then claims every device as itself.
-    ctx, squatter = _squatter(daemon.worker_endpoint, b"w-b", keys["w-a"])
+    # w-a's key (or, without CURVE, any local process) connects with w-b's routing identity (the
+    # very one w-b's client set, as if it had leaked), sits silent, then claims every device.
+    identity = victim._sock.getsockopt(zmq.IDENTITY)
+    ctx, squatter = _squatter(daemon.worker_endpoint, identity, keys["w-a"])
     try:
         await asyncio.sleep(0.5)
         squatter.send(wire.encode(wire.Hello(protocol=wire.PROTOCOL_VERSION, worker_id="w-a",
@@ -283,7 +283,7 @@ async def test_a_worker_whose_new_connection_is_not_routed_reconnects_until_it_i
     await client.start()
     client._sock.disconnect(daemon.worker_endpoint)  # the drop
     await until(lambda: metric(daemon, "dynaresized_worker_connections") == 0, what="the drop seen")
-    ctx, holder = _squatter(daemon.worker_endpoint, b"w-b", None)
+    ctx, holder = _squatter(daemon.worker_endpoint, client._sock.getsockopt(zmq.IDENTITY), None)
     try:
         await until(lambda: metric(daemon, "dynaresized_worker_connections") == 1, what="the slot taken")
         client._sock.connect(daemon.worker_endpoint)  # parked: the slot is held
