@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hmac
+import secrets
 import signal
 import time
 import uuid
@@ -182,13 +182,6 @@ class Daemon:
     def _router(self, endpoint: str, *, curve: bool) -> zmq.asyncio.Socket:
         assert self.ctx is not None
         sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 1000)
-        # No handover: a second connection for a routing id that is connected must not take the
-        # slot (it would take that worker's ops and acks). libzmq parks it unrouted; a restarted
-        # worker's old connection is gone by the time its new one shakes hands.
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.config.daemon.max_message_bytes)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
         if curve:  # the worker endpoint
             # ZMTP heartbeats drop a connection whose peer vanished without a FIN (host down)
             # within the timeout, so that the worker's next connection can take its identity.
@@ -196,8 +189,15 @@ class Daemon:
             sock.setsockopt(zmq.HEARTBEAT_IVL, int(d.heartbeat_interval_s * 1000))
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT,
                             int(max(self.config.core.heartbeat_timeout_s, 3 * d.heartbeat_interval_s) * 1000))
-            if self.curve is not None:
-                self.curve.apply(sock)
+        sock.setsockopt(zmq.LINGER, 1000)
+        # No handover: a second connection for a routing id that is connected must not take the
+        # slot (it would take that worker's ops and acks). libzmq parks it unrouted; a restarted
+        # worker's old connection is gone by the time its new one shakes hands.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.daemon.max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        if curve and self.curve is not None:
+            self.curve.apply(sock)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -365,7 +365,7 @@ class Daemon:
                 self._send_error(raw, identity, wire.ErrorCode.BAD_VERSION,
                                  f"protocol {msg.protocol} not supported; this daemon speaks {wire.PROTOCOL_VERSION}")
                 continue
-            if type(msg) is not wire.StatusRequest and not hmac.compare_digest(secret, self.control_secret):
+            if type(msg) is not wire.StatusRequest and not secrets.compare_digest(secret, self.control_secret):
                 tag = type(msg).__struct_config__.tag
                 self.refusals.record("control_secret", "refused a control request without the control secret",
                                      request=tag)

@@ -49,12 +49,6 @@ def metric(daemon, name: str, label: str = "") -> float:  # type: ignore[no-unty
     return total
 
 
-def gone(daemon) -> None:  # type: ignore[no-untyped-def]
-    """Wait until the daemon has dropped the last peer's connection: the next peer reuses its
-    identity, and a connection for an identity still connected is not routed (no handover)."""
-    wait_for(lambda: metric(daemon, "dynaresized_worker_connections") <= 1, what="the peer's connection dropped")
-
-
 def hello(worker_id: str, devices: tuple[str, ...], kind: str = "trainer-rank", protocol: int = 1) -> bytes:
     return msgspec.msgpack.encode({"type": "hello", "protocol": protocol, "worker_id": worker_id, "kind": kind,
                                    "devices": list(devices)})
@@ -82,6 +76,12 @@ CASES = [
      msgspec.msgpack.encode({"type": "op_result", "worker_id": "owner", "op_id": "r9/0-drain", "ok": True}),
      wire.ErrorCode.UNAUTHORIZED, "identity"),
 ]
+
+
+def gone(daemon) -> None:  # type: ignore[no-untyped-def]
+    """Wait until the daemon has dropped the last peer's connection: the next peer reuses its
+    identity, and a connection for an identity still connected is not routed (no handover)."""
+    wait_for(lambda: metric(daemon, "dynaresized_worker_connections") <= 1, what="the peer's connection dropped")
 
 
 async def test_bad_input_is_refused_clearly_and_changes_nothing(make_daemon) -> None:
