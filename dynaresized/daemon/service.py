@@ -184,11 +184,11 @@ class Daemon:
         sock = self.ctx.socket(zmq.ROUTER)
         if curve:  # the worker endpoint
             # ZMTP heartbeats drop a connection whose peer vanished without a FIN (host down)
-            # within the timeout, so that the worker's next connection can take its identity.
-            d = self.config.daemon
-            sock.setsockopt(zmq.HEARTBEAT_IVL, int(d.heartbeat_interval_s * 1000))
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT,
-                            int(max(self.config.core.heartbeat_timeout_s, 3 * d.heartbeat_interval_s) * 1000))
+            # within the heartbeat timeout, so that the worker's next connection can take its
+            # identity. A ping every third of it: they cost the I/O thread per connection.
+            timeout_s = max(self.config.core.heartbeat_timeout_s, 3 * self.config.daemon.heartbeat_interval_s)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, int(timeout_s / 3 * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout_s * 1000))
         sock.setsockopt(zmq.LINGER, 1000)
         # No handover: a second connection for a routing id that is connected must not take the
         # slot (it would take that worker's ops and acks). libzmq parks it unrouted; a restarted
@@ -388,14 +388,17 @@ class Daemon:
         reported = 0  # connections without a live worker already counted
         excess_since = 0.0
         grace = self.config.core.heartbeat_timeout_s / self.scale
+        raw = zmq.Socket.shadow(monitor.underlying)
         try:
             while True:
-                try:
-                    frames = await asyncio.wait_for(monitor.recv_multipart(), grace / 2)
-                except TimeoutError:
-                    frames = None
-                if frames:
-                    event = parse_monitor_message(frames)
+                # Drain every event at once: libzmq's I/O thread blocks on a full monitor queue,
+                # and then the whole socket stalls.
+                await monitor.poll(timeout=int(grace * 500), flags=zmq.POLLIN)
+                while True:
+                    try:
+                        event = parse_monitor_message(raw.recv_multipart(_NOBLOCK))
+                    except zmq.Again:
+                        break
                     if event["event"] == zmq.EVENT_ACCEPTED:
                         connected.add(event["value"])
                     elif event["event"] == zmq.EVENT_DISCONNECTED:
@@ -403,7 +406,7 @@ class Daemon:
                     else:
                         self.refusals.record("handshake_failed", "refused a handshake on the worker endpoint",
                                              handshake=zmq.Event(event["event"]).name, errno=event["value"])
-                    self.metrics.worker_connections.set(len(connected))
+                self.metrics.worker_connections.set(len(connected))
                 live = sum(1 for w in self.state.workers.values() if w.status is WorkerStatus.LIVE)
                 excess = len(connected) - live
                 now = time.monotonic()
