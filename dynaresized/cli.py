@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from dynaresized import __version__, wire
-from dynaresized.control import control_request, ensure_listening
+from dynaresized.control import control_request, ensure_listening, read_control_secret
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NOT_CONFIGURED = 0, 1, 2, 3, 6
 DEFAULT_CONFIG = "/etc/dynaresized/config.toml"
@@ -53,16 +53,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _control(args: argparse.Namespace, request: msgspec.Struct) -> wire.ControlReply | int:
-    from dynaresized.daemon.config import ConfigError
+    from dynaresized.daemon.config import ConfigError, control_endpoint_of
 
     try:
-        endpoint = args.control or _config_for_client(args.config).daemon.control_endpoint
+        daemon = _config_for_client(args.config).daemon
     except ConfigError as exc:
         print(f"dynaresized: {exc}", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
+    endpoint = args.control or control_endpoint_of(daemon)
     try:
         ensure_listening(endpoint, args.timeout)
-        return control_request(endpoint, request, args.timeout)
+        return control_request(endpoint, request, args.timeout, secret=read_control_secret(daemon.state_dir))
     except (TimeoutError, ConnectionRefusedError) as exc:
         print(f"dynaresized: {exc}", file=sys.stderr)
         return EXIT_NOT_RUNNING
@@ -226,14 +227,18 @@ def _cmd_events(args: argparse.Namespace) -> int:
 def _cmd_keygen(args: argparse.Namespace) -> int:
     from dynaresized.daemon.security import keygen
 
-    public, secret = keygen(args.dir, args.name)
+    try:
+        public, secret = keygen(args.dir, args.name)
+    except FileExistsError as exc:
+        print(f"dynaresized: {exc}", file=sys.stderr)
+        return EXIT_FAIL
     print(f"public key: {public}\nsecret key: {secret} (keep it private; mode 0600)")
     return EXIT_OK
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
     """What `serve` checks before it binds or writes, with the words `serve` would print."""
-    from dynaresized.daemon.config import ConfigError, load_config
+    from dynaresized.daemon.config import ConfigError, config_warnings, load_config
     from dynaresized.daemon.preflight import StartupError, check_startup
 
     try:
@@ -246,6 +251,8 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     except StartupError as exc:
         print(f"dynaresized: cannot start: {exc}", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
+    for key, why in config_warnings(config):
+        print(f"dynaresized: warning: {args.config}: {key}: {why}", file=sys.stderr)
     print(f"{args.config}: ok")
     return EXIT_OK
 
@@ -269,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def client_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--config", help=f"read endpoints from this config (default {DEFAULT_CONFIG} if present)")
-        p.add_argument("--control", help="the daemon's control endpoint, e.g. tcp://127.0.0.1:5556")
+        p.add_argument("--control", help="the daemon's control endpoint (default: from the config, "
+                                         "ipc://<state_dir>/control.sock unless set)")
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default 5)")
 
     p = sub.add_parser("status", help="pools, devices, workers and the resize in flight")

@@ -246,8 +246,18 @@ class WorkerClient:
                 await self._hello(max(self.heartbeat_interval_s * 2, 1.0))
                 return
             except DaemonUnavailable:
+                self._reconnect()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
+
+    def _reconnect(self) -> None:
+        """Say the next hello on a new connection. The daemon does not route a connection whose
+        identity it still holds for an earlier one (no ROUTER_HANDOVER): after a drop that only
+        this side saw, hellos on that connection go unanswered until it is replaced."""
+        assert self._sock is not None
+        with contextlib.suppress(zmq.ZMQError):  # not connected: nothing to drop
+            self._sock.disconnect(self.endpoint)
+        self._sock.connect(self.endpoint)
 
     async def _heartbeat(self) -> None:
         while True:

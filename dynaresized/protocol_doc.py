@@ -20,8 +20,10 @@ Workers talk to the daemon over ZeroMQ: the daemon binds a **ROUTER** socket
 (`daemon.worker_endpoint`), each worker connects a **DEALER** socket whose ZeroMQ identity
 (`ZMQ_IDENTITY`) is its worker id, or (what `dynaresized.client` sets) its worker id, `#` and
 a token unique to the process (`<worker_id>#<process>`), so that two processes under one id
-never share a routing slot. Operators talk to a second ROUTER (`daemon.control_endpoint`)
-with a DEALER of any identity.
+never share a routing slot; a second connection with the identity of a connected one is not
+routed (`ROUTER_HANDOVER` is off). Operators talk to a second ROUTER
+(`daemon.control_endpoint`) with a DEALER of any identity, sending two frames, the control
+secret (empty for `status`) and the request (see docs/security.md).
 
 **Frames.** Every message is exactly one frame holding one [MessagePack](https://msgpack.org)
 map. (The ROUTER sees `[identity, payload]`; the DEALER sends and receives just `[payload]`.)

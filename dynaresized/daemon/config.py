@@ -7,6 +7,7 @@ docs/configuration.md (checked against `Config` by tests/daemon/test_config.py).
 
 from __future__ import annotations
 
+import grp
 import ipaddress
 import math
 import tomllib
@@ -29,7 +30,7 @@ class ConfigError(Exception):
 class DaemonSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     state_dir: str = "/var/lib/dynaresized"
     worker_endpoint: str = "tcp://127.0.0.1:5555"
-    control_endpoint: str = "tcp://127.0.0.1:5556"
+    control_endpoint: str = ""  # "" = ipc://<state_dir>/control.sock; see control_endpoint_of
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464  # 0 disables the Prometheus endpoint
     tick_interval_s: float = 0.5
@@ -45,6 +46,7 @@ class DaemonSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class SecuritySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     server_secret_key: str = ""  # path of the daemon's CURVE secret key file (from `dynaresized keygen`)
     authorized_keys_dir: str = ""  # directory of worker public keys; a key's file stem is its worker id
+    control_group: str = ""  # a group that may read status and the event log; "" = the daemon's user only
 
 
 class ClusterSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -97,6 +99,25 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return tuple(Split.parse(c) for c in self.cluster.candidates)
 
 
+CONTROL_SOCKET = "control.sock"
+
+
+def control_endpoint_of(daemon: DaemonSection) -> str:
+    """The control endpoint the daemon binds and the CLI connects to: the configured one, or by
+    default an ipc:// socket in the state directory, where file modes decide who may connect."""
+    return daemon.control_endpoint or f"ipc://{Path(daemon.state_dir).absolute() / CONTROL_SOCKET}"
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for localhost and loopback addresses; a host name or interface name is exposed."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def is_loopback_endpoint(endpoint: str) -> bool:
     """True for ipc:// and inproc:// endpoints and tcp:// on a loopback address."""
     url = urlparse(endpoint)
@@ -104,12 +125,7 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return True
     if url.scheme != "tcp" or url.hostname is None:
         return False
-    if url.hostname == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(url.hostname).is_loopback
-    except ValueError:
-        return False  # an interface name or a host name: treat as exposed
+    return is_loopback_host(url.hostname)
 
 
 def _check(cfg: Config) -> list[tuple[str, str]]:
@@ -141,11 +157,10 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
     need(d.log_format in ("auto", "json", "console"), "daemon.log_format", "must be auto, json or console")
     need(d.log_level in ("debug", "info", "warning", "error"), "daemon.log_level",
          "must be debug, info, warning or error")
-    for key in ("worker_endpoint", "control_endpoint"):
-        ep = getattr(d, key)
+    for key, ep in (("worker_endpoint", d.worker_endpoint), ("control_endpoint", control_endpoint_of(d))):
         need(urlparse(ep).scheme in ("tcp", "ipc", "inproc"), f"daemon.{key}",
              f"{ep!r} is not a ZeroMQ endpoint (tcp://host:port or ipc:///path)")
-    need(is_loopback_endpoint(d.control_endpoint), "daemon.control_endpoint",
+    need(is_loopback_endpoint(control_endpoint_of(d)), "daemon.control_endpoint",
          f"{d.control_endpoint!r} must be loopback (tcp://127.0.0.1:PORT) or ipc://: run the CLI on the daemon's host")
     need(g.cooldown_steps >= 0, "guards.cooldown_steps", f"must be >= 0, got {g.cooldown_steps}")
     need(g.min_dwell_s >= 0, "guards.min_dwell_s", f"must be >= 0, got {g.min_dwell_s}")
@@ -165,6 +180,11 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
     sec = cfg.security
     need(bool(sec.server_secret_key) == bool(sec.authorized_keys_dir), "security",
          "set both server_secret_key and authorized_keys_dir, or neither")
+    if sec.control_group:
+        try:
+            grp.getgrnam(sec.control_group)
+        except KeyError:
+            problems.append(("security.control_group", f"no group {sec.control_group!r} on this host"))
 
     devices = cfg.cluster.devices
     need(len(devices) > 0, "cluster.devices", "list the devices this daemon manages, e.g. [\"node0:gpu0\", ...]")
@@ -185,6 +205,17 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
         need(split.total == n and split.train >= 0 and split.rollout >= 0, "cluster.candidates",
              f"{text!r} must add up to the {n} devices")
     return problems
+
+
+def config_warnings(cfg: Config) -> list[tuple[str, str]]:
+    """What is allowed but exposed: `check-config` prints these and the daemon logs them."""
+    warnings: list[tuple[str, str]] = []
+    d = cfg.daemon
+    if d.metrics_port and not is_loopback_host(d.metrics_host):
+        warnings.append(("daemon.metrics_host",
+                         f"{d.metrics_host!r} is not loopback: the Prometheus endpoint has no authentication, so "
+                         "anyone who can reach the port reads the daemon's metrics (docs/security.md)"))
+    return warnings
 
 
 def load_config(path: str | Path) -> Config:

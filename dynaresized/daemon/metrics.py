@@ -58,6 +58,12 @@ class Metrics:
                                 ["verdict"], registry=r)
         self.payback_factor = Gauge("dynaresized_payback_factor",
                                     "Learned multiplier on the required payback (1: nothing learned)", registry=r)
+        self.security_refusals = Counter(
+            "dynaresized_security_refusals_total",
+            "Refused handshakes, connections without a live worker, control requests without the secret, by kind",
+            ["kind"], registry=r)
+        self.worker_connections = Gauge("dynaresized_worker_connections",
+                                        "Open connections to the worker endpoint", registry=r)
 
         self._message_counts: dict[type, int] = {}
 

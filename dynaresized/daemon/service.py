@@ -23,6 +23,7 @@ import msgspec
 import structlog
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from dynaresized import wire
 from dynaresized.core import Command, Core, IllegalTransition, QueryState, Refused
@@ -30,7 +31,8 @@ from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.core.policy import Policy
 from dynaresized.core.state import ClusterState, Phase
-from dynaresized.daemon.config import Config, ConfigError, load_config
+from dynaresized.control import control_secret_file
+from dynaresized.daemon.config import Config, ConfigError, config_warnings, control_endpoint_of, load_config
 from dynaresized.daemon.metrics import Metrics
 from dynaresized.daemon.notify import Notifier
 from dynaresized.daemon.preflight import (
@@ -42,8 +44,16 @@ from dynaresized.daemon.preflight import (
     inventory_problem,
     log_problem,
 )
-from dynaresized.daemon.security import CurveServer, SecurityError
-from dynaresized.domain import Pool, Split
+from dynaresized.daemon.security import (
+    CurveServer,
+    Refusals,
+    SecurityError,
+    load_control_secret,
+    make_state_dir,
+    owner_only_umask,
+    restrict_ipc_socket,
+)
+from dynaresized.domain import Pool, Split, WorkerStatus
 from dynaresized.explain import explain
 from dynaresized.store import FactLog, open_recorder
 
@@ -83,6 +93,8 @@ class Daemon:
         self.core = Core(config.core_config(), self.policy)
         self.notifier = notifier or Notifier()
         self.metrics = Metrics()
+        self.refusals = Refusals(self.metrics.security_refusals)
+        self.control_secret = b""
         self.boot_id = uuid.uuid4().hex[:12]
         self.state = ClusterState()
         self.queue: asyncio.Queue[list[_WorkerIn | _ControlIn | _TickIn | _ReloadIn]] = asyncio.Queue()
@@ -117,7 +129,7 @@ class Daemon:
         """Open and replay the log; the first write comes only after the last check passed."""
         state_dir = Path(self.config.daemon.state_dir)
         try:
-            state_dir.mkdir(parents=True, exist_ok=True)
+            make_state_dir(state_dir, self.config.security.control_group)
         except OSError as exc:
             raise StartupError(f"cannot create state_dir {state_dir}: {exc}") from None
         path = state_dir / EVENTS_FILE
@@ -151,19 +163,40 @@ class Daemon:
         self.ctx = zmq.asyncio.Context()
         if sec.server_secret_key:
             try:
-                self.curve = CurveServer(self.ctx, sec.server_secret_key, sec.authorized_keys_dir)
+                self.curve = CurveServer(self.ctx, sec.server_secret_key, sec.authorized_keys_dir, self.refusals)
             except SecurityError as exc:
                 raise StartupError(str(exc)) from None
         self.workers_sock = self._router(d.worker_endpoint, curve=True)
-        self.control_sock = self._router(d.control_endpoint, curve=False)  # loopback only, see config
+        state_dir = Path(d.state_dir)  # holds the control secret, and by default the control socket
+        try:
+            make_state_dir(state_dir, sec.control_group)
+            self.control_secret = load_control_secret(state_dir)
+        except (OSError, SecurityError) as exc:
+            raise StartupError(f"control secret {control_secret_file(state_dir)}: {exc}") from None
+        with owner_only_umask():
+            self.control_sock = self._router(control_endpoint_of(d), curve=False)  # loopback only, see config
         self.worker_endpoint = self.workers_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.control_endpoint = self.control_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            restrict_ipc_socket(self.control_endpoint, sec.control_group)
+        except OSError as exc:
+            raise StartupError(f"cannot restrict the control socket {self.control_endpoint}: {exc}") from None
 
     def _router(self, endpoint: str, *, curve: bool) -> zmq.asyncio.Socket:
         assert self.ctx is not None
         sock = self.ctx.socket(zmq.ROUTER)
+        if curve:  # the worker endpoint
+            # ZMTP heartbeats drop a connection whose peer vanished without a FIN (host down)
+            # within the heartbeat timeout, so that the worker's next connection can take its
+            # identity. A ping every third of it: they cost the I/O thread per connection.
+            timeout_s = max(self.config.core.heartbeat_timeout_s, 3 * self.config.daemon.heartbeat_interval_s)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, int(timeout_s / 3 * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout_s * 1000))
         sock.setsockopt(zmq.LINGER, 1000)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its identity back
+        # No handover: a second connection for a routing id that is connected must not take the
+        # slot (it would take that worker's ops and acks). libzmq parks it unrouted; a restarted
+        # worker's old connection is gone by the time its new one shakes hands.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.daemon.max_message_bytes)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         # A send to a routing id with no connection fails (EHOSTUNREACH) instead of vanishing:
@@ -196,6 +229,8 @@ class Daemon:
         self.metrics.update_gauges(self.state)
         self.metrics.observe_idle(self.state)
         self.metrics.payback_factor.set(self.state.history.payback_factor)
+        for key, why in config_warnings(self.config):
+            log.warning("exposed by configuration", key=key, why=why)
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGTERM, self.request_stop)
@@ -207,6 +242,7 @@ class Daemon:
             asyncio.create_task(self._ingress_workers(), name="ingress-workers"),
             asyncio.create_task(self._ingress_control(), name="ingress-control"),
             asyncio.create_task(self._ticker(), name="ticker"),
+            asyncio.create_task(self._watch_worker_connections(), name="watch-worker-connections"),
         }
         reactor = next(t for t in tasks if t.get_name() == "reactor")
         self.notifier.ready(f"serving {self.worker_endpoint}; split {self.state.split}")
@@ -368,9 +404,12 @@ class Daemon:
         raw = zmq.Socket.shadow(sock.underlying)
         while True:
             frames = await sock.recv_multipart()
-            if len(frames) != 2:
+            if len(frames) == 3:
+                identity, secret, payload = frames
+            elif len(frames) == 2:  # a client without the secret frame: it may still ask for status
+                (identity, payload), secret = frames, b""
+            else:
                 continue
-            identity, payload = frames
             try:
                 msg = self._control_decoder.decode(payload)
             except wire.WireError as exc:
@@ -381,7 +420,65 @@ class Daemon:
                 self._send_error(raw, identity, wire.ErrorCode.BAD_VERSION,
                                  f"protocol {msg.protocol} not supported; this daemon speaks {wire.PROTOCOL_VERSION}")
                 continue
+            if type(msg) is not wire.StatusRequest and not secrets.compare_digest(secret, self.control_secret):
+                tag = type(msg).__struct_config__.tag
+                self.refusals.record("control_secret", "refused a control request without the control secret",
+                                     request=tag)
+                self._send_error(raw, identity, wire.ErrorCode.UNAUTHORIZED,
+                                 f"{tag} needs the control secret in "
+                                 f"{control_secret_file(self.config.daemon.state_dir)}: run the CLI as the daemon's "
+                                 "user or root, with the daemon's --config")
+                continue
             self.queue.put_nowait([_ControlIn(identity, msg)])
+
+    async def _watch_worker_connections(self) -> None:
+        """Count and log what the worker socket refuses below the messages: failed handshakes (a
+        plaintext peer, a wrong server key; the ZAP handler counts unknown keys), and connections
+        that no live worker stands behind for a heartbeat timeout. The latter is also how a second
+        connection for a connected worker id shows: libzmq parks it unrouted without a word."""
+        assert self.workers_sock is not None
+        failed = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        monitor = self.workers_sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | failed)
+        connected: set[int] = set()  # by file descriptor: libzmq names the fd on accept and disconnect only
+        reported = 0  # connections without a live worker already counted
+        excess_since = 0.0
+        # A heartbeat timeout in wall time, but never under a second: a demo's daemon.time_scale
+        # would make it microseconds, and this loop a busy one.
+        grace = max(self.config.core.heartbeat_timeout_s / self.scale, 1.0)
+        raw = zmq.Socket.shadow(monitor.underlying)
+        try:
+            while True:
+                # Drain every event at once: libzmq's I/O thread blocks on a full monitor queue,
+                # and then the whole socket stalls.
+                await monitor.poll(timeout=int(grace * 500), flags=zmq.POLLIN)
+                while True:
+                    try:
+                        event = parse_monitor_message(raw.recv_multipart(_NOBLOCK))
+                    except zmq.Again:
+                        break
+                    if event["event"] == zmq.EVENT_ACCEPTED:
+                        connected.add(event["value"])
+                    elif event["event"] == zmq.EVENT_DISCONNECTED:
+                        connected.discard(event["value"])
+                    else:
+                        self.refusals.record("handshake_failed", "refused a handshake on the worker endpoint",
+                                             handshake=zmq.Event(event["event"]).name, errno=event["value"])
+                self.metrics.worker_connections.set(len(connected))
+                live = sum(1 for w in self.state.workers.values() if w.status is WorkerStatus.LIVE)
+                excess = len(connected) - live
+                now = time.monotonic()
+                if excess <= reported:
+                    reported, excess_since = max(excess, 0), now
+                elif now - excess_since >= grace:
+                    self.refusals.record("idle_connection",
+                                         "connections to the worker endpoint without a live worker: a second "
+                                         "connection for a connected worker id (not routed), or a peer that "
+                                         "never registered", connections=len(connected), live_workers=live)
+                    self.metrics.security_refusals.labels("idle_connection").inc(excess - reported - 1)
+                    reported = excess
+        finally:
+            self.workers_sock.disable_monitor()
+            monitor.close(linger=0)
 
     async def _ticker(self) -> None:
         interval = self.config.daemon.tick_interval_s

@@ -18,7 +18,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Literal
 
 import msgspec
@@ -136,6 +136,7 @@ class SQLiteRecorder:
             raise FileNotFoundError(f"no directory {os.path.dirname(self.path)} for the event log {self.path}")
         self._lock_fd = take_writer_lock(self.path)
         try:
+            create_private(self.path)
             self._conn = self._open_writer(verify)
         except BaseException:
             release_writer_lock(self._lock_fd)
@@ -472,6 +473,32 @@ class SQLiteRecorder:
         return LogCheck(path=self.path, events=events, streams=streams, snapshots=len(snaps), damaged_snapshots=damaged)
 
 
+# -- file modes -----------------------------------------------------------------------------------
+
+LOG_FILE_MODE = 0o640
+"""The event log, its -wal and -shm files and its lock: the daemon's user writes, its group
+reads (`dynaresized events`), others nothing, whatever umask started the daemon."""
+
+
+def create_private(path: str) -> None:
+    """Create the database file with LOG_FILE_MODE before SQLite opens it (SQLite creates a
+    missing file under the umask, and gives its -wal and -shm files the database file's mode);
+    tighten the files an older version or a wider umask left readable to others."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, LOG_FILE_MODE)
+    except FileExistsError:
+        for existing in (path, path + "-wal", path + "-shm"):
+            with suppress(FileNotFoundError):
+                st = os.stat(existing)
+                if st.st_uid == os.geteuid() and st.st_mode & 0o777 != LOG_FILE_MODE:
+                    os.chmod(existing, LOG_FILE_MODE)
+        return
+    try:
+        os.fchmod(fd, LOG_FILE_MODE)  # exactly: a umask of 077 would take the group's read away
+    finally:
+        os.close(fd)
+
+
 # -- the writer lock ------------------------------------------------------------------------------
 
 
@@ -479,7 +506,7 @@ def take_writer_lock(path: str) -> int:
     """Lock `<path>.lock` for this writer, or raise StoreLockedError. A separate file, because
     closing any descriptor of the database file would drop SQLite's own POSIX locks on it."""
     lock_path = path + ".lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, LOG_FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -492,6 +519,7 @@ def take_writer_lock(path: str) -> int:
     except BaseException:
         os.close(fd)
         raise
+    os.fchmod(fd, LOG_FILE_MODE)  # also tightens a lock file an older version left 0644
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd

@@ -49,7 +49,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from dynaresized import wire  # noqa: E402
-from dynaresized.control import control_request  # noqa: E402
+from dynaresized.control import control_request, read_control_secret  # noqa: E402
 from examples.grpo_tiny import task  # noqa: E402
 from examples.grpo_tiny.job import StepSamples, TrainSample, advantages, write_step  # noqa: E402
 
@@ -385,7 +385,8 @@ op_timeout_s = 240.0
         train, rollout = split["train"], split["rollout"]
         train, rollout = (train + 1, rollout - 1) if kind == "grow" else (train - 1, rollout + 1)
         reply = control_request(self.control_ep, wire.ResizeRequest(train=train, rollout=rollout,
-                                                                    reason=f"forced {kind} (example --force)"), 10)
+                                                                    reason=f"forced {kind} (example --force)"), 10,
+                                secret=read_control_secret(self.work / "state"))
         self.say(f"    >> asked the daemon for {train}:{rollout} ({kind} training): "
                  f"{'accepted' if reply.ok else 'refused: ' + reply.message}")
         if reply.ok:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from dynaresized import wire
-from dynaresized.control import control_request
+from dynaresized.control import control_request, read_control_secret
 
 DEVICES = ["node0:cpu0", "node0:cpu1", "node0:cpu2", "node0:cpu3"]
 
@@ -87,7 +87,10 @@ class RunningDaemon:
 
     @property
     def control_endpoint(self) -> str:
-        return self.sections["daemon"]["control_endpoint"]
+        """As the CLI finds it: the configured endpoint, else the default ipc:// socket."""
+        from dynaresized.daemon.config import DaemonSection, control_endpoint_of
+
+        return control_endpoint_of(DaemonSection(**self.sections["daemon"]))
 
     @property
     def state_dir(self) -> Path:
@@ -124,7 +127,8 @@ class RunningDaemon:
         return control_request(self.control_endpoint, wire.StatusRequest(), timeout_s=5).data
 
     def control(self, request: Any) -> wire.ControlReply:
-        return control_request(self.control_endpoint, request, timeout_s=5)
+        """Send a request as the daemon's owner does: with the secret from its state directory."""
+        return control_request(self.control_endpoint, request, timeout_s=5, secret=read_control_secret(self.state_dir))
 
     def output(self) -> str:
         return self.log_path.read_text() if self.log_path and self.log_path.exists() else ""

@@ -14,7 +14,7 @@ from dynaresized import wire
 from dynaresized.client import WorkerClient
 from dynaresized.domain import WorkerKind
 
-from .conftest import read_facts, until
+from .conftest import read_facts, until, wait_for
 
 
 class RawPeer:
@@ -79,6 +79,12 @@ CASES = [
 ]
 
 
+def gone(daemon) -> None:  # type: ignore[no-untyped-def]
+    """Wait until the daemon has dropped the last peer's connection: the next peer reuses its
+    identity, and a connection for an identity still connected is not routed (no handover)."""
+    wait_for(lambda: metric(daemon, "dynaresized_worker_connections") <= 1, what="the peer's connection dropped")
+
+
 async def test_bad_input_is_refused_clearly_and_changes_nothing(make_daemon) -> None:
     daemon = make_daemon()
     owner = WorkerClient(daemon.worker_endpoint, "owner", WorkerKind.TRAINER_RANK, ("node0:cpu0",))
@@ -102,6 +108,7 @@ async def test_bad_input_is_refused_clearly_and_changes_nothing(make_daemon) -> 
                 assert text in reply.message, f"{name}: {reply.message!r}"
             finally:
                 peer.close()
+                gone(daemon)
         for frames in ([b"\x80", b"\x80"], [b"a", b"b", b"c"]):  # one message, several payload frames
             peer = RawPeer(daemon.worker_endpoint, b"mallory")
             try:
@@ -112,6 +119,7 @@ async def test_bad_input_is_refused_clearly_and_changes_nothing(make_daemon) -> 
                 assert f"expected exactly one payload frame, got {len(frames)}" in reply.message, reply.message
             finally:
                 peer.close()
+                gone(daemon)
         # A stale op result from the registered owner is refused by the core, not by auth.
         await owner._send(wire.OpResult(worker_id="owner", op_id="r9/0-drain", ok=True, token=owner.token))
         refused = await until(lambda: [e for e in owner.errors if e.reason == "illegal_transition"],

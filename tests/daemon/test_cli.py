@@ -20,7 +20,7 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 def test_status_pause_resume_resize_and_events(make_daemon) -> None:
     daemon = make_daemon()
-    ctl = ["--control", daemon.control_endpoint]
+    ctl = ["--config", str(daemon.config_path)]  # the endpoint, and the state_dir holding the control secret
     out = cli("status", *ctl)
     assert out.returncode == 0, out.stderr
     assert "phase       steady" in out.stdout and "train 2 : rollout 2" in out.stdout
@@ -102,7 +102,7 @@ def test_events_follow_prints_facts_as_they_are_recorded(make_daemon) -> None:
                               stdout=subprocess.PIPE, text=True)
     try:
         time.sleep(1.0)  # it has printed the (empty) past and is waiting for more
-        assert cli("pause", "--control", daemon.control_endpoint, "--reason", "tailing").returncode == 0
+        assert cli("pause", "--config", str(daemon.config_path), "--reason", "tailing").returncode == 0
         line = follow.stdout.readline()  # blocks until the follower sees the new fact
         event = json.loads(line)
         assert event["type"] == "resizing_paused" and event["reason"] == "tailing"
@@ -130,3 +130,15 @@ def test_a_directory_as_config_is_one_line_of_error(tmp_path: Path) -> None:
         assert out.returncode == 6, (command, out.stderr)
         assert out.stderr == f"dynaresized: {tmp_path}: is a directory; name the TOML file in it, e.g. " \
                              f"{tmp_path / 'config.toml'}\n", command
+
+
+def test_check_config_warns_when_the_metrics_listener_binds_wider_than_loopback(tmp_path: Path) -> None:
+    sections = {"cluster": {"devices": ["a:gpu0", "a:gpu1"]}}
+    quiet = cli("check-config", "--config", str(write_config(tmp_path / "quiet.toml", sections)))
+    assert quiet.returncode == 0 and "warning" not in quiet.stderr
+    wide = write_config(tmp_path / "wide.toml", {**sections, "daemon": {"metrics_host": "0.0.0.0"}})
+    out = cli("check-config", "--config", str(wide))
+    assert out.returncode == 0, out.stderr  # allowed, but said
+    assert "warning" in out.stderr and "daemon.metrics_host" in out.stderr and "no authentication" in out.stderr
+    off = write_config(tmp_path / "off.toml", {**sections, "daemon": {"metrics_host": "0.0.0.0", "metrics_port": 0}})
+    assert "warning" not in cli("check-config", "--config", str(off)).stderr

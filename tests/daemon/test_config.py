@@ -82,3 +82,14 @@ def test_a_duplicated_device_is_reported_once_without_echoes() -> None:
 def test_a_directory_is_not_a_config_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=re.escape(f"{tmp_path}: is a directory")):
         load_config(tmp_path)
+
+
+def test_the_default_control_endpoint_is_an_ipc_socket_in_the_state_directory() -> None:
+    from dynaresized.daemon.config import control_endpoint_of
+
+    cfg = config_from_dict({"cluster": {"devices": ["a", "b"]}, "daemon": {"state_dir": "/var/lib/dynaresized"}})
+    assert control_endpoint_of(cfg.daemon) == "ipc:///var/lib/dynaresized/control.sock"
+    tcp = config_from_dict({"cluster": {"devices": ["a", "b"]}, "daemon": {"control_endpoint": "tcp://127.0.0.1:5556"}})
+    assert control_endpoint_of(tcp.daemon) == "tcp://127.0.0.1:5556"
+    with pytest.raises(ConfigError, match="security.control_group: no group 'no-such-group"):
+        config_from_dict({"cluster": {"devices": ["a", "b"]}, "security": {"control_group": "no-such-group"}})

@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -316,3 +317,33 @@ def test_appends_of_any_size_write_every_row_with_its_crc(tmp_path: Path, max_ro
     with SQLiteRecorder(path, verify="full") as again:
         assert [e.data for e in again.read("strëam")] == [f"event {i}".encode() for i in range(total)]
         assert again.check().events == total + 2
+
+
+@pytest.fixture
+def widest_umask() -> Any:
+    """Whoever starts the daemon, with whatever umask: the widest one."""
+    old = os.umask(0)
+    yield
+    os.umask(old)
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_the_log_its_wal_shm_and_lock_are_born_0640_under_any_umask(tmp_path: Path, widest_umask: Any) -> None:
+    path = tmp_path / "events.sqlite"
+    with SQLiteRecorder(path) as r:
+        r.append("s", 0, [("t", b"1")])
+        files = [path, tmp_path / "events.sqlite-wal", tmp_path / "events.sqlite-shm", tmp_path / "events.sqlite.lock"]
+        assert {f.name: _mode(f) for f in files} == {f.name: 0o640 for f in files}
+
+
+def test_a_log_left_readable_by_an_older_version_is_tightened_on_open(tmp_path: Path) -> None:
+    path = tmp_path / "events.sqlite"
+    fill(path, 2)
+    for leftover in (path, Path(f"{path}.lock")):
+        os.chmod(leftover, 0o644)
+    with SQLiteRecorder(path) as r:
+        assert len(list(r.read_all())) == 2
+        assert _mode(path) == _mode(Path(f"{path}.lock")) == _mode(Path(f"{path}-wal")) == 0o640
