@@ -121,10 +121,6 @@ class Daemon:
             make_state_dir(state_dir, self.config.security.control_group)
         except OSError as exc:
             raise StartupError(f"cannot create state_dir {state_dir}: {exc}") from None
-        try:
-            self.control_secret = load_control_secret(state_dir)
-        except (OSError, SecurityError) as exc:
-            raise StartupError(f"control secret {control_secret_file(state_dir)}: {exc}") from None
         path = state_dir / EVENTS_FILE
         try:
             recorder = open_recorder(path)
@@ -170,6 +166,12 @@ class Daemon:
             except SecurityError as exc:
                 raise StartupError(str(exc)) from None
         self.workers_sock = self._router(d.worker_endpoint, curve=True)
+        state_dir = Path(d.state_dir)  # holds the control secret, and by default the control socket
+        try:
+            make_state_dir(state_dir, sec.control_group)
+            self.control_secret = load_control_secret(state_dir)
+        except (OSError, SecurityError) as exc:
+            raise StartupError(f"control secret {control_secret_file(state_dir)}: {exc}") from None
         with owner_only_umask():
             self.control_sock = self._router(control_endpoint_of(d), curve=False)  # loopback only, see config
         self.worker_endpoint = self.workers_sock.getsockopt_string(zmq.LAST_ENDPOINT)
