@@ -389,7 +389,9 @@ class Daemon:
         connected: set[int] = set()  # by file descriptor: libzmq names the fd on accept and disconnect only
         reported = 0  # connections without a live worker already counted
         excess_since = 0.0
-        grace = self.config.core.heartbeat_timeout_s / self.scale
+        # A heartbeat timeout in wall time, but never under a second: a demo's daemon.time_scale
+        # would make it microseconds, and this loop a busy one.
+        grace = max(self.config.core.heartbeat_timeout_s / self.scale, 1.0)
         raw = zmq.Socket.shadow(monitor.underlying)
         try:
             while True:
