@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
+import functools
 import json
 import os
 import random
@@ -308,10 +310,12 @@ class Run:
         return reply.data
 
     async def control(self, request: Any) -> None:
-        from dynaresized.control import control_request
+        """An operator's request, with the control secret the daemon keeps in its state dir."""
+        from dynaresized.control import control_request, read_control_secret
 
+        secret = read_control_secret(self.dir / "state")
         with contextlib.suppress(TimeoutError, RuntimeError):
-            await asyncio.to_thread(control_request, self.control_ep, request, 1.0)
+            await asyncio.to_thread(functools.partial(control_request, self.control_ep, request, 1.0, secret=secret))
 
     async def wait_status(self, predicate: Any, limit_s: float) -> dict[str, Any] | None:
         deadline = time.monotonic() + limit_s
@@ -608,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=4, help="runs at once (each is mostly waiting)")
     parser.add_argument("--keep", help="keep every run's logs under this directory")
     args = parser.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints where a stuck run waits
     seeds = [args.seed + i for i in range(args.runs)]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dynaresized-chaos-") as tmp:
