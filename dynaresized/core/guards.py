@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from dynaresized.core.policy import ObservedView, Proposal
+from dynaresized.core.policy import LoanProposal, LoanView, ObservedView, Proposal
 from dynaresized.domain import Pool, Split, StepTiming
 
 
@@ -32,6 +32,9 @@ class GuardConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Steps over which a resize must pay back when the job length is unknown."""
     payback_safety: float = 1.5
     """Predicted saving over the horizon must exceed predicted resize cost times this."""
+    loan_safety: float = 1.0
+    """A loan goes ahead only if its predicted saving in the rest of the step exceeds its
+    predicted cost times this."""
 
 
 class Rejection(msgspec.Struct, frozen=True):
@@ -165,4 +168,19 @@ def evaluate(
         rejection = guard(view, proposal, cfg, history)
         if rejection is not None:
             return rejection
+    return None
+
+
+def check_loan(view: LoanView, p: LoanProposal, cfg: GuardConfig) -> Rejection | None:
+    """Why a loan may not go ahead, or None: only idle devices, and only when it pays."""
+    free = view.idle_engines if p.to_pool == Pool.TRAINING.value else view.free_trainers
+    if not p.devices:
+        return Rejection("loan_idle", "a loan names no device")
+    busy = [d for d in p.devices if d not in free]
+    if busy:
+        what = "engine has work left" if p.to_pool == Pool.TRAINING.value else "trainer has not finished its step"
+        return Rejection("loan_idle", f"{', '.join(busy)}: {what}; only idle devices are lent")
+    if p.saves_s <= p.cost_s * cfg.loan_safety:
+        return Rejection("loan_payback", f"saves ~{p.saves_s:.1f}s, not above cost {p.cost_s:.1f}s x "
+                                         f"loan_safety {cfg.loan_safety:g}")
     return None

@@ -17,13 +17,14 @@ from msgspec.structs import replace
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.core import guards
-from dynaresized.core.policy import ObservedView, Policy, Proposal, ResizeCosts
+from dynaresized.core.policy import LoanCosts, LoanProposal, LoanView, ObservedView, Policy, Proposal, ResizeCosts
 from dynaresized.core.state import ClusterState, Phase, mutate
 from dynaresized.domain import (
     UNDO,
     DeviceId,
     OpKind,
     OpSpec,
+    PlanKind,
     Pool,
     ResizePlan,
     Split,
@@ -43,6 +44,8 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Job length in RL steps, if known: bounds the payback horizon."""
     costs: ResizeCosts = ResizeCosts()
     """Resize cost per device before any resize has been measured."""
+    loan_costs: LoanCosts = LoanCosts()
+    """What a loan adds to the critical path, for the lending policy's estimate."""
 
 
 class SendOp(msgspec.Struct, frozen=True):
@@ -227,10 +230,16 @@ def _observe_step(core: Core, tx: _Tx, e: ev.StepReported) -> None:
 def on_step_steady(core: Core, tx: _Tx, e: ev.StepReported) -> None:
     _observe_step(core, tx, e)
     s = tx.state
+    lent = s.lent_devices()
     if s.paused or s.stopping:
+        if lent:
+            _return_loans(core, tx, e.at, None, "")
         return
     view = core.view(s, e.at)
     proposal = core.policy(view)
+    if lent:
+        _return_loans(core, tx, e.at, proposal, core.policy.name)
+        return
     if proposal is None:
         return
     _decide(core, tx, view, proposal, core.policy.name, hysteresis=core.policy.guarded, at=e.at)
@@ -426,6 +435,8 @@ def _advance(core: Core, tx: _Tx, at: float, *, fresh: bool = False) -> None:
         step = tx.state.last_step
         if fl.rolling_back:
             tx.emit(f.ResizeRolledBack(at=at, resize_id=fl.plan.resize_id, reason=fl.abort_reason, step=step))
+        elif fl.plan.kind is not PlanKind.RESIZE:
+            _end_loan(core, tx, at)
         else:
             tx.emit(f.ResizeCommitted(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at, step=step))
         return
@@ -499,6 +510,144 @@ def _after_worker_gone(core: Core, tx: _Tx, worker_id: str, how: str, at: float)
     _abort(core, tx, reason, at)
 
 
+# -- loans ---------------------------------------------------------------------------
+
+
+def on_engine_queue_empty(core: Core, tx: _Tx, e: ev.EngineQueueEmpty) -> None:
+    w = _require_worker(tx.state, e.worker_id)
+    if w.kind is not WorkerKind.ROLLOUT_ENGINE:
+        raise Refused("bad_request", f"worker {e.worker_id!r} is a {w.kind.value}; only engines report their queue")
+    if e.step < 0 or e.running < 0 or e.tokens_left < 0:
+        raise Refused("bad_value", f"step={e.step} running={e.running} tokens_left={e.tokens_left} is impossible")
+    tx.emit(f.EngineQueueEmptyObserved(at=e.at, worker_id=e.worker_id, device=w.devices[0], step=e.step,
+                                       running=e.running, tokens_left=e.tokens_left))
+    _consider_loan(core, tx, e.at)
+
+
+def on_mini_batch_done(core: Core, tx: _Tx, e: ev.MiniBatchDone) -> None:
+    w = _require_worker(tx.state, e.worker_id)
+    if w.kind is not WorkerKind.TRAINER_RANK:
+        raise Refused("bad_request", f"worker {e.worker_id!r} is a {w.kind.value}; only trainers report mini-batches")
+    if e.step < 0 or not (0 < e.done <= e.total):
+        raise Refused("bad_value", f"mini-batch {e.done} of {e.total} in step {e.step} is impossible")
+    tx.emit(f.MiniBatchObserved(at=e.at, worker_id=e.worker_id, step=e.step, done=e.done, total=e.total))
+    _consider_loan(core, tx, e.at)
+
+
+def loan_view(core: Core, state: ClusterState, now: float) -> LoanView:
+    """What the lending policy sees: idle engines of the rollout step in progress, trainers
+    whose part of the step is done, and the trainer's measured mini-batch pace."""
+    mb = state.mini_batch
+    done = mb is not None and mb.done >= mb.total
+    placed_home = {d for d, p in state.devices.items() if p.home is None and p.pool is not None}
+    idle = tuple(d for d in state.idle if d in placed_home and state.devices[d].pool is Pool.ROLLOUT)
+    free = tuple(d for d in state.pool_devices(Pool.TRAINING) if d in placed_home) if done else ()
+    return LoanView(
+        now=now,
+        split=state.split,
+        idle_engines=idle,
+        free_trainers=free,
+        training_devices=len(state.pool_devices(Pool.TRAINING)),
+        mini_batch_done=mb.done if mb is not None else 0,
+        mini_batch_total=mb.total if mb is not None else 0,
+        mini_batch_s=mb.last_s if mb is not None else 0.0,
+        queue_empty=state.idle_step > state.last_step,
+        costs=core.config.loan_costs,
+        recent=state.recent,
+    )
+
+
+def _consider_loan(core: Core, tx: _Tx, at: float) -> None:
+    s = tx.state
+    lend = getattr(core.policy, "propose_loan", None)
+    if lend is None or s.phase is not Phase.STEADY or s.inflight is not None or s.paused or s.stopping:
+        return
+    view = loan_view(core, s, at)
+    proposal: LoanProposal | None = lend(view)
+    if proposal is None:
+        return
+    rejection = guards.check_loan(view, proposal, core.config.guards)
+    if rejection is not None:
+        _reject(tx, at, core.policy.name, None, rejection.guard, rejection.reason)
+        return
+    plan = plan_loan(s, proposal.devices, Pool(proposal.to_pool), PlanKind.LOAN)
+    if isinstance(plan, str):
+        _reject(tx, at, core.policy.name, None, "capacity", plan)
+        return
+    tx.emit(f.LoanStarted(at=at, plan=plan, source=core.policy.name, reason=proposal.reason,
+                          op_deadline=at + core.config.op_timeout_s, saves_s=proposal.saves_s,
+                          cost_s=proposal.cost_s))
+    _advance(core, tx, at, fresh=True)
+
+
+def plan_loan(state: ClusterState, devices: tuple[DeviceId, ...], to_pool: Pool, kind: PlanKind) -> ResizePlan | str:
+    """Drain, release and join `devices` into `to_pool`: a loan, or (kind RETURN) its way home.
+    No commit: a loan lasts until the step boundary, where its return is the next sequence."""
+    from_pool = to_pool.other
+    devices = tuple(sorted(devices))
+    src = _unique(state.live_worker(d, WorkerKind.for_pool(from_pool)) for d in devices)
+    dst = _unique(state.live_worker(d, WorkerKind.for_pool(to_pool)) for d in devices)
+    if kind is PlanKind.LOAN and len(dst) < len(devices):
+        return f"not every device of {', '.join(devices)} has a live {WorkerKind.for_pool(to_pool).value} worker"
+    resize_id = f"l{state.loans_started + 1}" if kind is PlanKind.LOAN else f"l{state.loans_started}-home{state.version}"
+    targets = {OpKind.DRAIN: src, OpKind.RELEASE: src, OpKind.JOIN: dst}
+    ops = tuple(
+        OpSpec(op_id=f"{resize_id}/{i}-{k.value}", kind=k, devices=devices, targets=ts,
+               from_pool=from_pool, to_pool=to_pool)
+        for i, (k, ts) in enumerate(targets.items())
+    )
+    split = state.split
+    return ResizePlan(resize_id=resize_id, devices=devices, from_pool=from_pool, to_pool=to_pool, ops=ops,
+                      before=split, after=split, kind=kind)
+
+
+def _return_loans(core: Core, tx: _Tx, at: float, proposal: Proposal | None, source: str) -> None:
+    """Step boundary: every lent device goes home. A resize the policy proposes at the same
+    boundary is checked by the guards now and starts once the devices are home."""
+    s = tx.state
+    then: Split | None = None
+    if proposal is not None:
+        view = core.view(s, at)
+        rejection = guards.evaluate(view, proposal, core.config.guards, s.history, hysteresis=core.policy.guarded)
+        if rejection is not None:
+            _reject(tx, at, source, proposal.target, rejection.guard, rejection.reason)
+        else:
+            then = proposal.target
+    lent = s.lent_devices()
+    # One sequence per direction; the rare boundary with loans both ways returns rollout first.
+    by_pool = {p: tuple(d for d in lent if s.devices[d].pool is p) for p in (Pool.TRAINING, Pool.ROLLOUT)}
+    pool = Pool.TRAINING if by_pool[Pool.TRAINING] else Pool.ROLLOUT
+    plan = plan_loan(s, by_pool[pool], pool.other, PlanKind.RETURN)
+    assert not isinstance(plan, str)
+    reason = f"step {s.last_step} done: {len(plan.devices)} lent device(s) go home to {pool.other.value}"
+    tx.emit(f.LoanReturnStarted(at=at, plan=plan, reason=reason, op_deadline=at + core.config.op_timeout_s,
+                                then=then, then_source=source if then is not None else "",
+                                then_reason=proposal.reason if then is not None and proposal else ""))
+    _advance(core, tx, at, fresh=True)
+
+
+def _end_loan(core: Core, tx: _Tx, at: float) -> None:
+    fl = tx.state.inflight
+    assert fl is not None
+    if fl.plan.kind is PlanKind.LOAN:
+        tx.emit(f.LoanLanded(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at))
+        return
+    tx.emit(f.LoanReturned(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at))
+    s = tx.state
+    if s.lent_devices():  # loans the other way round go home next
+        _return_loans(core, tx, at, None, "")
+        return
+    if fl.then is None or s.paused or s.stopping or s.split == fl.then:
+        return
+    plan = plan_resize(s, fl.then)
+    if isinstance(plan, str):
+        _reject(tx, at, fl.then_source, fl.then, "capacity", plan)
+        return
+    tx.emit(f.ResizeStarted(at=at, plan=plan, source=fl.then_source, reason=fl.then_reason,
+                            op_deadline=at + core.config.op_timeout_s))
+    _advance(core, tx, at, fresh=True)
+
+
 _ALWAYS: dict[type, Handler] = {
     ev.Tick: on_tick,
     ev.DaemonStarted: on_daemon_started,
@@ -510,6 +659,8 @@ _ALWAYS: dict[type, Handler] = {
     ev.ResumeRequested: on_resume,
     ev.ShutdownRequested: on_shutdown,
     ev.AbortRequested: on_abort_requested,
+    ev.EngineQueueEmpty: on_engine_queue_empty,
+    ev.MiniBatchDone: on_mini_batch_done,
 }  # type: ignore[dict-item]
 
 _RESIZING: dict[type, Handler] = {

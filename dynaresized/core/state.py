@@ -22,6 +22,7 @@ from dynaresized.domain import (
     OpKind,
     OpSpec,
     Placement,
+    PlanKind,
     Pool,
     ResizePlan,
     Split,
@@ -72,6 +73,9 @@ class InFlight(msgspec.Struct, frozen=True):
     acked: tuple[WorkerId, ...] = ()
     rolling_back: bool = False
     abort_reason: str = ""
+    then: Split | None = None  # a loan return's follow-up resize (see facts.LoanReturnStarted)
+    then_source: str = ""
+    then_reason: str = ""
 
     @property
     def op(self) -> OpSpec:
@@ -83,6 +87,16 @@ class Progress(msgspec.Struct, frozen=True, array_like=True):
     done: int
     total: int
     tokens: int
+
+
+class MiniBatch(msgspec.Struct, frozen=True, array_like=True):
+    """The training step in progress, as the trainer last reported it."""
+
+    step: int
+    done: int
+    total: int
+    at: float
+    last_s: float  # seconds between the last two reports of this step (0: only one so far)
 
 
 class ClusterState(msgspec.Struct, frozen=True):
@@ -106,6 +120,11 @@ class ClusterState(msgspec.Struct, frozen=True):
     cost_per_device_s: dict[str, float] = {}  # learned, by direction "rollout->training"
     degraded_reason: str = ""
     last_seen: dict[WorkerId, float] = {}  # soft state, see module docstring
+    idle_step: int = -1  # the rollout step whose idle engines `idle` lists
+    idle: tuple[DeviceId, ...] = ()  # devices whose engine has nothing left to do in `idle_step`
+    mini_batch: MiniBatch | None = None
+    loans_started: int = 0
+    loans_landed: int = 0
 
     # -- derived views -------------------------------------------------------------
     def pool_devices(self, pool: Pool) -> tuple[DeviceId, ...]:
@@ -113,13 +132,19 @@ class ClusterState(msgspec.Struct, frozen=True):
 
     @property
     def split(self) -> Split:
+        """Devices per pool; a lent device counts in its home pool (a loan lasts one step)."""
         train = rollout = 0
         for p in self.devices.values():
-            if p.pool is Pool.TRAINING:
+            pool = p.pool if p.home is None else p.home
+            if pool is Pool.TRAINING:
                 train += 1
-            elif p.pool is Pool.ROLLOUT:
+            elif pool is Pool.ROLLOUT:
                 rollout += 1
         return Split(train=train, rollout=rollout)
+
+    def lent_devices(self) -> tuple[DeviceId, ...]:
+        """Devices serving the other pool until the step boundary (loan landed, not returned)."""
+        return tuple(d for d, p in self.devices.items() if p.home is not None and p.pool is not None)
 
     def live_worker(self, device: DeviceId, kind: WorkerKind) -> Worker | None:
         for w in self.workers.values():
@@ -176,6 +201,9 @@ def _place(state: ClusterState, devices: Iterable[DeviceId], placement: Placemen
 
 
 def _end_resize(state: ClusterState, at: float, step: int) -> ClusterState:
+    if state.inflight is not None and state.inflight.plan.kind is not PlanKind.RESIZE:
+        # A loan is not a resize for the guards: dwell and cooldown count from real resizes.
+        return replace(state, inflight=None)
     return replace(
         state,
         inflight=None,
@@ -316,10 +344,18 @@ def _(s: ClusterState, e: f.ResizeCommitted) -> ClusterState:
     return _end_resize(s, e.at, e.step)
 
 
+def _settled(plan: ResizePlan, pool: Pool) -> Placement:
+    """Where a device of `plan` rests in `pool`: a loan's device keeps its home recorded."""
+    home = plan.from_pool if plan.kind is PlanKind.LOAN else plan.to_pool
+    if plan.kind is PlanKind.RESIZE or pool is home:
+        return placed(pool)
+    return placed(pool, home=home)
+
+
 @_on(f.ResizeRolledBack)
 def _(s: ClusterState, e: f.ResizeRolledBack) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
-    s = _place(s, plan.devices, placed(plan.from_pool))
+    s = _place(s, plan.devices, _settled(plan, plan.from_pool))
     s = replace(s, phase=Phase.STEADY, resizes_rolled_back=s.resizes_rolled_back + 1)
     return _end_resize(s, e.at, e.step)
 
@@ -327,7 +363,7 @@ def _(s: ClusterState, e: f.ResizeRolledBack) -> ClusterState:
 @_on(f.Degraded)
 def _(s: ClusterState, e: f.Degraded) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
-    s = _place(s, plan.devices, placed(e.placed_in))
+    s = _place(s, plan.devices, _settled(plan, e.placed_in))
     s = replace(s, phase=Phase.DEGRADED, degraded_reason=e.reason)
     return _end_resize(s, e.at, e.step)
 
@@ -346,6 +382,61 @@ def _(s: ClusterState, e: f.ResizingResumed) -> ClusterState:
 @_on(f.ShutdownStarted)
 def _(s: ClusterState, e: f.ShutdownStarted) -> ClusterState:
     return replace(s, stopping=True)
+
+
+@_on(f.EngineQueueEmptyObserved)
+def _(s: ClusterState, e: f.EngineQueueEmptyObserved) -> ClusterState:
+    idle = () if e.step != s.idle_step else s.idle
+    if e.step < s.idle_step:
+        return s  # a late report of an older step
+    if e.running == 0 and e.device not in idle:
+        idle = idle + (e.device,)
+    return replace(s, idle_step=e.step, idle=idle)
+
+
+@_on(f.MiniBatchObserved)
+def _(s: ClusterState, e: f.MiniBatchObserved) -> ClusterState:
+    old = s.mini_batch
+    last = e.at - old.at if old is not None and old.step == e.step and e.done > old.done else 0.0
+    return replace(s, mini_batch=MiniBatch(e.step, e.done, e.total, e.at, last))
+
+
+def _start_sequence(s: ClusterState, e: f.LoanStarted | f.LoanReturnStarted, home: Pool) -> ClusterState:
+    plan = e.plan
+    s = _place(s, plan.devices, moving(plan.from_pool, plan.to_pool, home=home))
+    then = e.then if isinstance(e, f.LoanReturnStarted) else None
+    inflight = InFlight(plan=plan, source=e.source if isinstance(e, f.LoanStarted) else "loan",
+                        reason=e.reason, started_at=e.at, ops=plan.ops, index=0, op_started_at=e.at,
+                        op_deadline=e.op_deadline, then=then,
+                        then_source=e.then_source if isinstance(e, f.LoanReturnStarted) else "",
+                        then_reason=e.then_reason if isinstance(e, f.LoanReturnStarted) else "")
+    return replace(s, inflight=inflight, phase=PHASE_OF_OP[plan.ops[0].kind])
+
+
+@_on(f.LoanStarted)
+def _(s: ClusterState, e: f.LoanStarted) -> ClusterState:
+    s = _start_sequence(s, e, home=e.plan.from_pool)
+    idle = tuple(d for d in s.idle if d not in e.plan.devices)
+    return replace(s, idle=idle, loans_started=s.loans_started + 1)
+
+
+@_on(f.LoanLanded)
+def _(s: ClusterState, e: f.LoanLanded) -> ClusterState:
+    plan = s.inflight.plan  # type: ignore[union-attr]
+    s = _place(s, plan.devices, placed(plan.to_pool, home=plan.from_pool))
+    return replace(s, inflight=None, phase=Phase.STEADY, loans_landed=s.loans_landed + 1)
+
+
+@_on(f.LoanReturnStarted)
+def _(s: ClusterState, e: f.LoanReturnStarted) -> ClusterState:
+    return _start_sequence(s, e, home=e.plan.to_pool)
+
+
+@_on(f.LoanReturned)
+def _(s: ClusterState, e: f.LoanReturned) -> ClusterState:
+    plan = s.inflight.plan  # type: ignore[union-attr]
+    s = _place(s, plan.devices, placed(plan.to_pool))
+    return replace(s, inflight=None, phase=Phase.STEADY)
 
 
 missing = set(f.FACT_TYPES) - set(_MUTATORS)
