@@ -132,10 +132,11 @@ class ClusterState(msgspec.Struct, frozen=True):
 
     @property
     def split(self) -> Split:
-        """Devices per pool; a lent device counts in its home pool (a loan lasts one step)."""
+        """Devices per pool; a lent device counts in its home pool (a loan lasts one step);
+        a moving device counts in neither."""
         train = rollout = 0
         for p in self.devices.values():
-            pool = p.pool if p.home is None else p.home
+            pool = p.pool if p.home is None or p.pool is None else p.home
             if pool is Pool.TRAINING:
                 train += 1
             elif pool is Pool.ROLLOUT:

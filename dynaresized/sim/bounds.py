@@ -55,3 +55,15 @@ def lower_bound(model: StageModel, gpus: int) -> LowerBound:
     windows += float(trains[-1, k - 1] + sync)
     colocated = float((rollout_floor(model, gpus) + model.colocated_switch_s + model.train_table(gpus)).sum())
     return LowerBound(total_s=min(windows, colocated), disaggregated_s=windows, colocated_s=colocated)
+
+
+def fluid_bound(model: StageModel, gpus: int) -> float:
+    """A time no schedule beats, loans inside a step included (docs/simulator.md, "Fluid
+    bound"): every device busy all the time on work at full utilisation, and no window shorter
+    than its step's longest request (window w holds rollout w, no placement splits a request,
+    and windows follow one another because of the one-step staleness), plus the weight syncs."""
+    k = model.steps
+    work = sum(model.rollout_work(i) + model.train_work(i) for i in range(k))
+    overhead = model.profile.training.step_overhead_s
+    chain = float(np.maximum(model.longest_request_s, overhead).sum()) + overhead
+    return max(work / gpus, chain) + k * model.weight_sync_s

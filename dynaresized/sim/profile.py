@@ -65,7 +65,7 @@ class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Data-parallel efficiency lost per doubling of the training pool (1.0 = perfect)."""
     step_overhead_s: float = 0.0
     """Fixed seconds per step that do not shrink with more devices (optimizer, barriers)."""
-    mini_batches_per_step: int = 8
+    mini_batches_per_step: int = 16
     """Optimizer steps (mini-batches) per RL step: the boundaries where a lent device joins."""
 
 

@@ -20,7 +20,7 @@ from dynaresized.core import facts as f
 from dynaresized.core.guards import GuardConfig
 from dynaresized.core.policy import load_policy
 from dynaresized.domain import Split
-from dynaresized.sim.bounds import lower_bound
+from dynaresized.sim.bounds import fluid_bound, lower_bound
 from dynaresized.sim.pipeline import (
     DynamicPipeline,
     DynamicRun,
@@ -93,6 +93,16 @@ class SimReport(msgspec.Struct, frozen=True):
     """Steps where the policy was asked and proposed nothing (reason: `last_hold_reason`)."""
     last_hold_reason: str
     resize_events: list[ResizeEvent]
+    router: str = "pull"
+    best_static_round_robin: BestStatic | None = None
+    """The best fixed split with requests placed round robin at submission (what verl runs)."""
+    speedup_vs_best_static_round_robin: float = 0.0
+    fluid_bound_s: float = 0.0
+    """A bound for every schedule, loans inside a step included (see docs/simulator.md)."""
+    gap_to_fluid_bound: float = 0.0
+    loans: int = 0  # loans that landed (devices lent for the rest of a step)
+    devices_lent: int = 0  # device-steps lent
+    loans_refused: int = 0  # loans the core's loan guards refused
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,9 @@ class Baselines:
     colocated_s: float
     oracle_s: float
     lower_bound_s: float
+    fluid_bound_s: float = 0.0
+    best_split_round_robin: Split | None = None
+    best_static_round_robin_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -125,7 +138,17 @@ def baselines(model: StageModel) -> Baselines:
         colocated_s=colocated_total(model, gpus),
         oracle_s=oracle,
         lower_bound_s=lower_bound(model, gpus).total_s,
+        fluid_bound_s=fluid_bound(model, gpus),
+        **_round_robin(model, gpus),
     )
+
+
+def _round_robin(model: StageModel, gpus: int) -> dict[str, Any]:
+    if model.router == "round-robin":
+        split, total = best_static(model, gpus)
+    else:
+        split, total = best_static(StageModel(model.profile, model.trace, router="round-robin"), gpus)
+    return {"best_split_round_robin": split, "best_static_round_robin_s": total}
 
 
 def _r(x: float, digits: int = 3) -> float:
@@ -219,6 +242,15 @@ def simulate(
         policy_holds=len(run.held),
         last_hold_reason=run.held[-1][1] if run.held else "",
         resize_events=events,
+        router=model.router,
+        best_static_round_robin=BestStatic(base.best_split_round_robin.train, base.best_split_round_robin.rollout,
+                                           _r(base.best_static_round_robin_s)) if base.best_split_round_robin else None,
+        speedup_vs_best_static_round_robin=_r(base.best_static_round_robin_s / total, 4),
+        fluid_bound_s=_r(base.fluid_bound_s),
+        gap_to_fluid_bound=_r(total / base.fluid_bound_s - 1.0, 4),
+        loans=sum(isinstance(x, f.LoanLanded) for x in run.facts),
+        devices_lent=sum(len(x.plan.devices) for x in run.facts if isinstance(x, f.LoanStarted)),
+        loans_refused=sum(n for g, n in rejections.items() if g.startswith("loan")),
     )
     return SimRun(report=report, run=run, model=model)
 

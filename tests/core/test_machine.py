@@ -113,6 +113,8 @@ SAMPLE_EVENTS: dict[type, ev.Event] = {
     ev.ResumeRequested: ev.ResumeRequested(at=50.0),
     ev.ShutdownRequested: ev.ShutdownRequested(at=50.0),
     ev.AbortRequested: ev.AbortRequested(at=50.0),
+    ev.EngineQueueEmpty: ev.EngineQueueEmpty(at=50.0, worker_id="eng3", step=1, running=0),
+    ev.MiniBatchDone: ev.MiniBatchDone(at=50.0, worker_id="tr0", step=0, done=1, total=4),
 }
 
 
