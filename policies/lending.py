@@ -34,9 +34,9 @@ class Lending:
             return None  # training done, or its pace not measured yet
         k = len(view.idle_engines)
         n = view.training_devices
-        join_s = view.costs.to_training_s
-        # the boundary the loan can make: the mini-batch after the one now running
-        caught = max(left - 1 - math.floor(join_s / view.mini_batch_s), 0)
+        # the first boundary the loan can make: after the mini-batch now running, and after
+        # its release and join are done
+        caught = max(left - 1 - math.floor(view.costs.lead_s / view.mini_batch_s), 0)
         saves = caught * view.mini_batch_s * k / (n + k)
         cost = view.costs.to_training_s + view.costs.return_s / max(view.split.rollout, 1) * k
         devices = ", ".join(view.idle_engines)

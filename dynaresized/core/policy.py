@@ -116,6 +116,8 @@ class LoanCosts(msgspec.Struct, frozen=True):
     """A done trainer leaving and its engine waking to pull the step's queued requests."""
     return_s: float = 4.0
     """Going home at the step boundary (paid by the next step of the home pool)."""
+    lead_s: float = 6.0
+    """Seconds from lending until the device can join the other pool (its release and join)."""
 
 
 class LoanView(msgspec.Struct, frozen=True):

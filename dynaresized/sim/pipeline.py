@@ -164,8 +164,9 @@ class DynamicPipeline:
                            else sum(profile.loan_op_seconds(k, Pool.TRAINING, naive=True) for k in FORWARD_ORDER))
             back = (loan.trainer_leave_s + loan.engine_wake_s if not naive
                     else sum(profile.loan_op_seconds(k, Pool.ROLLOUT, naive=True) for k in FORWARD_ORDER))
+            lead = sum(profile.loan_op_seconds(k, Pool.TRAINING, naive=naive) for k in FORWARD_ORDER)
             config = msgspec.structs.replace(config, loan_costs=LoanCosts(
-                to_training_s=to_training, to_rollout_s=to_training, return_s=back))
+                to_training_s=to_training, to_rollout_s=to_training, return_s=back, lead_s=lead))
         self.core = Core(config, policy)
         self._late: dict[str, float] = {}  # device -> seconds its engine starts late next window
         self._joins: list[SendOp] = []  # loan JOIN ops waiting for a mini-batch boundary
@@ -274,6 +275,22 @@ class DynamicPipeline:
                 if self.state.inflight is None or self.state.inflight.op.op_id != c.op.op_id:
                     self._joined.append((at, len(c.op.devices)))
 
+    def _land_loan(self, end: float) -> float:
+        """A loan still on its way when the step ends lands before the boundary: the boundary
+        waits for it (the lent device is idle anyway; the policy avoids this by estimating the
+        loan's lead time). Returns the boundary's time."""
+        while self.state.inflight is not None and self.state.inflight.plan.kind is PlanKind.LOAN:
+            if self._acks:
+                end = max(end, self._acks[0].at)
+                self._ack_until(end)
+            elif self._joins:
+                end = max(end, min(c.deadline for c in self._joins))
+                self._finish_joins(end)
+            else:
+                raise RuntimeError(f"loan {self.state.inflight.plan.resize_id} waits for an op nobody runs")
+        self._joined = []
+        return end
+
     def _window_with_loans(self, w: int, start: float, split: Split) -> tuple[float, float, int]:
         """Window w with idle engines lent to training step w-1 at its mini-batch boundaries.
         Engines report when they run dry, the trainer after every mini-batch; the core and the
@@ -361,6 +378,7 @@ class DynamicPipeline:
             end = now + max(rollout_s, train_s) + (sync if w >= 1 else 0.0)
             self._ack_until(end)
             self._finish_joins(end)
+            end = self._land_loan(end)
             windows.append(Window(w, now, end, split.rollout, split.train, moving, rollout_s, train_s, lent))
             now = end
             self._feed(ev.Tick(at=now))
@@ -385,6 +403,7 @@ class DynamicPipeline:
                     held.append((step, reason))
             if not self.naive:
                 self._commit_at_boundary(now)
+            self._ack_until(now)  # a loan's way home is answered at the boundary
             last_rollout = (rollout_s, split.rollout)
             if self.progress is not None:
                 self.progress(w + 1, k + 1)
