@@ -65,5 +65,7 @@ def fluid_bound(model: StageModel, gpus: int) -> float:
     k = model.steps
     work = sum(model.rollout_work(i) + model.train_work(i) for i in range(k))
     overhead = model.profile.training.step_overhead_s
-    chain = float(np.maximum(model.longest_request_s, overhead).sum()) + overhead
+    # window 0 only generates, windows 1..k-1 generate and train, window k only trains
+    longest = model.longest_request_s
+    chain = float(longest[0] + np.maximum(longest[1:], overhead).sum()) + overhead
     return max(work / gpus, chain) + k * model.weight_sync_s
