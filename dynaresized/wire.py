@@ -100,7 +100,30 @@ class Bye(_Msg, frozen=True, kw_only=True, tag="bye"):
     reason: Text = ""
 
 
-WorkerMessage = Hello | Heartbeat | StepReport | Progress | OpResult | Bye
+class QueueEmpty(_Msg, frozen=True, kw_only=True, tag="queue_empty"):
+    """A rollout engine has no queued request of rollout step `step` left: `running` still
+    decode, about `tokens_left` tokens to go (the engine's own estimate). Sent again with
+    `running` 0 when the last one finished: the engine is idle and may be lent to training."""
+
+    worker_id: Name
+    step: Count
+    running: Count = 0
+    tokens_left: Count = 0
+    sent_at: float = 0.0
+
+
+class MiniBatchDone(_Msg, frozen=True, kw_only=True, tag="mini_batch_done"):
+    """A trainer finished mini-batch `done` of `total` (an optimizer step) of training step
+    `step`. One rank per job reports, like `step_report`."""
+
+    worker_id: Name
+    step: Count
+    done: Count
+    total: Count
+    sent_at: float = 0.0
+
+
+WorkerMessage = Hello | Heartbeat | StepReport | Progress | OpResult | Bye | QueueEmpty | MiniBatchDone
 
 
 # -- daemon -> worker ---------------------------------------------------------------------

@@ -18,7 +18,7 @@ import msgspec
 
 from dynaresized.core.guards import GuardConfig
 from dynaresized.core.machine import CoreConfig
-from dynaresized.core.policy import ResizeCosts
+from dynaresized.core.policy import LoanCosts, ResizeCosts
 from dynaresized.domain import Pool, Split
 
 
@@ -72,6 +72,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     core: CoreSection = CoreSection()
     guards: GuardConfig = GuardConfig()
     costs: ResizeCosts = ResizeCosts()
+    loan_costs: LoanCosts = LoanCosts()
 
     def core_config(self) -> CoreConfig:
         return CoreConfig(
@@ -80,6 +81,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             op_timeout_s=self.core.op_timeout_s,
             steps_total=self.core.steps_total,
             costs=self.costs,
+            loan_costs=self.loan_costs,
         )
 
     def initial_pools(self) -> tuple[tuple[str, ...], tuple[Pool, ...]]:
@@ -144,6 +146,7 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
     need(g.min_rollout >= 0 and g.min_train >= 0, "guards.min_rollout", "pool minimums must be >= 0")
     need(c.steps_total is None or c.steps_total > 0, "core.steps_total", "must be > 0 when set")
     need(cfg.costs.to_training_s >= 0 and cfg.costs.to_rollout_s >= 0, "costs", "costs must be >= 0")
+    need(all(v >= 0 for v in msgspec.structs.astuple(cfg.loan_costs)), "loan_costs", "loan costs must be >= 0")
 
     devices = cfg.cluster.devices
     need(len(devices) > 0, "cluster.devices", "list the devices this daemon manages, e.g. [\"node0:gpu0\", ...]")
