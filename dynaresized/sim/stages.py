@@ -136,8 +136,9 @@ class StageModel:
         return float(self.rollout_table(devices)[step])
 
     def _rollout_step(self, i: int, engines: int) -> float:
-        if self.router == "pull":
-            return float(self.engine_finish(i, engines).max())
+        return float(self.engine_finish(i, engines).max())
+
+    def _round_robin_busy(self, i: int, engines: int) -> np.ndarray:
         r = self.profile.rollout
         b = self.trace.steps[i]
         length = b.response_tokens
@@ -160,14 +161,17 @@ class StageModel:
         else:
             as_list = length.tolist()
             tau = np.array([fifo_makespan(as_list[e::engines], slots) for e in range(engines)], dtype=np.float64)
-        busy = (r.iter_base_s * tau + r.iter_per_seq_s * sum_l + r.iter_per_ctx_token_s * ctx
+        return (r.iter_base_s * tau + r.iter_per_seq_s * sum_l + r.iter_per_ctx_token_s * ctx
                 + r.prefill_per_token_s * sum_p)
-        return float(busy.max())
 
     def engine_finish(self, i: int, engines: int, late_s: np.ndarray | None = None) -> np.ndarray:
         """Seconds after the step starts at which each engine of the pull router has generated
-        its last response. `late_s[e]`: engine e starts that late (woken after a loan); its
-        start is converted to iterations at the step's full-batch iteration time."""
+        its last response. `late_s[e]`: engine e starts that late (woken after a loan); with the
+        pull router its start is converted to iterations at the step's full-batch iteration
+        time (the others pull its share meanwhile); round robin placed its requests already."""
+        if self.router == "round-robin":
+            busy = self._round_robin_busy(i, engines)
+            return busy if late_s is None else busy + np.asarray(late_s, dtype=np.float64)
         r = self.profile.rollout
         b = self.trace.steps[i]
         slots = int(self.batch_limit[i])
