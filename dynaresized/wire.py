@@ -21,7 +21,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from dynaresized.domain import OpKind, Pool, Split, StepTiming, WorkerKind
+from dynaresized.domain import OpKind, PlanKind, Pool, Split, StepTiming, WorkerKind
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
@@ -157,6 +157,7 @@ class OpCommand(_Msg, frozen=True, kw_only=True, tag="op"):
     timeout_s: float  # seconds left before the daemon gives up on this op
     training: tuple[str, ...]  # the training pool once the resize commits
     rollout: tuple[str, ...]  # the rollout pool once the resize commits
+    plan: PlanKind = PlanKind.RESIZE  # a loan (lent for the rest of the step) or its return
 
 
 class ErrorCode(str, enum.Enum):

@@ -39,8 +39,9 @@ class Lending:
         caught = max(left - 1 - math.floor(view.costs.lead_s / view.mini_batch_s), 0)
         saves = caught * view.mini_batch_s * k / (n + k)
         cost = view.costs.to_training_s + view.costs.return_s / max(view.split.rollout, 1) * k
-        devices = ", ".join(view.idle_engines)
+        idle = tuple(sorted(view.idle_engines))
+        devices = ", ".join(idle)
         why = (f"lent {devices} to training at mini-batch {view.mini_batch_done}/{view.mini_batch_total}: "
                f"rollout queue empty, {k} engine(s) idle, saves ~{saves:.0f} s (cost ~{cost:.0f} s)")
-        return LoanProposal(devices=view.idle_engines, to_pool=Pool.TRAINING.value, reason=why, saves_s=saves,
+        return LoanProposal(devices=idle, to_pool=Pool.TRAINING.value, reason=why, saves_s=saves,
                             cost_s=cost)

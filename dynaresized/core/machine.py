@@ -58,6 +58,7 @@ class SendOp(msgspec.Struct, frozen=True):
     deadline: float
     training: tuple[DeviceId, ...]  # the training pool once the resize commits
     rollout: tuple[DeviceId, ...]  # the rollout pool once the resize commits
+    plan: PlanKind = PlanKind.RESIZE  # a loan or its return travels as the same ops
 
 
 Command = SendOp
@@ -458,7 +459,7 @@ def _send(tx: _Tx, only: list[str] | None) -> None:
     rollout = tuple(sorted(d for d in s.devices if d not in training))
     for w in only if only is not None else _pending(s):
         tx.commands.append(SendOp(worker_id=w, resize_id=plan.resize_id, op=fl.op, deadline=fl.op_deadline,
-                                  training=training, rollout=rollout))
+                                  training=training, rollout=rollout, plan=plan.kind))
 
 
 def _op_failed(core: Core, tx: _Tx, reason: str, at: float) -> None:

@@ -545,7 +545,7 @@ class Daemon:
         msg = wire.OpCommand(op_id=op.op_id, resize_id=command.resize_id, kind=op.kind, devices=op.devices,
                              from_pool=op.from_pool, to_pool=op.to_pool,
                              timeout_s=max(command.deadline - self.clock(), 0.0) / self.scale,
-                             training=command.training, rollout=command.rollout)
+                             training=command.training, rollout=command.rollout, plan=command.plan)
         outbox.append((self.workers_sock, command.worker_id.encode(), wire.encode(msg)))
         log.info("op sent", op_id=op.op_id, op=op.kind.value, worker=command.worker_id,
                  resize_id=command.resize_id)
