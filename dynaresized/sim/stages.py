@@ -55,18 +55,28 @@ def pull_placement(lengths: list[int], engines: int, slots: int, offsets: list[i
     `engines` engines of `slots` slots pull from one FIFO queue. Every running request advances
     one token per iteration on every engine (the same lock-step the FIFO model assumes);
     `offsets[e]` is the iteration at which engine e starts pulling (a late-waking engine)."""
-    start = offsets or [0] * engines
-    # Slot s belongs to engine s % engines, so the first wave is spread round robin.
-    heap = [(start[s % engines], s) for s in range(engines * slots)]
+    n, width = len(lengths), engines * slots
+    placement = np.empty(n, dtype=np.int64)
+    done_at = np.empty(n, dtype=np.int64)
+    if offsets is None or not any(offsets):
+        # Everyone starts at once: the first wave fills slot s (engine s % engines) in order.
+        first = min(n, width)
+        placement[:first] = np.arange(first) % engines
+        done_at[:first] = lengths[:first]
+        heap = [(lengths[s], s) for s in range(first)] + [(0, s) for s in range(first, width)]
+        rest = range(first, n)
+    else:
+        heap = [(offsets[s % engines], s) for s in range(width)]
+        rest = range(n)
     heapq.heapify(heap)
-    placement = np.empty(len(lengths), dtype=np.int64)
-    finish = np.array(start, dtype=np.float64)
-    for j, length in enumerate(lengths):
+    for j in rest:
         t, s = heap[0]
-        e = s % engines
-        placement[j] = e
-        heapq.heapreplace(heap, (t + length, s))
-        finish[e] = max(finish[e], t + length)
+        placement[j] = s % engines
+        d = t + lengths[j]
+        done_at[j] = d
+        heapq.heapreplace(heap, (d, s))
+    finish = np.zeros(engines, dtype=np.float64) if offsets is None else np.array(offsets, dtype=np.float64)
+    np.maximum.at(finish, placement, done_at.astype(np.float64))
     return placement, finish
 
 
