@@ -254,7 +254,8 @@ def _(s: ClusterState, e: f.WorkerLeft) -> ClusterState:
 def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
     recent = (s.recent + (e.timing,))[-RECENT_WINDOW:]
     step_history = (s.step_history + (e.timing,))[-HISTORY_WINDOW:]
-    return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history)
+    # Engines idle before a step boundary were idle in the step that ended: not lendable now.
+    return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history, idle=())
 
 
 @_on(f.ProgressObserved)

@@ -319,12 +319,15 @@ class DynamicPipeline:
         self._joined = []
         lent = 0
         reporter = self._reporter()
+        idle_devices: set[str] = set()
+        first_fact = len(self.facts)
         for j in range(1, mbs + 1):
             t_end = t + per_mb / (n * eff(n))
             # engines that run dry before this mini-batch ends report it, in time order
             while idle_at and idle_at[0][0] <= t_end:
                 at, e = idle_at.pop(0)
                 self._ack_until(start + at)
+                idle_devices.update(rollout_devs[e * gpe:(e + 1) * gpe])
                 for d in rollout_devs[e * gpe:(e + 1) * gpe]:
                     self._feed(ev.EngineQueueEmpty(at=start + at, worker_id=engine_id(self.index[d]), step=w,
                                                    running=0, tokens_left=0))
@@ -340,6 +343,10 @@ class DynamicPipeline:
                 lent += joined
                 n += joined
                 t += loan.group_change_s + loan.trainer_first_step_s if not self.naive else 0.0
+        for fact in self.facts[first_fact:]:
+            # A device serves one pool at a time: only an engine that has run dry is lent.
+            if isinstance(fact, f.LoanStarted) and not set(fact.plan.devices) <= idle_devices:
+                raise RuntimeError(f"loan {fact.plan.resize_id} lent busy devices {fact.plan.devices}")
         train_s = t
         return rollout_s, train_s, lent
 

@@ -150,3 +150,13 @@ def test_loan_events_are_illegal_nowhere_and_recorded_while_a_resize_runs():
         pace(d)
     except IllegalTransition as exc:  # pragma: no cover - the table must accept it
         raise AssertionError(exc) from exc
+
+
+def test_an_engine_idle_in_the_step_that_ended_is_not_lent_in_the_next():
+    d = lending_cluster()
+    idle(d)  # idle in rollout step 1, before the trainer's pace is known: nothing to lend to
+    assert d.state.idle == (IDLE,) and d.state.inflight is None
+    report_step(d, 0)
+    assert d.state.idle == ()
+    pace(d, step=1)
+    assert d.state.inflight is None, "the engine is busy with the new step's requests"
