@@ -58,6 +58,12 @@ def pull_placement(lengths: list[int], engines: int, slots: int, offsets: list[i
     n, width = len(lengths), engines * slots
     placement = np.empty(n, dtype=np.int64)
     done_at = np.empty(n, dtype=np.int64)
+    if (offsets is None or not any(offsets)) and n <= width:
+        # Everything fits in the first wave: slot j (engine j % engines) runs request j.
+        placement = np.arange(n, dtype=np.int64) % engines
+        finish = np.zeros(engines, dtype=np.float64)
+        np.maximum.at(finish, placement, np.asarray(lengths, dtype=np.float64))
+        return placement, finish
     if offsets is None or not any(offsets):
         # Everyone starts at once: the first wave fills slot s (engine s % engines) in order.
         first = min(n, width)
