@@ -2,14 +2,15 @@
 progress only (response lengths are unknown until generated).
 
 An engine whose queue is empty and whose last request finished has nothing to do until the
-step boundary. Lent to training, it joins at the next mini-batch boundary after its release
-and join; from there the remaining mini-batches run on one more device. The predicted saving
-is the remaining mini-batches that the loan will still catch, at the pace the trainer last
-reported, times the share the extra devices take over (linear scaling). It is counted only
-when training is still the longer stage: when some engine still decodes, the rollout's end
-is estimated from the previous step's rollout time. The cost is what the loan adds to the
-critical path: the group change and the joiner's first mini-batch now, and the way home at the
-boundary. The core's `loan_payback` guard lends only when the saving exceeds the cost.
+step boundary. Lent to training, it joins at the first mini-batch boundary after the one
+running now and after its release and join (`LoanCosts.lead_s`); from there the remaining
+mini-batches run on one more device. The predicted saving is the mini-batches the loan will
+still catch, at the pace the trainer last reported, times the share the extra devices take
+over (linear scaling). It does not ask whether training or the rollout will end the step last:
+an idle engine lent while the rollout is the longer stage costs only its way home. The cost is
+what the loan adds to the critical path: the group change and the joiner's first mini-batch
+now (`to_training_s`), and the way home at the boundary (`return_s`, spread over the rollout
+pool). The core's `loan_payback` guard lends only when the saving exceeds the cost.
 """
 
 from __future__ import annotations
