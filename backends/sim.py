@@ -5,13 +5,20 @@ trainer rank (both processes kept; the device's role changes in place). Each res
 takes the time the simulator's cost model gives it (`VirtualCluster.op_seconds`), divided by
 `speedup`. The trainer on the lowest device also drives the RL loop: every step it sleeps for
 max(rollout, training) + weight sync on the current pools (from the model, divided by
-`speedup`) and reports the step's timings in simulated seconds. Run the daemon with
+`speedup`) and reports the step's timings in simulated seconds; inside the step it reports
+every mini-batch, and every device's engine reports when it has nothing left to do, so the
+daemon can lend idle engines to the training step (a lent trainer speeds up the mini-batches
+after it joins; its engine starts the next step late by the way home). The leader publishes
+each step's start on a loopback PUB socket (`--clock-endpoint`) so that every device's engine
+knows when its rollout began, and reads which devices are lent from the daemon's status
+(`--control-endpoint`). Run the daemon with
 `daemon.time_scale = speedup` so that its clock is simulated time too: it then sees what it
 would see on a real cluster, only faster. Pools change when a COMMIT op arrives (it carries
 the new membership), at the next step boundary.
 
     python -m dynaresized.backends.sim --endpoint tcp://127.0.0.1:5555 --device node0:gpu3 \
-        --scenario longtail-drift --profile qwen3-8b-h20x8 --speedup 3600
+        --scenario longtail-drift --profile qwen3-8b-h20x8 --speedup 3600 \
+        --clock-endpoint tcp://127.0.0.1:5557 [--leader --control-endpoint tcp://127.0.0.1:5556]
 """
 
 from __future__ import annotations
@@ -22,8 +29,12 @@ import json
 import sys
 import time
 
+import zmq
+import zmq.asyncio
+
+from dynaresized import wire
 from dynaresized.client import OpRequest, WorkerClient
-from dynaresized.domain import ActualState, Holding, OpKind, Pool, WorkerKind
+from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, StepTiming, WorkerKind
 from dynaresized.sim.cluster import VirtualCluster
 
 HOLDING_AFTER: dict[OpKind, Holding] = {
@@ -50,8 +61,13 @@ class SimDevice:
     """The two workers of one simulated device, and (on the leader) the RL loop."""
 
     def __init__(self, cluster: VirtualCluster, endpoint: str, device: str, speedup: float, *,
-                 leader: bool = False, steps: int | None = None) -> None:
+                 leader: bool = False, steps: int | None = None, clock_endpoint: str = "",
+                 control_endpoint: str = "") -> None:
         self.cluster = cluster
+        self.clock_endpoint = clock_endpoint
+        self.control_endpoint = control_endpoint
+        self._ctx = zmq.asyncio.Context.instance()
+        self._replies = wire.reply_decoder()
         self.device = device
         self.speedup = speedup
         self.leader = leader
@@ -84,7 +100,10 @@ class SimDevice:
         return client
 
     async def _op(self, op: OpRequest) -> str:
-        seconds = self.cluster.op_seconds(op.kind, op.to_pool)
+        if op.plan is PlanKind.RESIZE:
+            seconds = self.cluster.op_seconds(op.kind, op.to_pool)
+        else:
+            seconds = self.cluster.loan_op_seconds(op.kind, op.to_pool)
         await asyncio.sleep(seconds / self.speedup)
         self.ops.append(op.op_id)
         if op.kind is OpKind.COMMIT:
@@ -98,28 +117,114 @@ class SimDevice:
     async def run(self) -> int:
         await self.engine.start()
         await self.trainer.start()
+        clock = asyncio.create_task(self._engine_clock()) if self.clock_endpoint else None
         try:
             if self.leader:
                 await self._drive()
             else:
                 await asyncio.Event().wait()  # serve ops until killed
         finally:
+            if clock is not None:
+                clock.cancel()
             await self.engine.close(reason="simulation over")
             await self.trainer.close(reason="simulation over")
         return 0
 
+    async def _engine_clock(self) -> None:
+        """This device's engine: at every step start (from the leader's clock), if the device
+        is in the rollout pool, say when its engine has nothing left to do."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self.clock_endpoint)
+        report: asyncio.Task[None] | None = None
+        try:
+            while True:
+                msg = json.loads(await sub.recv())
+                if report is not None:
+                    report.cancel()
+                report = asyncio.create_task(self._report_idle(msg))
+        finally:
+            if report is not None:
+                report.cancel()
+            sub.close()
+
+    async def _report_idle(self, msg: dict) -> None:
+        rollout = msg["rollout"]
+        if self.device not in rollout:
+            return
+        gpe = self.cluster.profile.rollout.gpus_per_engine
+        engines = len(rollout) // gpe
+        index = rollout.index(self.device) // gpe
+        if index >= engines:
+            return
+        late = [msg["late"].get(d, 0.0) for d in rollout[::gpe][:engines]]
+        finish = float(self.cluster.engine_finish(msg["step"], engines, late)[index])
+        await asyncio.sleep(max(msg["start"] + finish / self.speedup - time.time(), 0.0))
+        await self.engine.report_queue_empty(step=msg["step"], running=0)
+
+    async def _lent_to_training(self, control: zmq.asyncio.Socket | None) -> set[str]:
+        """Devices in the training pool now that are not in it for the step: lent ones."""
+        if control is None:
+            return set()
+        await control.send(wire.encode(wire.StatusRequest()))
+        if not await control.poll(5000):
+            raise TimeoutError(f"no status from the daemon at {self.control_endpoint}")
+        reply = self._replies.decode(await control.recv())
+        pools = reply.data.get("devices", {}) if isinstance(reply, wire.ControlReply) and reply.ok else {}
+        return {d for d, pool in pools.items() if pool == Pool.TRAINING.value and d not in self.training}
+
     async def _drive(self) -> None:
-        for step in range(self.steps):
-            if self._pending is not None:
-                self.training, self.rollout = self._pending
-                self._pending = None
-            timing = self.cluster.step_timing(step, rollout_devices=len(self.rollout),
-                                              train_devices=len(self.training))
-            step_s = max(timing.rollout_s, timing.train_s) + timing.weight_sync_s
-            await asyncio.sleep(step_s / self.speedup)
-            await self.trainer.report_step(timing)
-            print(json.dumps({"step": step, "step_s": step_s, "train": len(self.training),
-                              "rollout": len(self.rollout), "at": time.time()}), flush=True)
+        pub = self._ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        if self.clock_endpoint:
+            pub.bind(self.clock_endpoint)
+        control = None
+        if self.control_endpoint:  # one socket for the whole run: a status every mini-batch
+            control = self._ctx.socket(zmq.DEALER)
+            control.setsockopt(zmq.LINGER, 0)
+            control.connect(self.control_endpoint)
+        await asyncio.sleep(1.0 if self.clock_endpoint else 0.0)  # let every engine subscribe
+        c, loan = self.cluster, self.cluster.profile.loan
+        mbs = c.profile.training.mini_batches_per_step
+        late: dict[str, float] = {}
+        try:
+            for step in range(self.steps):
+                if self._pending is not None:
+                    self.training, self.rollout = self._pending
+                    self._pending = None
+                rollout = sorted(self.rollout, key=c.devices.index)
+                start = time.time()
+                if self.clock_endpoint:
+                    await pub.send(json.dumps({"step": step, "start": start, "rollout": rollout, "late": late}).encode())
+                gpe = c.profile.rollout.gpus_per_engine
+                engines = len(rollout) // gpe
+                finish = c.engine_finish(step, engines, [late.get(d, 0.0) for d in rollout[::gpe][:engines]])
+                rollout_s = float(finish.max())
+                n, t, lent = len(self.training), c.profile.training.step_overhead_s, set()
+                for done in range(1, mbs + 1):
+                    t += c.mini_batch_seconds(step, n)
+                    await asyncio.sleep(max(start + t / self.speedup - time.time(), 0.0))
+                    await self.trainer.report_mini_batch(step=step, done=done, total=mbs)
+                    joined = await self._lent_to_training(control) - lent if done < mbs else set()
+                    if joined:  # they joined at this boundary: the next mini-batch has them
+                        lent |= joined
+                        n += len(joined)
+                        t += loan.group_change_s + loan.trainer_first_step_s
+                step_s = max(rollout_s, t) + c.weight_sync_seconds()
+                await asyncio.sleep(max(start + step_s / self.speedup - time.time(), 0.0))
+                timing = StepTiming(step=step, rollout_s=rollout_s, train_s=t, weight_sync_s=c.weight_sync_seconds(),
+                                    rollout_devices=len(self.rollout), train_devices=len(self.training),
+                                    samples=int(c.stages.samples[step]),
+                                    response_tokens=int(c.stages.response_tokens[step]))
+                await self.trainer.report_step(timing)
+                late = {d: loan.trainer_leave_s + loan.engine_wake_s for d in lent}  # the way home
+                print(json.dumps({"step": step, "step_s": step_s, "train": len(self.training),
+                                  "rollout": len(self.rollout), "lent": sorted(lent), "at": time.time()}), flush=True)
+        finally:
+            pub.close()
+            if control is not None:
+                control.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,11 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--speedup", type=float, default=3600.0)
     parser.add_argument("--leader", action="store_true", help="also drive the RL loop and report steps")
+    parser.add_argument("--clock-endpoint", default="", help="loopback PUB/SUB address of the step clock")
+    parser.add_argument("--control-endpoint", default="", help="the daemon's control endpoint (leader: loans)")
     args = parser.parse_args(argv)
     cluster = VirtualCluster.builtin(args.scenario, args.profile, seed=args.seed, steps=args.steps)
     if args.device not in cluster.devices:
         parser.error(f"--device {args.device} is not one of {', '.join(cluster.devices)}")
-    sim = SimDevice(cluster, args.endpoint, args.device, args.speedup, leader=args.leader, steps=args.steps)
+    sim = SimDevice(cluster, args.endpoint, args.device, args.speedup, leader=args.leader, steps=args.steps,
+                    clock_endpoint=args.clock_endpoint, control_endpoint=args.control_endpoint)
     try:
         import uvloop
 

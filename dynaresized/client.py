@@ -205,6 +205,18 @@ class WorkerClient:
             log.error("actual-state callback failed", worker=self.worker_id, error=repr(exc), exc_info=exc)
             return None
 
+    async def report_queue_empty(self, step: int, running: int = 0, tokens_left: int = 0) -> None:
+        """An engine: no queued request of rollout step `step` is left (again with `running`
+        0 once idle, so the daemon may lend the device to the training step in progress)."""
+        await self._send(wire.QueueEmpty(worker_id=self.worker_id, step=step, running=running,
+                                         tokens_left=tokens_left, sent_at=time.time(), token=self.token))
+
+    async def report_mini_batch(self, step: int, done: int, total: int) -> None:
+        """A trainer (one rank per job): mini-batch `done` of `total` of training step `step`
+        is done; the next boundary is where a lent device joins."""
+        await self._send(wire.MiniBatchDone(worker_id=self.worker_id, step=step, done=done, total=total,
+                                            sent_at=time.time(), token=self.token))
+
     # -- internals -------------------------------------------------------------------
     async def _send(self, msg: Any) -> None:
         if self._fatal is not None:
@@ -389,6 +401,11 @@ class BlockingWorkerClient:
 
     def report_state(self) -> None:
         self._call(self._client.report_state())
+    def report_queue_empty(self, step: int, running: int = 0, tokens_left: int = 0) -> None:
+        self._call(self._client.report_queue_empty(step, running, tokens_left))
+
+    def report_mini_batch(self, step: int, done: int, total: int) -> None:
+        self._call(self._client.report_mini_batch(step, done, total))
 
     def close(self, reason: str = "") -> None:
         try:

@@ -3,9 +3,10 @@
 It starts the real daemon on loopback with a temporary state directory, one process per
 simulated device (each hosting that device's engine and trainer workers, attached through the
 real client over real ZeroMQ), runs a long-tail RL workload from the simulator's model at
-accelerated time, prints the pools step by step and why each resize happened (read from the
-daemon's event log, as an operator would), and ends with the time the same run would have
-taken on the static split.
+accelerated time, prints the pools step by step, why each resize happened and the loans of
+idle engines to the training step in progress, with their reasons (read from the daemon's
+event log, as an operator would), and ends with the time the same run would have taken on the
+static split and on the best static split with the same router.
 """
 
 from __future__ import annotations
@@ -133,11 +134,13 @@ def run(args: argparse.Namespace) -> int:
                 if daemon.poll() is not None or time.monotonic() > deadline:
                     say((root / "daemon.log").read_text())
                     raise SystemExit("dynaresized demo: the daemon did not start") from None
+        clock_ep = f"tcp://127.0.0.1:{_free_port()}"
         for i, device in enumerate(cluster.devices):
             cmd = [sys.executable, "-m", "dynaresized.backends.sim", "--endpoint", worker_ep, "--device", device,
                    "--scenario", args.scenario, "--profile", args.profile, "--seed", str(args.seed),
-                   "--steps", str(steps), "--speedup", str(args.speedup)]
-            devices.append(subprocess.Popen(cmd + (["--leader"] if i == 0 else []), env=env,
+                   "--steps", str(steps), "--speedup", str(args.speedup), "--clock-endpoint", clock_ep]
+            leader = ["--leader", "--control-endpoint", control_ep] if i == 0 else []
+            devices.append(subprocess.Popen(cmd + leader, env=env,
                                             stdout=subprocess.DEVNULL, stderr=(root / f"device{i}.log").open("wb")))
         say(f"  {len(devices)} device processes started (engine + trainer worker each); training...\n")
         summary = _follow(state, devices[0], say, open_recorder, decode_fact)
@@ -163,15 +166,18 @@ def run(args: argparse.Namespace) -> int:
         "speedup_vs_static_split": round(static_initial / dynamic, 4) if dynamic else None,
         "best_static_split": str(best_split), "best_static_total_time_s": round(best_total, 1),
         "speedup_vs_best_static": round(best_total / dynamic, 4) if dynamic else None,
+        "router": model.router, "loans": summary["loans"], "devices_lent": summary["devices_lent"],
         "wall_s": round(summary["wall_s"], 1), "state_dir": str(state) if args.keep else None,
         "idle_ratio": {pool: None if t.ratio is None else round(t.ratio, 4) for pool, t in summary["idle"].items()},
     }
     say("")
-    say(f"done: {summary['steps']} steps, {summary['resizes']} resize(s), final split {summary['final_split']}")
+    say(f"done: {summary['steps']} steps, {summary['resizes']} resize(s), final split {summary['final_split']}, "
+        f"{summary['loans']} loan(s) of idle engines inside steps ({summary['devices_lent']} device-steps)")
     say(f"  simulated time with {args.policy}: {dynamic / 3600:7.2f} h")
     say(f"  on the static split {initial}:     {static_initial / 3600:7.2f} h  "
         f"(dynamic is {static_initial / dynamic:.2f}x faster)")
-    say(f"  on the best static split {best_split} (chosen with hindsight): {best_total / 3600:.2f} h")
+    say(f"  on the best static split {best_split} (chosen with hindsight, same {model.router} router): "
+        f"{best_total / 3600:.2f} h  ({best_total / dynamic:.3f}x)")
     for pool, t in summary["idle"].items():
         say(f"  idle {pool:<9} {percent(t.ratio):>7} of its device time ({t.idle_s / 3600:.2f} of "
             f"{(t.busy_s + t.idle_s) / 3600:.2f} device-hours; {t.steps} steps accounted, {t.unknown_steps} unknown)")
@@ -189,7 +195,8 @@ def _follow(state: Path, leader: subprocess.Popen[bytes], say: Any,
     """Tail the daemon's event log until the leader has run every step."""
     started = time.monotonic()
     recorder = open_recorder(state / "events.sqlite", read_only=True)
-    position, seen_steps, total, resizes = 0, 0, 0.0, 0
+    position, seen_steps, total, resizes, loans, lent = 0, 0, 0.0, 0, 0, 0
+    lent_this_step: list[str] = []
     cluster = ClusterState()  # the log folded as the daemon folds it: its idle figures
     split = None
     last_rejection = ""
@@ -206,8 +213,17 @@ def _follow(state: Path, leader: subprocess.Popen[bytes], say: Any,
                     total += step_s
                     seen_steps += 1
                     split = Split(train=t.train_devices, rollout=t.rollout_devices)
+                    loaned = f"  lent {', '.join(lent_this_step)}" if lent_this_step else ""
                     say(f"step {t.step:4d}  {_bar(split):<22} rollout {t.rollout_s:7.1f}s  "
-                        f"train {t.train_s:7.1f}s  step {step_s:7.1f}s")
+                        f"train {t.train_s:7.1f}s  step {step_s:7.1f}s{loaned}")
+                    lent_this_step = []
+                elif isinstance(fact, f.LoanStarted):
+                    if not lent_this_step and (loans < 3 or seen_steps % 20 == 0):
+                        say(f"  >> {explain(fact)}")  # the first loans, then one step in twenty
+                    lent_this_step.extend(d.split(":")[-1] for d in fact.plan.devices)
+                    lent += len(fact.plan.devices)
+                elif isinstance(fact, f.LoanLanded):
+                    loans += 1
                 elif isinstance(fact, f.ResizeStarted | f.ResizeCommitted | f.ResizeRolledBack | f.Degraded
                                 | f.WorkerLost | f.PredictionChecked | f.ResizeJudged):
                     resizes += isinstance(fact, f.ResizeCommitted)
@@ -221,6 +237,6 @@ def _follow(state: Path, leader: subprocess.Popen[bytes], say: Any,
     finally:
         recorder.close()
     idle = {p.value: cluster.idle.pool(p) for p in Pool}
-    return {"steps": seen_steps, "total_time_s": total, "resizes": resizes,
+    return {"steps": seen_steps, "total_time_s": total, "resizes": resizes, "loans": loans, "devices_lent": lent,
             "final_split": str(split) if split else "", "wall_s": time.monotonic() - started,
             "idle": idle, "payback_factor": cluster.history.payback_factor}

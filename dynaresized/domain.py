@@ -51,18 +51,26 @@ class Placement(msgspec.Struct, frozen=True, array_like=True):
     pool: Pool | None
     moving_from: Pool | None = None
     moving_to: Pool | None = None
+    home: Pool | None = None
+    """Set while the device is lent (or moving for a loan): the pool it returns to at the step
+    boundary. None for a device that belongs where it is."""
 
     @property
     def is_moving(self) -> bool:
         return self.pool is None
 
+    @property
+    def home_pool(self) -> Pool | None:
+        """The pool the device counts in for the split: its home while lent, else where it is."""
+        return self.home if self.home is not None else self.pool
 
-def placed(pool: Pool) -> Placement:
-    return Placement(pool=pool)
+
+def placed(pool: Pool, home: Pool | None = None) -> Placement:
+    return Placement(pool=pool, home=home)
 
 
-def moving(from_pool: Pool, to_pool: Pool) -> Placement:
-    return Placement(pool=None, moving_from=from_pool, moving_to=to_pool)
+def moving(from_pool: Pool, to_pool: Pool, home: Pool | None = None) -> Placement:
+    return Placement(pool=None, moving_from=from_pool, moving_to=to_pool, home=home)
 
 
 class Holding(str, enum.Enum):
@@ -168,6 +176,14 @@ FORWARD_ORDER: tuple[OpKind, ...] = (
 )
 
 
+class PlanKind(str, enum.Enum):
+    """What an operation sequence does. A loan is a resize for the rest of one RL step."""
+
+    RESIZE = "resize"  # the split changes from the next step on
+    LOAN = "loan"  # idle devices serve the other pool for the rest of the step in progress
+    RETURN = "return"  # lent devices go home at the step boundary
+
+
 class OpSpec(msgspec.Struct, frozen=True):
     """One operation of a resize plan, sent to every worker in `targets`."""
 
@@ -187,6 +203,7 @@ class ResizePlan(msgspec.Struct, frozen=True):
     ops: tuple[OpSpec, ...]
     before: Split
     after: Split
+    kind: PlanKind = PlanKind.RESIZE
 
     @property
     def direction(self) -> str:

@@ -32,6 +32,8 @@ def explain(fact: f.Fact) -> str:
                     f"training {percent(idle_ratio(t, Pool.TRAINING))}")
         case f.ProgressObserved():
             return f"{fact.worker_id} step {fact.step}: {fact.done}/{fact.total} samples, {fact.tokens} tokens"
+        case f.ProposalRejected() if fact.guard.startswith("loan"):
+            return f"no loan (from {fact.source}), guard {fact.guard}: {fact.reason}"
         case f.ProposalRejected():
             target = f" to {fact.target}" if fact.target else ""
             return f"no resize{target} (from {fact.source}), guard {fact.guard}: {fact.reason}"
@@ -85,6 +87,20 @@ def explain(fact: f.Fact) -> str:
         case f.WorkerUnconverged():
             return f"worker {fact.worker_id} cannot be converged ({fact.reason}); its devices are left out of " \
                    "resizes until it reports a state that agrees with the log or registers again"
+        case f.EngineQueueEmptyObserved():
+            state = "idle" if fact.running == 0 else f"{fact.running} running, ~{fact.tokens_left} tokens left"
+            return f"{fact.worker_id} on {fact.device}: rollout step {fact.step} queue empty, {state}"
+        case f.MiniBatchObserved():
+            return f"{fact.worker_id}: mini-batch {fact.done}/{fact.total} of training step {fact.step} done"
+        case f.LoanStarted():
+            return f"loan {fact.plan.resize_id} started (by {fact.source}): {fact.reason}"
+        case f.LoanLanded():
+            return f"loan {fact.resize_id} landed in {fact.duration_s:.2f}s: the lent devices serve the other pool until the step boundary"
+        case f.LoanReturnStarted():
+            then = f"; then resize to {fact.then} ({fact.then_reason})" if fact.then else ""
+            return f"loan return {fact.plan.resize_id} started: {fact.reason}{then}"
+        case f.LoanReturned():
+            return f"loan return {fact.resize_id} done in {fact.duration_s:.2f}s: the devices are home"
     return f"{type(fact).__name__}"  # pragma: no cover - every fact type is matched above
 
 

@@ -23,7 +23,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from dynaresized.domain import ActualState, Holding, OpKind, Pool, Split, StepTiming, WorkerKind
+from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, Split, StepTiming, WorkerKind
 
 PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 * 1024
@@ -121,7 +121,32 @@ class StateReport(_Msg, frozen=True, kw_only=True, tag="state_report"):
     sent_at: float = 0.0
 
 
-WorkerMessage = Hello | Heartbeat | StepReport | Progress | OpResult | Bye | StateReport
+class QueueEmpty(_Msg, frozen=True, kw_only=True, tag="queue_empty"):
+    """A rollout engine has no queued request of rollout step `step` left: `running` still
+    decode, about `tokens_left` tokens to go (the engine's own estimate). Sent again with
+    `running` 0 when the last one finished: the engine is idle and may be lent to training."""
+
+    worker_id: Name
+    step: Count
+    running: Count = 0
+    tokens_left: Count = 0
+    sent_at: float = 0.0
+    token: Token = ""
+
+
+class MiniBatchDone(_Msg, frozen=True, kw_only=True, tag="mini_batch_done"):
+    """A trainer finished mini-batch `done` of `total` (an optimizer step) of training step
+    `step`. One rank per job reports, like `step_report`."""
+
+    worker_id: Name
+    step: Count
+    done: Count
+    total: Count
+    sent_at: float = 0.0
+    token: Token = ""
+
+
+WorkerMessage = Hello | Heartbeat | StepReport | Progress | OpResult | Bye | StateReport | QueueEmpty | MiniBatchDone
 
 
 # -- daemon -> worker ---------------------------------------------------------------------
@@ -158,6 +183,7 @@ class OpCommand(_Msg, frozen=True, kw_only=True, tag="op"):
     timeout_s: float  # seconds left before the daemon gives up on this op
     training: tuple[str, ...]  # the training pool once the resize commits
     rollout: tuple[str, ...]  # the rollout pool once the resize commits
+    plan: PlanKind = PlanKind.RESIZE  # a loan (lent for the rest of the step) or its return
 
 
 class ErrorCode(str, enum.Enum):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dynaresized.core.policy import ObservedView, Proposal, predicted_step_s
 from dynaresized.domain import Split
+from dynaresized.policies.lending import Lending
 
 
 def candidate_splits(view: ObservedView) -> tuple[Split, ...]:
@@ -30,11 +31,12 @@ def mean_work(view: ObservedView, window: int) -> tuple[float, float, float]:
     return rollout / n, train / n, sync / n
 
 
-class HysteresisPolicy:
+class HysteresisPolicy(Lending):
     name = "hysteresis"
     guarded = True
 
-    def __init__(self, window: int = 3, max_move: int | None = None) -> None:
+    def __init__(self, window: int = 3, max_move: int | None = None, lending: bool = True) -> None:
+        self.lends = bool(lending)
         if window < 1:
             raise ValueError("window must be >= 1")
         self.window = window

@@ -29,6 +29,7 @@ import math
 
 import msgspec
 from dynaresized.policies.hysteresis import candidate_splits
+from dynaresized.policies.lending import Lending
 
 from dynaresized.core.policy import ObservedView, Proposal
 from dynaresized.domain import Split, StepTiming
@@ -72,7 +73,7 @@ def fit_stage(xs: list[float], ys: list[float], ws: list[float], ridge: float) -
     return StageFit(a=a, b=b, points=len(xs), sizes=sizes)
 
 
-class PlannerPolicy:
+class PlannerPolicy(Lending):
     name = "planner"
     guarded = True
 
@@ -83,7 +84,9 @@ class PlannerPolicy:
         horizon_steps: int = 50,
         min_gain: float = 0.03,
         ridge: float = 0.001,
+        lending: bool = True,
     ) -> None:
+        self.lends = bool(lending)
         if memory_steps < 2 or half_life_steps <= 0 or horizon_steps < 1 or min_gain < 0 or ridge < 0:
             raise ValueError("planner options: memory_steps >= 2, half_life_steps > 0, horizon_steps >= 1, "
                              "min_gain >= 0, ridge >= 0")

@@ -104,3 +104,24 @@ class AbortRequested(Event, frozen=True):
 
     requested_by: str = "operator"
     reason: str = ""
+
+
+class EngineQueueEmpty(Event, frozen=True):
+    """A rollout engine has no queued request of rollout step `step` left: `running` requests
+    still decode, about `tokens_left` tokens to go (the engine's estimate). `running == 0`
+    means the engine is idle for the rest of the step: it may be lent."""
+
+    worker_id: WorkerId
+    step: int
+    running: int = 0
+    tokens_left: int = 0
+
+
+class MiniBatchDone(Event, frozen=True):
+    """A trainer finished mini-batch `done` of `total` (an optimizer step) of training step
+    `step`: the next mini-batch boundary is where a lent device can join."""
+
+    worker_id: WorkerId
+    step: int
+    done: int
+    total: int

@@ -208,6 +208,58 @@ class WorkerUnconverged(Fact, frozen=True, tag="worker_unconverged"):
 
     worker_id: WorkerId
     reason: str
+class EngineQueueEmptyObserved(Fact, frozen=True, tag="engine_queue_empty"):
+    """An engine ran out of queued requests of rollout step `step` (see events.EngineQueueEmpty)."""
+
+    worker_id: WorkerId
+    device: DeviceId
+    step: int
+    running: int
+    tokens_left: int = 0
+
+
+class MiniBatchObserved(Fact, frozen=True, tag="mini_batch_done"):
+    worker_id: WorkerId
+    step: int
+    done: int
+    total: int
+
+
+class LoanStarted(Fact, frozen=True, tag="loan_started"):
+    """Idle devices are lent to `plan.to_pool` for the rest of the step; `plan.kind` is LOAN."""
+
+    plan: ResizePlan
+    source: str
+    reason: str  # what an operator reads: "lent ... at mini-batch 5/16: ..., saves ~41 s"
+    op_deadline: float
+    saves_s: float = 0.0  # the policy's predicted saving in the rest of the step
+    cost_s: float = 0.0  # the loan's predicted cost on the critical path
+
+
+class LoanLanded(Fact, frozen=True, tag="loan_landed"):
+    """The lent devices serve `plan.to_pool` until the step boundary; their home is recorded."""
+
+    resize_id: str
+    duration_s: float
+
+
+class LoanReturnStarted(Fact, frozen=True, tag="loan_return_started"):
+    """At a step boundary the lent devices go home (`plan.kind` is RETURN). A resize the policy
+    asked for at the same boundary (`then`) starts once they are home: one sequence at a time."""
+
+    plan: ResizePlan
+    reason: str
+    op_deadline: float
+    then: Split | None = None
+    then_source: str = ""
+    then_reason: str = ""
+    then_predicted_step_s: float = 0.0  # the policy's prediction for `then` (0: none)
+    then_predicted_step_s_after: float = 0.0
+
+
+class LoanReturned(Fact, frozen=True, tag="loan_returned"):
+    resize_id: str
+    duration_s: float
 
 
 AnyFact = (
@@ -236,6 +288,12 @@ AnyFact = (
     | ReconcileStarted
     | ReconcileFinished
     | WorkerUnconverged
+    | EngineQueueEmptyObserved
+    | MiniBatchObserved
+    | LoanStarted
+    | LoanLanded
+    | LoanReturnStarted
+    | LoanReturned
 )
 
 FACT_TYPES: tuple[type[Fact], ...] = AnyFact.__args__  # type: ignore[attr-defined]

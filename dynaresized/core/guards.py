@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from dynaresized.core.policy import ObservedView, Proposal
+from dynaresized.core.policy import LoanProposal, LoanView, ObservedView, Proposal
 from dynaresized.domain import Pool, Split, StepTiming
 
 
@@ -39,6 +39,9 @@ class GuardConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     required payback by this; one that paid back divides it again, down to 1."""
     payback_backoff_max: float = 8.0
     """The learned payback multiplier never exceeds this."""
+    loan_safety: float = 1.0
+    """A loan goes ahead only if its predicted saving in the rest of the step exceeds its
+    predicted cost times this."""
 
 
 class Rejection(msgspec.Struct, frozen=True):
@@ -180,4 +183,19 @@ def evaluate(
         rejection = guard(view, proposal, cfg, history)
         if rejection is not None:
             return rejection
+    return None
+
+
+def check_loan(view: LoanView, p: LoanProposal, cfg: GuardConfig) -> Rejection | None:
+    """Why a loan may not go ahead, or None: only idle devices, and only when it pays."""
+    free = view.idle_engines if p.to_pool == Pool.TRAINING.value else view.free_trainers
+    if not p.devices:
+        return Rejection("loan_idle", "a loan names no device")
+    busy = [d for d in p.devices if d not in free]
+    if busy:
+        what = "engine has work left" if p.to_pool == Pool.TRAINING.value else "trainer has not finished its step"
+        return Rejection("loan_idle", f"{', '.join(busy)}: {what}; only idle devices are lent")
+    if p.saves_s <= p.cost_s * cfg.loan_safety:
+        return Rejection("loan_payback", f"saves ~{p.saves_s:.1f}s, not above cost {p.cost_s:.1f}s x "
+                                         f"loan_safety {cfg.loan_safety:g}")
     return None

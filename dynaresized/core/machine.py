@@ -18,7 +18,7 @@ from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.core import guards
 from dynaresized.core.idle import step_period_s
-from dynaresized.core.policy import ObservedView, Policy, Proposal, ResizeCosts
+from dynaresized.core.policy import LoanCosts, LoanProposal, LoanView, ObservedView, Policy, Proposal, ResizeCosts
 from dynaresized.core.state import ClusterState, Phase, mutate
 from dynaresized.domain import (
     UNDO,
@@ -27,6 +27,7 @@ from dynaresized.domain import (
     Holding,
     OpKind,
     OpSpec,
+    PlanKind,
     Pool,
     ResizePlan,
     Split,
@@ -55,6 +56,8 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reconcile_retry_s: float = 30.0
     """A worker that could not be converged is tried again this long after (its devices stay
     out of resize plans meanwhile)."""
+    loan_costs: LoanCosts = LoanCosts()
+    """What a loan adds to the critical path, for the lending policy's estimate."""
 
 
 class SendOp(msgspec.Struct, frozen=True):
@@ -67,6 +70,7 @@ class SendOp(msgspec.Struct, frozen=True):
     deadline: float
     training: tuple[DeviceId, ...]  # the training pool once the resize commits
     rollout: tuple[DeviceId, ...]  # the rollout pool once the resize commits
+    plan: PlanKind = PlanKind.RESIZE  # a loan or its return travels as the same ops
 
 
 class QueryState(msgspec.Struct, frozen=True):
@@ -259,10 +263,16 @@ def _observe_step(core: Core, tx: _Tx, e: ev.StepReported) -> None:
 def on_step_steady(core: Core, tx: _Tx, e: ev.StepReported) -> None:
     _observe_step(core, tx, e)
     s = tx.state
+    lent = s.lent_devices()
     if s.paused or s.stopping:
+        if lent:
+            _return_loans(core, tx, e.at, None, "")
         return
     view = core.view(s, e.at)
     proposal = core.policy(view)
+    if lent:
+        _return_loans(core, tx, e.at, proposal, core.policy.name)
+        return
     if proposal is None:
         return
     _decide(core, tx, view, proposal, core.policy.name, hysteresis=core.policy.guarded, at=e.at)
@@ -417,6 +427,12 @@ def _decide(core: Core, tx: _Tx, view: ObservedView, proposal: Proposal, source:
     if isinstance(plan_or_reason, str):
         _reject(tx, at, source, proposal.target, "capacity", plan_or_reason)
         return
+    _start_resize(core, tx, view, plan_or_reason, proposal, source, at)
+
+
+def _start_resize(core: Core, tx: _Tx, view: ObservedView, plan: ResizePlan, proposal: Proposal, source: str,
+                  at: float) -> None:
+    """Record a resize that passed its guards, with what its outcome will be measured against."""
     if tx.state.outcome is not None:
         _judge(core, tx, at)  # the next resize starts before the window ended: judge what was seen
     predicted = proposal.predicted_step_s_after > 0  # an operator's resize predicts nothing
@@ -426,7 +442,7 @@ def _decide(core: Core, tx: _Tx, view: ObservedView, proposal: Proposal, source:
     if measured and all(tokens > 0 for _, tokens in measured):
         per_token = sum(periods) / sum(tokens for _, tokens in measured)
     tx.emit(f.ResizeStarted(
-        at=at, plan=plan_or_reason, source=source, reason=proposal.reason,
+        at=at, plan=plan, source=source, reason=proposal.reason,
         op_deadline=at + core.config.op_timeout_s,
         predicted_step_s=proposal.predicted_step_s if predicted else None,
         predicted_step_s_after=proposal.predicted_step_s_after if predicted else None,
@@ -566,6 +582,8 @@ def _advance(core: Core, tx: _Tx, at: float, *, fresh: bool = False) -> None:
         step = tx.state.last_step
         if fl.rolling_back:
             tx.emit(f.ResizeRolledBack(at=at, resize_id=fl.plan.resize_id, reason=fl.abort_reason, step=step))
+        elif fl.plan.kind is not PlanKind.RESIZE:
+            _end_loan(core, tx, at)
         else:
             tx.emit(f.ResizeCommitted(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at, step=step))
         return
@@ -588,7 +606,7 @@ def _send(tx: _Tx, only: list[str] | None) -> None:
     rollout = tuple(sorted(d for d in s.devices if d not in training))
     for w in only if only is not None else _pending(s):
         tx.commands.append(SendOp(worker_id=w, resize_id=plan.resize_id, op=fl.op, deadline=fl.op_deadline,
-                                  training=training, rollout=rollout))
+                                  training=training, rollout=rollout, plan=plan.kind))
 
 
 def _op_failed(core: Core, tx: _Tx, reason: str, at: float) -> None:
@@ -720,6 +738,145 @@ def _finish_reconcile(tx: _Tx, resize_id: str, worker_id: str, at: float) -> Non
     reason = f"its converging ops succeeded, but it still reports {have.value} (the log says {want.value})"
     tx.emit(f.ReconcileFinished(at=at, resize_id=resize_id, worker_id=worker_id, ok=False, reason=reason))
     tx.emit(f.WorkerUnconverged(at=at, worker_id=worker_id, reason=reason))
+# -- loans ---------------------------------------------------------------------------
+
+
+def on_engine_queue_empty(core: Core, tx: _Tx, e: ev.EngineQueueEmpty) -> None:
+    w = _require_worker(tx.state, e.worker_id)
+    if w.kind is not WorkerKind.ROLLOUT_ENGINE:
+        raise Refused("bad_request", f"worker {e.worker_id!r} is a {w.kind.value}; only engines report their queue")
+    if e.step < 0 or e.running < 0 or e.tokens_left < 0:
+        raise Refused("bad_value", f"step={e.step} running={e.running} tokens_left={e.tokens_left} is impossible")
+    tx.emit(f.EngineQueueEmptyObserved(at=e.at, worker_id=e.worker_id, device=w.devices[0], step=e.step,
+                                       running=e.running, tokens_left=e.tokens_left))
+    _consider_loan(core, tx, e.at)
+
+
+def on_mini_batch_done(core: Core, tx: _Tx, e: ev.MiniBatchDone) -> None:
+    w = _require_worker(tx.state, e.worker_id)
+    if w.kind is not WorkerKind.TRAINER_RANK:
+        raise Refused("bad_request", f"worker {e.worker_id!r} is a {w.kind.value}; only trainers report mini-batches")
+    if e.step < 0 or not (0 < e.done <= e.total):
+        raise Refused("bad_value", f"mini-batch {e.done} of {e.total} in step {e.step} is impossible")
+    tx.emit(f.MiniBatchObserved(at=e.at, worker_id=e.worker_id, step=e.step, done=e.done, total=e.total))
+    _consider_loan(core, tx, e.at)
+
+
+def loan_view(core: Core, state: ClusterState, now: float) -> LoanView:
+    """What the lending policy sees: idle engines of the rollout step in progress, trainers
+    whose part of the step is done, and the trainer's measured mini-batch pace."""
+    mb = state.mini_batch
+    done = mb is not None and mb.done >= mb.total
+    placed_home = {d for d, p in state.devices.items() if p.home is None and p.pool is not None}
+    idle = tuple(d for d in state.dry if d in placed_home and state.devices[d].pool is Pool.ROLLOUT)
+    free = tuple(d for d in state.pool_devices(Pool.TRAINING) if d in placed_home) if done else ()
+    return LoanView(
+        now=now,
+        split=state.split,
+        idle_engines=idle,
+        free_trainers=free,
+        training_devices=len(state.pool_devices(Pool.TRAINING)),
+        mini_batch_done=mb.done if mb is not None else 0,
+        mini_batch_total=mb.total if mb is not None else 0,
+        mini_batch_s=mb.last_s if mb is not None else 0.0,
+        queue_empty=state.dry_step > state.last_step,
+        costs=core.config.loan_costs,
+        recent=state.recent,
+    )
+
+
+def _consider_loan(core: Core, tx: _Tx, at: float) -> None:
+    s = tx.state
+    lend = getattr(core.policy, "propose_loan", None)
+    if lend is None or s.phase is not Phase.STEADY or s.inflight is not None or s.paused or s.stopping:
+        return
+    view = loan_view(core, s, at)
+    proposal: LoanProposal | None = lend(view)
+    if proposal is None:
+        return
+    rejection = guards.check_loan(view, proposal, core.config.guards)
+    if rejection is not None:
+        _reject(tx, at, core.policy.name, None, rejection.guard, rejection.reason)
+        return
+    plan = plan_loan(s, proposal.devices, Pool(proposal.to_pool), PlanKind.LOAN)
+    if isinstance(plan, str):
+        _reject(tx, at, core.policy.name, None, "capacity", plan)
+        return
+    tx.emit(f.LoanStarted(at=at, plan=plan, source=core.policy.name, reason=proposal.reason,
+                          op_deadline=at + core.config.op_timeout_s, saves_s=proposal.saves_s,
+                          cost_s=proposal.cost_s))
+    _advance(core, tx, at, fresh=True)
+
+
+def plan_loan(state: ClusterState, devices: tuple[DeviceId, ...], to_pool: Pool, kind: PlanKind) -> ResizePlan | str:
+    """Drain, release and join `devices` into `to_pool`: a loan, or (kind RETURN) its way home.
+    No commit: a loan lasts until the step boundary, where its return is the next sequence."""
+    from_pool = to_pool.other
+    devices = tuple(sorted(devices))
+    src = _unique(state.live_worker(d, WorkerKind.for_pool(from_pool)) for d in devices)
+    dst = _unique(state.live_worker(d, WorkerKind.for_pool(to_pool)) for d in devices)
+    if kind is PlanKind.LOAN and len(dst) < len(devices):
+        return f"not every device of {', '.join(devices)} has a live {WorkerKind.for_pool(to_pool).value} worker"
+    resize_id = f"l{state.loans_started + 1}" if kind is PlanKind.LOAN else f"l{state.loans_started}-home{state.version}"
+    targets = {OpKind.DRAIN: src, OpKind.RELEASE: src, OpKind.JOIN: dst}
+    ops = tuple(
+        OpSpec(op_id=f"{resize_id}/{i}-{k.value}", kind=k, devices=devices, targets=ts,
+               from_pool=from_pool, to_pool=to_pool)
+        for i, (k, ts) in enumerate(targets.items())
+    )
+    split = state.split
+    return ResizePlan(resize_id=resize_id, devices=devices, from_pool=from_pool, to_pool=to_pool, ops=ops,
+                      before=split, after=split, kind=kind)
+
+
+def _return_loans(core: Core, tx: _Tx, at: float, proposal: Proposal | None, source: str) -> None:
+    """Step boundary: every lent device goes home. A resize the policy proposes at the same
+    boundary is checked by the guards now and starts once the devices are home."""
+    s = tx.state
+    then: Split | None = None
+    if proposal is not None:
+        view = core.view(s, at)
+        rejection = guards.evaluate(view, proposal, core.config.guards, s.history, hysteresis=core.policy.guarded)
+        if rejection is not None:
+            _reject(tx, at, source, proposal.target, rejection.guard, rejection.reason)
+        else:
+            then = proposal.target
+    lent = s.lent_devices()
+    # One sequence per direction; the rare boundary with loans both ways returns rollout first.
+    by_pool = {p: tuple(d for d in lent if s.devices[d].pool is p) for p in (Pool.TRAINING, Pool.ROLLOUT)}
+    pool = Pool.TRAINING if by_pool[Pool.TRAINING] else Pool.ROLLOUT
+    plan = plan_loan(s, by_pool[pool], pool.other, PlanKind.RETURN)
+    assert not isinstance(plan, str)
+    reason = f"step {s.last_step} done: {len(plan.devices)} lent device(s) go home to {pool.other.value}"
+    tx.emit(f.LoanReturnStarted(at=at, plan=plan, reason=reason, op_deadline=at + core.config.op_timeout_s,
+                                then=then, then_source=source if then is not None else "",
+                                then_reason=proposal.reason if then is not None and proposal else "",
+                                then_predicted_step_s=proposal.predicted_step_s if then is not None and proposal else 0.0,
+                                then_predicted_step_s_after=(proposal.predicted_step_s_after
+                                                             if then is not None and proposal else 0.0)))
+    _advance(core, tx, at, fresh=True)
+
+
+def _end_loan(core: Core, tx: _Tx, at: float) -> None:
+    fl = tx.state.inflight
+    assert fl is not None
+    if fl.plan.kind is PlanKind.LOAN:
+        tx.emit(f.LoanLanded(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at))
+        return
+    tx.emit(f.LoanReturned(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at))
+    s = tx.state
+    if s.lent_devices():  # loans the other way round go home next
+        _return_loans(core, tx, at, None, "")
+        return
+    if fl.then is None or s.paused or s.stopping or s.split == fl.then:
+        return
+    plan = plan_resize(s, fl.then)
+    if isinstance(plan, str):
+        _reject(tx, at, fl.then_source, fl.then, "capacity", plan)
+        return
+    proposal = Proposal(target=fl.then, reason=fl.then_reason, predicted_step_s=fl.then_predicted_step_s,
+                        predicted_step_s_after=fl.then_predicted_step_s_after)
+    _start_resize(core, tx, core.view(s, at), plan, proposal, fl.then_source, at)
 
 
 _ALWAYS: dict[type, Handler] = {
@@ -734,6 +891,8 @@ _ALWAYS: dict[type, Handler] = {
     ev.ResumeRequested: on_resume,
     ev.ShutdownRequested: on_shutdown,
     ev.AbortRequested: on_abort_requested,
+    ev.EngineQueueEmpty: on_engine_queue_empty,
+    ev.MiniBatchDone: on_mini_batch_done,
 }  # type: ignore[dict-item]
 
 _RESIZING: dict[type, Handler] = {

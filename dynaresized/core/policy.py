@@ -101,3 +101,45 @@ def predicted_step_s(rollout_work: float, train_work: float, split: Split, sync_
     if split.rollout <= 0 or split.train <= 0:
         return float("inf")
     return max(rollout_work / split.rollout, train_work / split.train) + sync_s
+
+
+# -- loans: lending idle devices for the rest of a step -------------------------------
+
+
+class LoanCosts(msgspec.Struct, frozen=True):
+    """Estimated seconds a loan adds to the critical path, per lent device group."""
+
+    to_training_s: float = 8.0
+    """An idle engine released and its trainer joining at a mini-batch boundary (the training
+    step in progress pays the group change and the joiner's first step)."""
+    to_rollout_s: float = 6.0
+    """A done trainer leaving and its engine waking to pull the step's queued requests."""
+    return_s: float = 4.0
+    """Going home at the step boundary (paid by the next step of the home pool)."""
+    lead_s: float = 6.0
+    """Seconds from lending until the device can join the other pool (its release and join)."""
+
+
+class LoanView(msgspec.Struct, frozen=True):
+    """What a lending decision may look at: measured progress of the step in progress, never
+    the lengths of responses not yet generated."""
+
+    now: float
+    split: Split  # home split
+    idle_engines: tuple[str, ...]  # rollout devices with nothing left to do this step
+    free_trainers: tuple[str, ...]  # training devices whose part of the step is done
+    training_devices: int  # devices in the training pool now, lent ones included
+    mini_batch_done: int  # of the training step in progress (0 before its first report)
+    mini_batch_total: int
+    mini_batch_s: float  # last measured seconds per mini-batch on the current group (0: unknown)
+    queue_empty: bool  # an engine reported that the rollout step's queue is empty
+    costs: LoanCosts
+    recent: tuple[StepTiming, ...] = ()
+
+
+class LoanProposal(msgspec.Struct, frozen=True):
+    devices: tuple[str, ...]
+    to_pool: str  # "training" or "rollout" (a Pool value)
+    reason: str
+    saves_s: float  # predicted seconds saved in the rest of the step
+    cost_s: float  # predicted seconds the loan adds to the critical path

@@ -27,6 +27,7 @@ from dynaresized.domain import (
     OpKind,
     OpSpec,
     Placement,
+    PlanKind,
     Pool,
     ResizePlan,
     Split,
@@ -79,6 +80,11 @@ class InFlight(msgspec.Struct, frozen=True):
     rolling_back: bool = False
     abort_reason: str = ""
     reconciling: WorkerId = ""  # set when this is a reconcile of that worker, not a resize
+    then: Split | None = None  # a loan return's follow-up resize (see facts.LoanReturnStarted)
+    then_source: str = ""
+    then_reason: str = ""
+    then_predicted_step_s: float = 0.0
+    then_predicted_step_s_after: float = 0.0
 
     @property
     def op(self) -> OpSpec:
@@ -115,6 +121,16 @@ class Unconverged(msgspec.Struct, frozen=True, array_like=True):
     at: float  # when it was last found unconverged (it is tried again `reconcile_retry_s` later)
 
 
+class MiniBatch(msgspec.Struct, frozen=True, array_like=True):
+    """The training step in progress, as the trainer last reported it."""
+
+    step: int
+    done: int
+    total: int
+    at: float
+    last_s: float  # seconds between the last two reports of this step (0: only one so far)
+
+
 class ClusterState(msgspec.Struct, frozen=True):
     version: int = 0  # facts folded so far
     configured: bool = False
@@ -142,6 +158,11 @@ class ClusterState(msgspec.Struct, frozen=True):
     reconciles_started: int = 0
     unconverged: dict[WorkerId, Unconverged] = {}  # workers that could not converge: left out of plans
     last_seen: dict[WorkerId, float] = {}  # soft state, see module docstring
+    dry_step: int = -1  # the rollout step whose engines `dry` lists
+    dry: tuple[DeviceId, ...] = ()  # devices whose engine has nothing left to do in `dry_step` (lendable)
+    mini_batch: MiniBatch | None = None
+    loans_started: int = 0
+    loans_landed: int = 0
     last_sent: float = 0.0  # soft: when the pending op was last sent
     last_audit: float = 0.0  # soft: when every live worker was last asked for its state
 
@@ -151,13 +172,20 @@ class ClusterState(msgspec.Struct, frozen=True):
 
     @property
     def split(self) -> Split:
+        """Devices per pool; a lent device counts in its home pool (a loan lasts one step);
+        a moving device counts in neither."""
         train = rollout = 0
         for p in self.devices.values():
-            if p.pool is Pool.TRAINING:
+            pool = p.pool if p.home is None or p.pool is None else p.home
+            if pool is Pool.TRAINING:
                 train += 1
-            elif p.pool is Pool.ROLLOUT:
+            elif pool is Pool.ROLLOUT:
                 rollout += 1
         return Split(train=train, rollout=rollout)
+
+    def lent_devices(self) -> tuple[DeviceId, ...]:
+        """Devices serving the other pool until the step boundary (loan landed, not returned)."""
+        return tuple(d for d, p in self.devices.items() if p.home is not None and p.pool is not None)
 
     def live_worker(self, device: DeviceId, kind: WorkerKind) -> Worker | None:
         for w in self.workers.values():
@@ -223,6 +251,9 @@ def _place(state: ClusterState, devices: Iterable[DeviceId], placement: Placemen
 
 
 def _end_resize(state: ClusterState, at: float, step: int) -> ClusterState:
+    if state.inflight is not None and state.inflight.plan.kind is not PlanKind.RESIZE:
+        # A loan is not a resize for the guards: dwell and cooldown count from real resizes.
+        return replace(state, inflight=None)
     return replace(
         state,
         inflight=None,
@@ -323,8 +354,9 @@ def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
     if outcome is not None and outcome.committed and period is not None and not ran_before:
         outcome = replace(outcome, after=outcome.after + (period,),
                           after_tokens=outcome.after_tokens + (e.timing.response_tokens,))
+    # Engines that ran dry before a step boundary did so in the step that ended: not lendable now.
     return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history,
-                   idle=s.idle.add(e.timing, s.devices), outcome=outcome)
+                   idle=s.idle.add(e.timing, s.devices), outcome=outcome, dry=())
 
 
 @_on(f.ProgressObserved)
@@ -429,19 +461,28 @@ def _(s: ClusterState, e: f.ResizeCommitted) -> ClusterState:
     return _end_resize(s, e.at, e.step)
 
 
+def _settled(plan: ResizePlan, pool: Pool) -> Placement:
+    """Where a device of `plan` rests in `pool`: a loan's device keeps its home recorded."""
+    home = plan.from_pool if plan.kind is PlanKind.LOAN else plan.to_pool
+    if plan.kind is PlanKind.RESIZE or pool is home:
+        return placed(pool)
+    return placed(pool, home=home)
+
+
 @_on(f.ResizeRolledBack)
 def _(s: ClusterState, e: f.ResizeRolledBack) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
-    s = _place(s, plan.devices, placed(plan.from_pool))
-    s = replace(s, phase=Phase.STEADY, resizes_rolled_back=s.resizes_rolled_back + 1, outcome=None)
+    s = _place(s, plan.devices, _settled(plan, plan.from_pool))
+    s = replace(s, phase=Phase.STEADY, resizes_rolled_back=s.resizes_rolled_back + 1,
+                outcome=_outcome_without(s.outcome, plan.resize_id))
     return _end_resize(s, e.at, e.step)
 
 
 @_on(f.Degraded)
 def _(s: ClusterState, e: f.Degraded) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
-    s = _place(s, plan.devices, placed(e.placed_in))
-    s = replace(s, phase=Phase.DEGRADED, degraded_reason=e.reason, outcome=None)
+    s = _place(s, plan.devices, _settled(plan, e.placed_in))
+    s = replace(s, phase=Phase.DEGRADED, degraded_reason=e.reason, outcome=_outcome_without(s.outcome, plan.resize_id))
     return _end_resize(s, e.at, e.step)
 
 
@@ -474,6 +515,67 @@ def _(s: ClusterState, e: f.ResizingResumed) -> ClusterState:
 @_on(f.ShutdownStarted)
 def _(s: ClusterState, e: f.ShutdownStarted) -> ClusterState:
     return replace(s, stopping=True)
+
+
+@_on(f.EngineQueueEmptyObserved)
+def _(s: ClusterState, e: f.EngineQueueEmptyObserved) -> ClusterState:
+    dry = () if e.step != s.dry_step else s.dry
+    if e.step < s.dry_step:
+        return s  # a late report of an older step
+    if e.running == 0 and e.device not in dry:
+        dry = dry + (e.device,)
+    return replace(s, dry_step=e.step, dry=dry)
+
+
+@_on(f.MiniBatchObserved)
+def _(s: ClusterState, e: f.MiniBatchObserved) -> ClusterState:
+    old = s.mini_batch
+    last = e.at - old.at if old is not None and old.step == e.step and e.done > old.done else 0.0
+    return replace(s, mini_batch=MiniBatch(e.step, e.done, e.total, e.at, last))
+
+
+def _outcome_without(outcome: Outcome | None, resize_id: str) -> Outcome | None:
+    """A resize that did not land is not measured; a loan's ending leaves the one measured alone."""
+    return None if outcome is not None and outcome.resize_id == resize_id else outcome
+
+
+def _start_sequence(s: ClusterState, e: f.LoanStarted | f.LoanReturnStarted, home: Pool) -> ClusterState:
+    plan = e.plan
+    s = _place(s, plan.devices, moving(plan.from_pool, plan.to_pool, home=home))
+    inflight = InFlight(plan=plan, source=e.source if isinstance(e, f.LoanStarted) else "loan",
+                        reason=e.reason, started_at=e.at, ops=plan.ops, index=0, op_started_at=e.at,
+                        op_deadline=e.op_deadline)
+    if isinstance(e, f.LoanReturnStarted):
+        inflight = replace(inflight, then=e.then, then_source=e.then_source, then_reason=e.then_reason,
+                           then_predicted_step_s=e.then_predicted_step_s,
+                           then_predicted_step_s_after=e.then_predicted_step_s_after)
+    return replace(s, inflight=inflight, phase=PHASE_OF_OP[plan.ops[0].kind])
+
+
+@_on(f.LoanStarted)
+def _(s: ClusterState, e: f.LoanStarted) -> ClusterState:
+    s = _start_sequence(s, e, home=e.plan.from_pool)
+    dry = tuple(d for d in s.dry if d not in e.plan.devices)
+    return replace(s, dry=dry, loans_started=s.loans_started + 1)
+
+
+@_on(f.LoanLanded)
+def _(s: ClusterState, e: f.LoanLanded) -> ClusterState:
+    plan = s.inflight.plan  # type: ignore[union-attr]
+    s = _place(s, plan.devices, placed(plan.to_pool, home=plan.from_pool))
+    return replace(s, inflight=None, phase=Phase.STEADY, loans_landed=s.loans_landed + 1)
+
+
+@_on(f.LoanReturnStarted)
+def _(s: ClusterState, e: f.LoanReturnStarted) -> ClusterState:
+    return _start_sequence(s, e, home=e.plan.to_pool)
+
+
+@_on(f.LoanReturned)
+def _(s: ClusterState, e: f.LoanReturned) -> ClusterState:
+    plan = s.inflight.plan  # type: ignore[union-attr]
+    s = _place(s, plan.devices, placed(plan.to_pool))
+    return replace(s, inflight=None, phase=Phase.STEADY)
 
 
 missing = set(f.FACT_TYPES) - set(_MUTATORS)

@@ -19,7 +19,7 @@ import msgspec
 
 from dynaresized.core.guards import GuardConfig
 from dynaresized.core.machine import CoreConfig
-from dynaresized.core.policy import ResizeCosts
+from dynaresized.core.policy import LoanCosts, ResizeCosts
 from dynaresized.domain import Pool, Split
 
 
@@ -77,6 +77,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     core: CoreSection = CoreSection()
     guards: GuardConfig = GuardConfig()
     costs: ResizeCosts = ResizeCosts()
+    loan_costs: LoanCosts = LoanCosts()
 
     def core_config(self) -> CoreConfig:
         return CoreConfig(
@@ -88,6 +89,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             op_resend_s=self.core.op_resend_s,
             audit_interval_s=self.core.audit_interval_s or None,
             reconcile_retry_s=self.core.reconcile_retry_s,
+            loan_costs=self.loan_costs,
         )
 
     def initial_pools(self) -> tuple[tuple[str, ...], tuple[Pool, ...]]:
@@ -176,6 +178,7 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
     need(g.min_rollout >= 0 and g.min_train >= 0, "guards.min_rollout", "pool minimums must be >= 0")
     need(c.steps_total is None or c.steps_total > 0, "core.steps_total", "must be > 0 when set")
     need(cfg.costs.to_training_s >= 0 and cfg.costs.to_rollout_s >= 0, "costs", "costs must be >= 0")
+    need(all(v >= 0 for v in msgspec.structs.astuple(cfg.loan_costs)), "loan_costs", "loan costs must be >= 0")
 
     sec = cfg.security
     need(bool(sec.server_secret_key) == bool(sec.authorized_keys_dir), "security",

@@ -584,6 +584,12 @@ class Daemon:
                 case wire.Progress():
                     self._step(ev.ProgressReported(at=now, worker_id=msg.worker_id, step=msg.step, done=msg.done,
                                                    total=msg.total, tokens=msg.tokens), facts, commands)
+                case wire.QueueEmpty():
+                    self._step(ev.EngineQueueEmpty(at=now, worker_id=msg.worker_id, step=msg.step,
+                                                   running=msg.running, tokens_left=msg.tokens_left), facts, commands)
+                case wire.MiniBatchDone():
+                    self._step(ev.MiniBatchDone(at=now, worker_id=msg.worker_id, step=msg.step, done=msg.done,
+                                                total=msg.total), facts, commands)
                 case wire.Heartbeat():
                     self._step(ev.Heartbeat(at=now, worker_id=msg.worker_id), facts, commands)
                     self.metrics.heartbeats.inc()
@@ -740,7 +746,7 @@ class Daemon:
         msg = wire.OpCommand(op_id=op.op_id, resize_id=command.resize_id, kind=op.kind, devices=op.devices,
                              from_pool=op.from_pool, to_pool=op.to_pool,
                              timeout_s=max(command.deadline - self.clock(), 0.0) / self.scale,
-                             training=command.training, rollout=command.rollout)
+                             training=command.training, rollout=command.rollout, plan=command.plan)
         outbox.append((self.workers_sock, route, wire.encode(msg)))
         log.info("op sent", op_id=op.op_id, op=op.kind.value, worker=command.worker_id,
                  resize_id=command.resize_id)
@@ -755,7 +761,7 @@ class Daemon:
         """Metrics and one log line per fact, once the facts are durable."""
         self.metrics.observe(state, facts)
         for fact in facts:
-            if isinstance(fact, f.ProgressObserved):
+            if isinstance(fact, f.ProgressObserved | f.MiniBatchObserved | f.EngineQueueEmptyObserved):
                 continue  # too chatty for the log; it is in the event store
             level = "warning" if isinstance(fact, f.OpFailed | f.WorkerLost | f.ResizeAborted) else "info"
             if isinstance(fact, f.ResizeJudged) and fact.verdict is f.Verdict.WORSE:

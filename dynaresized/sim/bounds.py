@@ -55,3 +55,29 @@ def lower_bound(model: StageModel, gpus: int) -> LowerBound:
     windows += float(trains[-1, k - 1] + sync)
     colocated = float((rollout_floor(model, gpus) + model.colocated_switch_s + model.train_table(gpus)).sum())
     return LowerBound(total_s=min(windows, colocated), disaggregated_s=windows, colocated_s=colocated)
+
+
+
+def fluid_windows(model: StageModel, gpus: int) -> np.ndarray:
+    """Per window (K+1 of them), the least time any schedule needs, loans inside a step
+    included: the window's device-work spread over all N devices at full utilisation, or its
+    critical chain (the step's longest request decoded alone; the training step's fixed
+    overhead), whichever is longer, plus the weight sync."""
+    k = model.steps
+    work = np.array([model.rollout_work(i) for i in range(k)])
+    train = np.array([model.train_work(i) for i in range(k)])
+    overhead = model.profile.training.step_overhead_s
+    out = np.empty(k + 1)
+    out[0] = max(work[0] / gpus, model.longest_request_s[0])
+    if k > 1:
+        out[1:k] = np.maximum((work[1:] + train[:-1]) / gpus,
+                              np.maximum(model.longest_request_s[1:], overhead)) + model.weight_sync_s
+    out[k] = max(train[k - 1] / gpus, overhead) + model.weight_sync_s
+    return out
+
+
+def fluid_bound(model: StageModel, gpus: int) -> float:
+    """A time no schedule beats, loans inside a step included (docs/simulator.md, "Fluid
+    bound"): the sum of `fluid_windows`. Windows follow one another (rollout w needs the
+    weights of step w-2, training w needs rollout w), so no work moves across a boundary."""
+    return float(fluid_windows(model, gpus).sum())

@@ -18,6 +18,7 @@ from dynaresized.core.idle import percent
 from dynaresized.core.policy import UnknownPolicyError, available_policies
 from dynaresized.sim.plot import PlotUnavailable
 from dynaresized.sim.profile import ProfileError, builtin_profiles, load_profile
+from dynaresized.sim.stages import ROUTERS, StageModel
 from dynaresized.sim.run import BENCH_POLICIES, SimReport, bench, scenario_shape, simulate
 from dynaresized.sim.workload import (
     DYNAMIC_SCENARIOS,
@@ -93,6 +94,8 @@ def add_parsers(subparsers: Any) -> None:
     sim.add_argument("--seed", type=int, default=0, help="seed of a built-in scenario (default 0)")
     sim.add_argument("--naive", action="store_true",
                      help="charge naive resize costs: stop the pipeline, fresh communicators, full restart")
+    sim.add_argument("--router", choices=ROUTERS, default="pull",
+                     help="request placement: pull (one queue, our router; default) or round-robin (verl)")
     sim.add_argument("--policy-option", action="append", metavar="KEY=VALUE", help="option for the policy")
     sim.add_argument("--guard", action="append", metavar="KEY=VALUE",
                      help="override a hysteresis guard, e.g. cooldown_steps=5")
@@ -162,6 +165,7 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
         guard_overrides=_key_values(args.guard, "--guard"),
         naive=args.naive,
         seed=seed,
+        model=StageModel(profile, trace, router=args.router),
         progress=ProgressBar(f"simulate {trace.name}/{args.policy}"),
     )
     if args.plot:
@@ -177,6 +181,7 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
 
 def summary(r: SimReport) -> str:
     b = r.best_static
+    rr = r.best_static_round_robin or b
     lines = [
         f"{r.workload} on {r.profile} ({r.gpus} devices, {r.steps} steps, {r.samples_per_step:g} samples/step), "
         f"policy {r.policy}, {r.cost_mode} resize costs",
@@ -188,7 +193,11 @@ def summary(r: SimReport) -> str:
         f"speedup {r.speedup_vs_initial_split:.3f}x",
         f"  colocated            {r.colocated_total_time_s:12.1f} s   speedup {r.speedup_vs_colocated:.3f}x",
         f"  per-step oracle      {r.oracle_total_time_s:12.1f} s   (best split every step, free resizes)",
-        f"  lower bound          {r.lower_bound_s:12.1f} s   gap {r.gap_to_lower_bound:.1%}",
+        f"  best static, verl RR {rr.total_time_s:12.1f} s   at {rr.train}:{rr.rollout}   "
+        f"speedup {r.speedup_vs_best_static_round_robin:.3f}x   (placed round robin at submission)",
+        f"  loans                {r.loans:12d}     {r.devices_lent} device-steps lent, {r.loans_refused} refused",
+        f"  lower bound          {r.lower_bound_s:12.1f} s   gap {r.gap_to_lower_bound:.1%}   (moves at step boundaries only)",
+        f"  fluid bound          {r.fluid_bound_s:12.1f} s   gap {r.gap_to_fluid_bound:.1%}   (any schedule, loans included)",
         f"  headroom over best static: {r.headroom_vs_best_static:.3f}x with free resizes, "
         f"{r.bound_vs_best_static:.3f}x for any schedule",
     ]
@@ -222,13 +231,14 @@ def _bench(args: argparse.Namespace, out: TextIO) -> int:
             out.write(msgspec.json.encode(row).decode() + "\n")
         return 0
     header = f"{'workload':<20} {'policy':<11} {'total_s':>11} {'resizes':>7} {'best':>5} {'vs best':>8} " \
-             f"{'vs init':>8} {'gap LB':>7} {'headroom':>8}"
+             f"{'vs init':>8} {'gap LB':>7} {'headroom':>8} {'loans':>6} {'vs RR':>6} {'gap FB':>7}"
     out.write(header + "\n" + "-" * len(header) + "\n")
     for r in rows:
         b = r.best_static
         out.write(f"{r.workload:<20} {r.policy:<11} {r.total_time_s:>11.0f} {r.resizes:>7d} {b.train}:{b.rollout:<3} "
                   f"{r.speedup_vs_best_static:>8.3f} {r.speedup_vs_initial_split:>8.3f} {r.gap_to_lower_bound:>7.1%} "
-                  f"{r.headroom_vs_best_static:>8.3f}\n")
+                  f"{r.headroom_vs_best_static:>8.3f} {r.loans:>6d} {r.speedup_vs_best_static_round_robin:>6.3f} "
+                  f"{r.gap_to_fluid_bound:>7.1%}\n")
     return 0
 
 

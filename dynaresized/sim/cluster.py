@@ -18,7 +18,10 @@ process and get the same answer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
 
 from dynaresized.domain import DeviceId, OpKind, Pool, StepTiming
 from dynaresized.sim.pipeline import device_ids
@@ -88,6 +91,22 @@ class VirtualCluster:
         """Seconds one resize operation takes on a device moving to `to_pool`. COMMIT's value
         is the pause it causes at the step boundary where it happens."""
         return self.profile.op_seconds(kind, to_pool, naive=self.naive if naive is None else naive)
+
+    def loan_op_seconds(self, kind: OpKind, to_pool: Pool) -> float:
+        """Seconds one op of a loan (to_pool TRAINING) or of its way home takes."""
+        return self.profile.loan_op_seconds(kind, to_pool, naive=self.naive)
+
+    def engine_finish(self, step: int, engines: int, late_s: Sequence[float] | None = None) -> np.ndarray:
+        """When each engine of the rollout pool has nothing left to do in `step` (seconds after
+        the step starts, our pull router); `late_s[e]`: engine e starts that late."""
+        self._check_step(step)
+        return self.stages.engine_finish(step, engines, None if late_s is None else np.asarray(late_s, float))
+
+    def mini_batch_seconds(self, step: int, train_devices: int) -> float:
+        """One mini-batch (optimizer step) of training step `step` on `train_devices` devices."""
+        self._check_step(step)
+        mbs = self.profile.training.mini_batches_per_step
+        return self.stages.train_work(step) / mbs / (train_devices * self.stages.dp_efficiency(train_devices))
 
     def step_timing(self, step: int, *, rollout_devices: int, train_devices: int) -> StepTiming:
         """The StepTiming a trainer would report for `step` run on these pool sizes."""

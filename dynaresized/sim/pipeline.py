@@ -34,7 +34,8 @@ from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.core.guards import GuardConfig
 from dynaresized.core.policy import Policy, ResizeCosts
-from dynaresized.domain import FORWARD_ORDER, OpKind, Pool, ResizePlan, Split, StepTiming, WorkerKind
+from dynaresized.core.policy import LoanCosts
+from dynaresized.domain import FORWARD_ORDER, OpKind, PlanKind, Pool, ResizePlan, Split, StepTiming, WorkerKind
 from dynaresized.sim.stages import StageModel
 
 Progress = Callable[[int, int], None]
@@ -51,6 +52,7 @@ class Window(msgspec.Struct, frozen=True, array_like=True):
     moving: int
     rollout_s: float  # 0 in the last window (nothing left to generate)
     train_s: float  # 0 in the first window (nothing generated yet)
+    lent: int = 0  # idle engines lent to the training step during the window
 
 
 def static_windows(model: StageModel, split: Split) -> np.ndarray:
@@ -155,7 +157,21 @@ class DynamicPipeline:
                 to_rollout_s=self._estimated_cost(Pool.ROLLOUT),
             ),
         )
+        self.lending = bool(getattr(policy, "lends", False))
+        if self.lending:
+            loan = profile.loan
+            to_training = (loan.group_change_s + loan.trainer_first_step_s if not naive
+                           else sum(profile.loan_op_seconds(k, Pool.TRAINING, naive=True) for k in FORWARD_ORDER))
+            back = (loan.trainer_leave_s + loan.engine_wake_s if not naive
+                    else sum(profile.loan_op_seconds(k, Pool.ROLLOUT, naive=True) for k in FORWARD_ORDER))
+            lead = sum(profile.loan_op_seconds(k, Pool.TRAINING, naive=naive) for k in FORWARD_ORDER)
+            config = msgspec.structs.replace(config, loan_costs=LoanCosts(
+                to_training_s=to_training, to_rollout_s=to_training, return_s=back, lead_s=lead))
         self.core = Core(config, policy)
+        self._late: dict[str, float] = {}  # device -> seconds its engine starts late next window
+        self._joins: list[SendOp] = []  # loan JOIN ops waiting for a mini-batch boundary
+        self._joined: list[tuple[float, int]] = []  # (time, devices) of loans that joined
+        self._charged: set[str] = set()  # return ops whose cost is charged
         self.state = ClusterState()
         self.facts: list[f.Fact] = []
         self._acks: list[_Ack] = []
@@ -189,12 +205,36 @@ class DynamicPipeline:
 
     def _schedule(self, command: SendOp, now: float) -> None:
         op = command.op
+        kind = self.state.inflight.plan.kind if self.state.inflight is not None else PlanKind.RESIZE
+        if kind is not PlanKind.RESIZE:
+            self._schedule_loan(command, now, kind)
+            return
         if op.kind is OpKind.COMMIT and not self.naive:
             self._commits.append(command)  # acknowledged at the next step boundary
             return
         done = now + self.model.profile.op_seconds(op.kind, op.to_pool, naive=self.naive)
         self._seq += 1
         heapq.heappush(self._acks, _Ack(done, self._seq, command.worker_id, op.op_id))
+
+    def _schedule_loan(self, command: SendOp, now: float, kind: PlanKind) -> None:
+        op = command.op
+        seconds = self.model.profile.loan_op_seconds(op.kind, op.to_pool, naive=self.naive)
+        if kind is PlanKind.RETURN:
+            # The way home is answered at the boundary; its seconds are charged where they
+            # fall: the engine starts the next rollout that late (the trainer leaving first),
+            # and the training group shrinks back once.
+            if op.op_id not in self._charged:
+                self._charged.add(op.op_id)
+                for d in op.devices:
+                    self._late[d] = self._late.get(d, 0.0) + seconds
+                if op.kind is OpKind.DRAIN and not self.naive:
+                    self._penalty[Pool.TRAINING] += self.model.profile.loan.group_change_s
+            seconds = 0.0
+        elif op.kind is OpKind.JOIN:
+            self._joins.append(msgspec.structs.replace(command, deadline=now + seconds))
+            return
+        self._seq += 1
+        heapq.heappush(self._acks, _Ack(now + seconds, self._seq, command.worker_id, op.op_id))
 
     def _ack_until(self, until: float) -> None:
         while self._acks and self._acks[0].at <= until:
@@ -223,6 +263,93 @@ class DynamicPipeline:
         training = sorted(self.state.pool_devices(Pool.TRAINING), key=self.index.__getitem__)
         return trainer_id(self.index[training[0]])
 
+    # -- loans inside a window -----------------------------------------------------------
+    def _finish_joins(self, at: float) -> None:
+        """A lent trainer whose join is done enters the group at this mini-batch boundary."""
+        ready = [c for c in self._joins if c.deadline <= at]
+        self._joins = [c for c in self._joins if c.deadline > at]
+        for c in ready:
+            fl = self.state.inflight
+            if fl is not None and fl.op.op_id == c.op.op_id:
+                self._feed(ev.OpReported(at=at, worker_id=c.worker_id, op_id=c.op.op_id, ok=True))
+                if self.state.inflight is None or self.state.inflight.op.op_id != c.op.op_id:
+                    self._joined.append((at, len(c.op.devices)))
+
+    def _land_loan(self, end: float) -> float:
+        """A loan still on its way when the step ends lands before the boundary: the boundary
+        waits for it (the lent device is idle anyway; the policy avoids this by estimating the
+        loan's lead time). Returns the boundary's time."""
+        while self.state.inflight is not None and self.state.inflight.plan.kind is PlanKind.LOAN:
+            if self._acks:
+                end = max(end, self._acks[0].at)
+                self._ack_until(end)
+            elif self._joins:
+                end = max(end, min(c.deadline for c in self._joins))
+                self._finish_joins(end)
+            else:
+                raise RuntimeError(f"loan {self.state.inflight.plan.resize_id} waits for an op nobody runs")
+        self._joined = []
+        return end
+
+    def _window_with_loans(self, w: int, start: float, split: Split) -> tuple[float, float, int]:
+        """Window w with idle engines lent to training step w-1 at its mini-batch boundaries.
+        Engines report when they run dry, the trainer after every mini-batch; the core and the
+        policy decide; a loan's JOIN lands at the first boundary after its ops are done.
+        Returns (rollout seconds, training seconds, devices lent)."""
+        model, profile = self.model, self.model.profile
+        rollout_devs = sorted(self.state.pool_devices(Pool.ROLLOUT), key=self.index.__getitem__)
+        engines = model.engines(len(rollout_devs))
+        late = np.array([self._late.get(d, 0.0) for d in rollout_devs[:engines]])
+        self._late.clear()
+        if w < model.steps:
+            finish = model.engine_finish(w, engines, late) + self._penalty[Pool.ROLLOUT]
+        else:
+            finish = late.copy()  # the last window only trains: every engine is idle at once
+        rollout_s = float(finish.max()) if w < model.steps else 0.0
+        if w == 0:
+            return rollout_s, 0.0, 0
+        gpe = profile.rollout.gpus_per_engine
+        idle_at = sorted((float(finish[e]), e) for e in range(engines))
+        mbs = profile.training.mini_batches_per_step
+        per_mb = model.train_work(w - 1) / mbs
+        eff = model.dp_efficiency
+        loan = profile.loan
+        n = split.train
+        t = profile.training.step_overhead_s + self._penalty[Pool.TRAINING]
+        self._joined = []
+        lent = 0
+        reporter = self._reporter()
+        idle_devices: set[str] = set()
+        first_fact = len(self.facts)
+        for j in range(1, mbs + 1):
+            t_end = t + per_mb / (n * eff(n))
+            # engines that run dry before this mini-batch ends report it, in time order
+            while idle_at and idle_at[0][0] <= t_end:
+                at, e = idle_at.pop(0)
+                self._ack_until(start + at)
+                idle_devices.update(rollout_devs[e * gpe:(e + 1) * gpe])
+                for d in rollout_devs[e * gpe:(e + 1) * gpe]:
+                    self._feed(ev.EngineQueueEmpty(at=start + at, worker_id=engine_id(self.index[d]), step=w,
+                                                   running=0, tokens_left=0))
+            self._ack_until(start + t_end)
+            self._feed(ev.MiniBatchDone(at=start + t_end, worker_id=reporter, step=w - 1, done=j, total=mbs))
+            self._ack_until(start + t_end)
+            if j < mbs:
+                self._finish_joins(start + t_end)
+            joined = sum(k for _, k in self._joined)
+            self._joined = []
+            t = t_end
+            if joined:
+                lent += joined
+                n += joined
+                t += loan.group_change_s + loan.trainer_first_step_s if not self.naive else 0.0
+        for fact in self.facts[first_fact:]:
+            # A device serves one pool at a time: only an engine that has run dry is lent.
+            if isinstance(fact, f.LoanStarted) and not set(fact.plan.devices) <= idle_devices:
+                raise RuntimeError(f"loan {fact.plan.resize_id} lent busy devices {fact.plan.devices}")
+        train_s = t
+        return rollout_s, train_s, lent
+
     # -- the run -------------------------------------------------------------------------
     def run(self) -> DynamicRun:
         model = self.model
@@ -245,15 +372,21 @@ class DynamicPipeline:
             split = self.state.split
             moving = self.gpus - split.total
             rollout_s = train_s = 0.0
-            if w < k:
-                rollout_s = model.rollout_seconds(w, split.rollout) + self._penalty[Pool.ROLLOUT]
-                self._penalty[Pool.ROLLOUT] = 0.0
-            if w >= 1:
-                train_s = model.train_seconds(w - 1, split.train) + self._penalty[Pool.TRAINING]
-                self._penalty[Pool.TRAINING] = 0.0
+            lent = 0
+            if self.lending and moving == 0 and self.state.inflight is None:
+                rollout_s, train_s, lent = self._window_with_loans(w, now, split)
+            else:
+                if w < k:
+                    rollout_s = model.rollout_seconds(w, split.rollout) + self._penalty[Pool.ROLLOUT]
+                if w >= 1:
+                    train_s = model.train_seconds(w - 1, split.train) + self._penalty[Pool.TRAINING]
+                self._late.clear()
+            self._penalty = {Pool.ROLLOUT: 0.0, Pool.TRAINING: 0.0}
             end = now + max(rollout_s, train_s) + (sync if w >= 1 else 0.0)
             self._ack_until(end)
-            windows.append(Window(w, now, end, split.rollout, split.train, moving, rollout_s, train_s))
+            self._finish_joins(end)
+            end = self._land_loan(end)
+            windows.append(Window(w, now, end, split.rollout, split.train, moving, rollout_s, train_s, lent))
             now = end
             self._feed(ev.Tick(at=now))
             if w >= 1:
@@ -277,6 +410,7 @@ class DynamicPipeline:
                     held.append((step, reason))
             if not self.naive:
                 self._commit_at_boundary(now)
+            self._ack_until(now)  # a loan's way home is answered at the boundary
             last_rollout = (rollout_s, split.rollout)
             if self.progress is not None:
                 self.progress(w + 1, k + 1)

@@ -65,6 +65,8 @@ class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Data-parallel efficiency lost per doubling of the training pool (1.0 = perfect)."""
     step_overhead_s: float = 0.0
     """Fixed seconds per step that do not shrink with more devices (optimizer, barriers)."""
+    mini_batches_per_step: int = 16
+    """Optimizer steps (mini-batches) per RL step: the boundaries where a lent device joins."""
 
 
 class SyncSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -115,6 +117,24 @@ class ResizeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     exceed the longest step."""
 
 
+class LoanSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Seconds of a loan (an idle engine lent to the training step in progress, DESIGN.md §5).
+    Communicators are pre-warmed and the engine process is kept, as for a pipelined resize."""
+
+    engine_release_s: float = 1.0
+    """The idle engine sleeps: KV cache freed, weights offloaded (drain costs nothing: idle)."""
+    trainer_join_s: float = 5.0
+    """The device's trainer enters the pre-warmed group; parameters stream in from its peers."""
+    group_change_s: float = 1.0
+    """Paid by the training step at every mini-batch boundary where its group changes."""
+    trainer_first_step_s: float = 2.0
+    """Extra seconds of the joiner's first mini-batch (its optimizer shard restored lazily)."""
+    trainer_leave_s: float = 1.0
+    """At the step boundary the trainer leaves; its optimizer shard goes back through host memory."""
+    engine_wake_s: float = 3.0
+    """The engine wakes with the new weights; the device's first rollout request starts this late."""
+
+
 class WorkloadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What one RL step looks like on this cluster (used by the built-in scenarios)."""
 
@@ -135,6 +155,8 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     workload: WorkloadSpec
     guards: GuardConfig = GuardConfig()
     """The hysteresis guards the core applies (see dynaresized.core.guards.GuardConfig)."""
+    loan: LoanSpec = LoanSpec()
+    """Loan costs (`[loan]`); defaults apply when the section is absent."""
 
     @property
     def initial_split(self) -> Split:
@@ -163,6 +185,19 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             OpKind.RESTORE: c.restore_s,
             OpKind.COMMIT: c.commit_s,
         }[kind]
+
+    def loan_op_seconds(self, kind: OpKind, to_pool: Pool, *, naive: bool = False) -> float:
+        """Seconds of one op of a loan (to_pool TRAINING) or of its return (to_pool ROLLOUT).
+        Naive: every loan tears down, builds fresh communicators and reloads state."""
+        kind = _FORWARD_OF_UNDO.get(kind, kind)
+        if naive:
+            n = self.resize.naive
+            return {OpKind.DRAIN: 0.0, OpKind.RELEASE: n.teardown_s,
+                    OpKind.JOIN: n.init_process_group_s + n.load_state_s}.get(kind, 0.0)
+        c = self.loan
+        if to_pool is Pool.TRAINING:
+            return {OpKind.RELEASE: c.engine_release_s, OpKind.JOIN: c.trainer_join_s}.get(kind, 0.0)
+        return {OpKind.RELEASE: c.trainer_leave_s, OpKind.JOIN: c.engine_wake_s}.get(kind, 0.0)
 
     def with_gpus(self, gpus: int) -> Profile:
         """The same profile on `gpus` devices, keeping the initial training share."""
@@ -244,6 +279,10 @@ def validate(p: Profile, source: str = "profile") -> None:
         raise ProfileError(f"{source}: training token rates must be > 0")
     if not 0.5 < t.dp_efficiency_per_doubling <= 1.0:
         raise ProfileError(f"{source}: training.dp_efficiency_per_doubling must be in (0.5, 1]")
+    if t.mini_batches_per_step < 1:
+        raise ProfileError(f"{source}: training.mini_batches_per_step must be >= 1")
+    if any(v < 0 for v in msgspec.structs.astuple(p.loan)):
+        raise ProfileError(f"{source}: loan costs must be >= 0")
     w = p.workload
     if w.samples_per_step < 1 or w.samples_per_prompt < 1 or w.max_response_tokens < 1:
         raise ProfileError(f"{source}: workload sizes must be >= 1")

@@ -20,7 +20,7 @@ from dynaresized.core import facts as f
 from dynaresized.core.guards import GuardConfig
 from dynaresized.core.policy import load_policy
 from dynaresized.domain import Pool, Split
-from dynaresized.sim.bounds import lower_bound
+from dynaresized.sim.bounds import fluid_windows, lower_bound
 from dynaresized.sim.pipeline import (
     DynamicPipeline,
     DynamicRun,
@@ -100,6 +100,22 @@ class SimReport(msgspec.Struct, frozen=True):
     """(measured - predicted) / predicted step time after each resize its policy predicted."""
     verdicts: dict[str, int] = {}
     """Committed resizes judged over their payback window, by verdict (paid_back, worse...)."""
+    router: str = "pull"
+    best_static_round_robin: BestStatic | None = None
+    """The best fixed split with requests placed round robin at submission (what verl runs)."""
+    speedup_vs_best_static_round_robin: float = 0.0
+    fluid_bound_s: float = 0.0
+    """A bound for every schedule, loans inside a step included (see docs/simulator.md)."""
+    gap_to_fluid_bound: float = 0.0
+    loans: int = 0  # loans that landed (devices lent for the rest of a step)
+    devices_lent: int = 0  # device-steps lent
+    loans_refused: int = 0  # loans the core's loan guards refused
+    fluid_gap_rollout_bound_s: float = 0.0
+    """Of `total - fluid_bound`: seconds in windows the rollout ended last (its latency-bound
+    tail: one long response decoding nearly alone while nothing can take over its work)."""
+    fluid_gap_training_bound_s: float = 0.0
+    """...and in windows training ended last (loan costs, mini-batch granularity, and lending
+    decided from progress so far rather than from the lengths still to come)."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +127,10 @@ class Baselines:
     colocated_s: float
     oracle_s: float
     lower_bound_s: float
+    fluid_bound_s: float = 0.0
+    fluid_windows: np.ndarray | None = None
+    best_split_round_robin: Split | None = None
+    best_static_round_robin_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +142,7 @@ class SimRun:
 
 def baselines(model: StageModel) -> Baselines:
     gpus = model.profile.cluster.gpus
+    fluid = fluid_windows(model, gpus)
     split, best = best_static(model, gpus)
     per_split = [static_windows(model, Split(t, gpus - t)) for t in range(1, gpus)
                  if model.engines(gpus - t) >= 1]
@@ -132,7 +153,18 @@ def baselines(model: StageModel) -> Baselines:
         colocated_s=colocated_total(model, gpus),
         oracle_s=oracle,
         lower_bound_s=lower_bound(model, gpus).total_s,
+        fluid_bound_s=float(fluid.sum()),
+        fluid_windows=fluid,
+        **_round_robin(model, gpus),
     )
+
+
+def _round_robin(model: StageModel, gpus: int) -> dict[str, Any]:
+    if model.router == "round-robin":
+        split, total = best_static(model, gpus)
+    else:
+        split, total = best_static(StageModel(model.profile, model.trace, router="round-robin"), gpus)
+    return {"best_split_round_robin": split, "best_static_round_robin_s": total}
 
 
 def _r(x: float, digits: int = 3) -> float:
@@ -230,8 +262,32 @@ def simulate(
         prediction_errors=[_r(x.error_s / x.predicted_step_s_after, 4) for x in run.facts
                            if isinstance(x, f.PredictionChecked)],
         verdicts=dict(sorted(Counter(x.verdict.value for x in run.facts if isinstance(x, f.ResizeJudged)).items())),
+        router=model.router,
+        best_static_round_robin=BestStatic(base.best_split_round_robin.train, base.best_split_round_robin.rollout,
+                                           _r(base.best_static_round_robin_s)) if base.best_split_round_robin else None,
+        speedup_vs_best_static_round_robin=_r(base.best_static_round_robin_s / total, 4),
+        fluid_bound_s=_r(base.fluid_bound_s),
+        gap_to_fluid_bound=_r(total / base.fluid_bound_s - 1.0, 4),
+        loans=sum(isinstance(x, f.LoanLanded) for x in run.facts),
+        devices_lent=sum(len(x.plan.devices) for x in run.facts if isinstance(x, f.LoanStarted)),
+        loans_refused=sum(n for g, n in rejections.items() if g.startswith("loan")),
+        **_fluid_gap(run, base),
     )
     return SimRun(report=report, run=run, model=model)
+
+
+def _fluid_gap(run: DynamicRun, base: Baselines) -> dict[str, float]:
+    """Split `total - fluid_bound` by which stage ended each window last."""
+    if base.fluid_windows is None or len(base.fluid_windows) != len(run.windows):
+        return {}
+    rollout = training = 0.0
+    for w, bound in zip(run.windows, base.fluid_windows, strict=True):
+        excess = (w.end_s - w.start_s) - float(bound)
+        if w.rollout_s >= w.train_s:
+            rollout += excess
+        else:
+            training += excess
+    return {"fluid_gap_rollout_bound_s": _r(rollout), "fluid_gap_training_bound_s": _r(training)}
 
 
 def scenario_shape(profile: Profile) -> Shape:

@@ -44,12 +44,57 @@ def fifo_makespan(lengths: list[int], slots: int) -> int:
     return max(heap)
 
 
+ROUTERS: tuple[str, ...] = ("pull", "round-robin")
+"""`pull`: one queue per step, an engine pulls a request when it has a free slot (our router,
+backends/vllm/router.py). `round-robin`: placed at submission, request j on engine j % E (verl's
+`AsyncLLMServerManager` for a batch submitted at once)."""
+
+
+def pull_placement(lengths: list[int], engines: int, slots: int, offsets: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The engine each request lands on, and each engine's makespan in iterations, when
+    `engines` engines of `slots` slots pull from one FIFO queue. Every running request advances
+    one token per iteration on every engine (the same lock-step the FIFO model assumes);
+    `offsets[e]` is the iteration at which engine e starts pulling (a late-waking engine)."""
+    n, width = len(lengths), engines * slots
+    placement = np.empty(n, dtype=np.int64)
+    done_at = np.empty(n, dtype=np.int64)
+    if (offsets is None or not any(offsets)) and n <= width:
+        # Everything fits in the first wave: slot j (engine j % engines) runs request j.
+        placement = np.arange(n, dtype=np.int64) % engines
+        finish = np.zeros(engines, dtype=np.float64)
+        np.maximum.at(finish, placement, np.asarray(lengths, dtype=np.float64))
+        return placement, finish
+    if offsets is None or not any(offsets):
+        # Everyone starts at once: the first wave fills slot s (engine s % engines) in order.
+        first = min(n, width)
+        placement[:first] = np.arange(first) % engines
+        done_at[:first] = lengths[:first]
+        heap = [(lengths[s], s) for s in range(first)] + [(0, s) for s in range(first, width)]
+        rest = range(first, n)
+    else:
+        heap = [(offsets[s % engines], s) for s in range(width)]
+        rest = range(n)
+    heapq.heapify(heap)
+    for j in rest:
+        t, s = heap[0]
+        placement[j] = s % engines
+        d = t + lengths[j]
+        done_at[j] = d
+        heapq.heapreplace(heap, (d, s))
+    finish = np.zeros(engines, dtype=np.float64) if offsets is None else np.array(offsets, dtype=np.float64)
+    np.maximum.at(finish, placement, done_at.astype(np.float64))
+    return placement, finish
+
+
 class StageModel:
     """Stage times of one trace on one profile. Pool sizes are counted in devices."""
 
-    def __init__(self, profile: Profile, trace: Trace) -> None:
+    def __init__(self, profile: Profile, trace: Trace, *, router: str = "pull") -> None:
+        if router not in ROUTERS:
+            raise ValueError(f"unknown router {router!r}; routers: {', '.join(ROUTERS)}")
         self.profile = profile
         self.trace = trace
+        self.router = router
         r = profile.rollout
         self._gpe = r.gpus_per_engine
         k = len(trace)
@@ -107,6 +152,9 @@ class StageModel:
         return float(self.rollout_table(devices)[step])
 
     def _rollout_step(self, i: int, engines: int) -> float:
+        return float(self.engine_finish(i, engines).max())
+
+    def _round_robin_busy(self, i: int, engines: int) -> np.ndarray:
         r = self.profile.rollout
         b = self.trace.steps[i]
         length = b.response_tokens
@@ -129,9 +177,40 @@ class StageModel:
         else:
             as_list = length.tolist()
             tau = np.array([fifo_makespan(as_list[e::engines], slots) for e in range(engines)], dtype=np.float64)
-        busy = (r.iter_base_s * tau + r.iter_per_seq_s * sum_l + r.iter_per_ctx_token_s * ctx
+        return (r.iter_base_s * tau + r.iter_per_seq_s * sum_l + r.iter_per_ctx_token_s * ctx
                 + r.prefill_per_token_s * sum_p)
-        return float(busy.max())
+
+    def engine_finish(self, i: int, engines: int, late_s: np.ndarray | None = None) -> np.ndarray:
+        """Seconds after the step starts at which each engine of the pull router has generated
+        its last response. `late_s[e]`: engine e starts that late (woken after a loan); with the
+        pull router its start is converted to iterations at the step's full-batch iteration
+        time (the others pull its share meanwhile); round robin placed its requests already."""
+        if self.router == "round-robin":
+            busy = self._round_robin_busy(i, engines)
+            return busy if late_s is None else busy + np.asarray(late_s, dtype=np.float64)
+        r = self.profile.rollout
+        b = self.trace.steps[i]
+        slots = int(self.batch_limit[i])
+        offsets = None
+        if late_s is not None and late_s.any():
+            mean_ctx = self._ctx[i] / max(self._sum_l[i], 1.0)
+            full_iter = r.iter_base_s + slots * (r.iter_per_seq_s + r.iter_per_ctx_token_s * mean_ctx)
+            offsets = [int(x / full_iter) for x in late_s]
+        placement, tau = pull_placement(b.response_tokens.tolist(), engines, slots, offsets)
+        lf = b.response_tokens.astype(np.float64)
+        pf = b.prompt_tokens.astype(np.float64)
+        sum_l = np.bincount(placement, lf, engines)
+        sum_p = np.bincount(placement, pf, engines)
+        ctx = np.bincount(placement, pf * lf + lf * (lf - 1.0) / 2.0, engines)
+        start = np.zeros(engines) if late_s is None else np.asarray(late_s, dtype=np.float64)
+        iters = tau - (np.zeros(engines) if offsets is None else np.array(offsets, dtype=np.float64))
+        busy = (r.iter_base_s * iters + r.iter_per_seq_s * sum_l + r.iter_per_ctx_token_s * ctx
+                + r.prefill_per_token_s * sum_p)
+        return start + busy
+
+    def train_work(self, step: int) -> float:
+        """Device-seconds of step `step`'s training on one device (no data-parallel loss)."""
+        return float(self.train_tokens[step] * self._train_s_per_token)
 
     def rollout_work(self, step: int) -> float:
         """Device-seconds of step `step`'s rollout at full utilisation: every iteration runs a

@@ -116,6 +116,8 @@ SAMPLE_EVENTS: dict[type, ev.Event] = {
     ev.ShutdownRequested: ev.ShutdownRequested(at=50.0),
     ev.AbortRequested: ev.AbortRequested(at=50.0),
     ev.StateReported: ev.StateReported(at=50.0, worker_id="tr0", actual=ActualState(holding=Holding.SERVING)),
+    ev.EngineQueueEmpty: ev.EngineQueueEmpty(at=50.0, worker_id="eng3", step=1, running=0),
+    ev.MiniBatchDone: ev.MiniBatchDone(at=50.0, worker_id="tr0", step=0, done=1, total=4),
 }
 
 

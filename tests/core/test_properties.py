@@ -24,6 +24,8 @@ from dynaresized.domain import (
     Holding,
     OpKind,
     Placement,
+    PlanKind,
+    Pool,
     Split,
     StepTiming,
     WorkerKind,
@@ -79,6 +81,9 @@ common = [
     st.tuples(st.just("progress"), st.sampled_from(WORKERS), st.integers(-1, 5), st.integers(0, 4)),
     *[st.tuples(st.just("force"), st.integers(0, N))] * 2,
     operator,
+    # loans: engines run dry, trainers finish mini-batches (the lending policy lends on these)
+    *[st.tuples(st.just("queue_empty"), st.sampled_from(WORKERS), st.sampled_from([0, 0, 0, 2, -1]))] * 2,
+    *[st.tuples(st.just("mini_batch"), st.sampled_from(WORKERS), st.sampled_from([1, 2, 3, 4, 4, 0, 5]))] * 2,
 ]
 # chaos: workers crash, leave and come back, ops fail and time out, the network partitions
 chaos = st.one_of(
@@ -187,6 +192,12 @@ class Run:
             if which == "any_worker" and fl is not None:
                 op_id = fl.op.op_id
             return ev.OpReported(at=now, worker_id=worker, op_id=op_id, ok=ok, detail="" if ok else "boom")
+        if kind == "queue_empty":
+            worker, running = args
+            return ev.EngineQueueEmpty(at=now, worker_id=worker, step=s.last_step + 1, running=running, tokens_left=10)
+        if kind == "mini_batch":
+            worker, done = args
+            return ev.MiniBatchDone(at=now, worker_id=worker, step=max(s.last_step, 0), done=done, total=4)
         if kind == "force":
             return ev.ResizeRequested(at=now, target=Split(train=args[0], rollout=N - args[0]))
         if kind == "pause":
@@ -259,12 +270,32 @@ class Run:
             assert all(before.devices[d] == placed(plan.from_pool) for d in plan.devices)
             assert before.split == plan.before
             return
+        if isinstance(fact, f.LoanStarted | f.LoanReturnStarted):
+            plan = fact.plan
+            assert changed == set(plan.devices)
+            home = plan.from_pool if isinstance(fact, f.LoanStarted) else plan.to_pool
+            for d in plan.devices:
+                assert before.devices[d] == placed(plan.from_pool, home=None if home is plan.from_pool else home)
+                assert after.devices[d] == moving(plan.from_pool, plan.to_pool, home=home)
+            return
+        if isinstance(fact, f.LoanLanded | f.LoanReturned):
+            plan = before.inflight.plan
+            assert changed == set(plan.devices)
+            home = plan.from_pool if isinstance(fact, f.LoanLanded) else plan.to_pool
+            land = placed(plan.to_pool, home=home if home is not plan.to_pool else None)
+            assert all(after.devices[d] == land for d in plan.devices)
+            return
         if isinstance(fact, f.ResizeCommitted | f.ResizeRolledBack | f.Degraded):
             plan = before.inflight.plan
             assert changed == set(plan.devices)
             land = {f.ResizeCommitted: plan.to_pool, f.ResizeRolledBack: plan.from_pool}.get(
                 type(fact), getattr(fact, "placed_in", None))
-            assert all(after.devices[d] == placed(land) for d in plan.devices)
+            if plan.kind is PlanKind.RESIZE:
+                assert all(after.devices[d] == placed(land) for d in plan.devices)
+            else:  # a loan rolled back: home again, or (its return) still lent with its home kept
+                home = plan.from_pool if plan.kind is PlanKind.LOAN else plan.to_pool
+                assert all(after.devices[d].pool is land and after.devices[d].home_pool is home
+                           for d in plan.devices)
             if isinstance(fact, f.ResizeCommitted):
                 assert after.split == plan.after
             elif isinstance(fact, f.ResizeRolledBack):
@@ -273,8 +304,14 @@ class Run:
         assert not changed, f"{type(fact).__name__} moved devices {sorted(changed)}"
 
     def check_fact(self, fact: f.Fact) -> None:
-        if isinstance(fact, f.ResizeStarted | f.ReconcileStarted):
-            assert self.open_resizes == 0, "an operation sequence started while another was in flight"
+        if isinstance(fact, f.LoanStarted | f.LoanReturnStarted | f.ReconcileStarted):
+            assert self.open_resizes == 0, "a loan or reconcile started while another sequence was in flight"
+            self.open_resizes = 1
+        elif isinstance(fact, f.LoanLanded | f.LoanReturned):
+            assert self.open_resizes == 1
+            self.open_resizes = 0
+        elif isinstance(fact, f.ResizeStarted):
+            assert self.open_resizes == 0, "a resize started while another was in flight"
             self.open_resizes = 1
         elif isinstance(fact, f.ResizeCommitted | f.ResizeRolledBack | f.Degraded | f.ReconcileFinished):
             assert self.open_resizes == 1, "an operation sequence ended that was not in flight"
@@ -320,10 +357,14 @@ class Run:
         else:
             plan = s.inflight.plan
             assert moving_now == set(plan.devices) and moving_now
-            assert all(s.devices[d] == moving(plan.from_pool, plan.to_pool) for d in plan.devices)
+            assert all(replace(s.devices[d], home=None) == moving(plan.from_pool, plan.to_pool) for d in plan.devices)
             assert s.inflight.index < len(s.inflight.ops)
             expected = Phase.ROLLING_BACK if s.inflight.rolling_back else PHASE_OF_OP[s.inflight.op.kind]
             assert s.phase is expected
+        # a lent device is in exactly one pool, and its home (the other pool) is recorded
+        for p in s.devices.values():
+            if p.home is not None and p.pool is not None:
+                assert p.home is not p.pool
         assert s.split.total + len(moving_now) == len(self.devices)
         assert s.resizes_started >= s.resizes_committed + s.resizes_rolled_back
         # a live worker always has a heartbeat deadline, or it could never be declared lost
@@ -398,3 +439,33 @@ def test_random_runs_do_resize() -> None:
                 run.apply(run.event(("ack", i, True, "current")))
         committed, rolled_back = run.state.resizes_committed, run.state.resizes_rolled_back
     assert committed >= 5 and rolled_back >= 5
+
+
+def test_random_runs_do_lend() -> None:
+    """The generator reaches loans: idle engines lent at a mini-batch boundary, landed, and
+    returned home at the step boundary, with replay equal to the live state throughout."""
+    run = Run(CORE)
+    run.apply(run.event(("step", trainer(0), 1, 10.0, 10.0)))
+    step = run.state.last_step
+    for done in (1, 2):
+        run.now += 60.0
+        run.apply(ev.MiniBatchDone(at=run.now, worker_id=trainer(0), step=step, done=done, total=8))
+    rollout = sorted(run.state.pool_devices(Pool.ROLLOUT))
+    engine_of = {run.state.workers[w].devices[0]: w for w in run.state.workers
+                 if run.state.workers[w].kind is WorkerKind.ROLLOUT_ENGINE}
+    run.apply(ev.EngineQueueEmpty(at=run.now, worker_id=engine_of[rollout[0]], step=step + 1, running=0))
+    fl = run.state.inflight
+    assert fl is not None and fl.plan.kind is PlanKind.LOAN and fl.plan.devices == (rollout[0],)
+    assert "to training at mini-batch 2/8: rollout queue empty" in fl.reason
+    while run.state.inflight is not None:
+        for e in run.events(("pending_answer",)):
+            run.apply(e)
+    assert run.state.lent_devices() == (rollout[0],)
+    assert run.state.devices[rollout[0]] == placed(Pool.TRAINING, home=Pool.ROLLOUT)
+    assert run.state.split == Split(train=N // 2, rollout=N - N // 2)
+    run.apply(run.event(("step", trainer(0), 1, 10.0, 10.0)))
+    while run.state.inflight is not None:
+        for e in run.events(("pending_answer",)):
+            run.apply(e)
+    assert run.state.lent_devices() == () and run.state.devices[rollout[0]] == placed(Pool.ROLLOUT)
+    assert run.state.loans_landed == 1

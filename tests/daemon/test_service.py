@@ -12,6 +12,7 @@ import pytest
 from dynaresized import wire
 from dynaresized.client import OpRequest, WorkerClient
 from dynaresized.core import facts as f
+from dynaresized.explain import explain
 from dynaresized.domain import OpKind, StepTiming, WorkerKind
 
 from .conftest import DEVICES, read_facts, until, write_config
@@ -274,3 +275,37 @@ async def test_client_gets_a_clear_exception_when_refused(make_daemon, monkeypat
     finally:
         await owner.close()
     assert [w["id"] for w in daemon.status()["workers"]] == ["owner"]
+
+
+async def test_idle_engine_is_lent_to_training_and_returns_at_the_step_boundary(make_daemon) -> None:
+    daemon = make_daemon(policy={"name": "hysteresis"},
+                         loan_costs={"to_training_s": 0.0, "return_s": 0.0, "lead_s": 0.0})
+    rec = Recorder()
+    clients = await attach_all(daemon.worker_endpoint, rec)
+    by_id = {c.worker_id: c for c in clients}
+    try:
+        for done in (1, 2):
+            await by_id["trainer0"].report_mini_batch(step=0, done=done, total=8)
+            await asyncio.sleep(0.2)
+        await by_id["engine3"].report_queue_empty(step=1, running=2, tokens_left=900)
+        await by_id["engine3"].report_queue_empty(step=1, running=0)
+        await until(lambda: daemon.status()["phase"] == "steady" and ("trainer3", "l1/2-join") in rec.ran,
+                    what="loan landed")
+        await by_id["trainer0"].report_step(StepTiming(step=0, rollout_s=10.0, train_s=10.0,
+                                                       rollout_devices=2, train_devices=2))
+        await until(lambda: any(n == "engine3" and "home" in op and op.endswith("join") for n, op in rec.ran),
+                    what="loan returned")
+        status = await until(lambda: (s := daemon.status())["phase"] == "steady" and s, what="steady")
+        assert status["split"] == {"train": 2, "rollout": 2}
+    finally:
+        await close_all(clients)
+    facts = read_facts(daemon.state_dir)
+    kinds = [type(x) for x in facts]
+    assert kinds.count(f.LoanStarted) == 1 and kinds.count(f.LoanLanded) == 1
+    assert kinds.count(f.LoanReturnStarted) == 1 and kinds.count(f.LoanReturned) == 1
+    started = next(x for x in facts if isinstance(x, f.LoanStarted))
+    assert started.plan.devices == ("node0:cpu3",)
+    assert explain(started).startswith("loan l1 started (by hysteresis): lent node0:cpu3 to training at "
+                                       "mini-batch 2/8: rollout queue empty")
+    queue = [x for x in facts if isinstance(x, f.EngineQueueEmptyObserved)]
+    assert [(x.running, x.tokens_left) for x in queue] == [(2, 900), (0, 0)]

@@ -26,7 +26,8 @@ def pareto_trace(seed: int, steps: int = 100, samples: int = 512) -> Trace:
 
 
 def test_a_heavy_tail_miss_is_logged_and_judged_worse() -> None:
-    result = simulate(pareto_trace(5), PROFILE, "planner")
+    # Resizes only: loans inside steps would recover part of the loss and blur the verdict.
+    result = simulate(pareto_trace(5), PROFILE, "planner", policy_options={"lending": False})
     report, facts = result.report, result.run.facts
     assert report.speedup_vs_initial_split < 1.0  # the run really ended slower than not moving
     [miss] = [x for x in facts if isinstance(x, f.PredictionChecked)]

@@ -8,7 +8,7 @@ from dynaresized.core import facts as f
 from dynaresized.core import fold
 from dynaresized.core.policy import load_policy
 from dynaresized.domain import FORWARD_ORDER, Split
-from dynaresized.sim.bounds import lower_bound
+from dynaresized.sim.bounds import fluid_bound, lower_bound
 from dynaresized.sim.pipeline import DynamicPipeline, best_static, colocated_total, static_total
 from dynaresized.sim.profile import load_profile
 from dynaresized.sim.run import guards_for, scenario_shape
@@ -23,8 +23,11 @@ def model() -> StageModel:
     return StageModel(PROFILE, scenario_trace("longtail-drift", scenario_shape(PROFILE), steps=40))
 
 
-def run(model: StageModel, policy: str, *, naive: bool = False, **guards):
-    return DynamicPipeline(model, load_policy(policy), guards=guards_for(model.profile, guards), naive=naive).run()
+def run(model: StageModel, policy: str, *, naive: bool = False, lending: bool = False, **guards):
+    """Lending is off unless asked for: these tests are about moves at step boundaries."""
+    options = {"lending": lending} if policy in ("hysteresis", "planner") else {}
+    return DynamicPipeline(model, load_policy(policy, options), guards=guards_for(model.profile, guards),
+                           naive=naive).run()
 
 
 def test_static_policy_through_the_core_equals_the_static_pipeline(model):
@@ -103,6 +106,16 @@ def test_no_run_beats_the_lower_bound(model, policy, naive):
     assert all(static_total(model, Split(t, 8 - t)) >= bound for t in range(1, 8))
 
 
+@pytest.mark.parametrize("policy", ["hysteresis", "planner"])
+@pytest.mark.parametrize("naive", [False, True])
+def test_no_run_with_loans_beats_the_fluid_bound(model, policy, naive):
+    bound = fluid_bound(model, 8)
+    assert bound <= lower_bound(model, 8).total_s
+    result = run(model, policy, naive=naive, lending=True)
+    assert result.total_time_s >= bound
+    assert all(static_total(model, Split(t, 8 - t)) >= bound for t in range(1, 8))
+
+
 def test_lower_bound_holds_on_every_scenario_and_other_cluster_sizes():
     for name in ("longtail-stationary", "shrinking", "bimodal", "noisy"):
         for gpus in (4, 8, 12):
@@ -112,3 +125,4 @@ def test_lower_bound_holds_on_every_scenario_and_other_cluster_sizes():
             assert min(static_total(m, Split(t, gpus - t)) for t in range(1, gpus)) >= bound
             assert colocated_total(m, gpus) >= bound
             assert run(m, "greedy").total_time_s >= bound
+            assert run(m, "hysteresis", lending=True, cooldown_steps=0).total_time_s >= fluid_bound(m, gpus)

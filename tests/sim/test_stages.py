@@ -56,7 +56,7 @@ def test_closed_form_rollout_equals_iteration_simulation(samples, engines):
     prompts = [p for p, _ in samples]
     lengths = [n for _, n in samples]
     batch = StepBatch(0, np.array(prompts, dtype=np.int64), np.array(lengths, dtype=np.int64))
-    model = StageModel(PROFILE, Trace("t", (batch,)))
+    model = StageModel(PROFILE, Trace("t", (batch,)), router="round-robin")
     slots = int(model.batch_limit[0])
     # Round robin: request j on engine j % engines; the slowest engine sets the rollout time.
     expected = max(
@@ -65,6 +65,49 @@ def test_closed_form_rollout_equals_iteration_simulation(samples, engines):
         if prompts[e::engines]
     )
     assert np.isclose(model.rollout_seconds(0, engines), expected, rtol=1e-9)
+
+
+def pull_by_iteration(prompts: list[int], lengths: list[int], engines: int, slots: int) -> list[float]:
+    """Engines decode in lock-step, one iteration at a time; a free slot pulls the next queued
+    request (slots in the order the router offers them: slot s on engine s % engines)."""
+    r = PROFILE.rollout
+    queue = list(range(len(lengths)))
+    running: dict[int, tuple[int, int]] = {}  # slot -> (request, tokens done)
+    seconds = [0.0] * engines
+    finished = [0.0] * engines
+    while queue or running:
+        for s in range(engines * slots):
+            if s not in running and queue:
+                i = queue.pop(0)
+                running[s] = (i, 0)
+                seconds[s % engines] += r.prefill_per_token_s * prompts[i]
+        for e in range(engines):
+            mine = [(i, done) for s, (i, done) in running.items() if s % engines == e]
+            if mine:
+                context = sum(prompts[i] + done for i, done in mine)
+                seconds[e] += r.iter_base_s + r.iter_per_seq_s * len(mine) + r.iter_per_ctx_token_s * context
+        for s, (i, done) in list(running.items()):
+            if done + 1 == lengths[i]:
+                del running[s]
+                finished[s % engines] = seconds[s % engines]
+            else:
+                running[s] = (i, done + 1)
+    return finished
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 40)), min_size=1, max_size=30), st.integers(1, 3),
+       st.integers(1, 4))
+def test_pull_router_equals_lock_step_iteration_simulation(samples, engines, slots):
+    prompts = [p for p, _ in samples]
+    lengths = [n for _, n in samples]
+    profile = msgspec.structs.replace(PROFILE, rollout=msgspec.structs.replace(PROFILE.rollout, max_num_seqs=slots))
+    batch = StepBatch(0, np.array(prompts, dtype=np.int64), np.array(lengths, dtype=np.int64))
+    model = StageModel(profile, Trace("t", (batch,)))
+    finish = model.engine_finish(0, engines)
+    expected = pull_by_iteration(prompts, lengths, engines, int(model.batch_limit[0]))
+    assert np.allclose(finish, expected, rtol=1e-9)
+    assert np.isclose(model.rollout_seconds(0, engines), max(expected), rtol=1e-9)
 
 
 def test_small_kv_cache_limits_the_running_batch():
