@@ -76,24 +76,26 @@ def _client(endpoint: str, index: int, workers: int, messages: int, start_evt, o
         s.setsockopt(zmq.LINGER, 2000)
         s.connect(endpoint)
         device = f"node{(index * workers + w) // 8}:gpu{(index * workers + w) % 8}"
+        token = ""
         if register:
-            s.send(wire.encode(wire.Hello(protocol=1, worker_id=wid, kind=WorkerKind.ROLLOUT_ENGINE,
-                                          devices=(device,))))
+            s.send(wire.encode(wire.Hello(protocol=wire.PROTOCOL_VERSION, worker_id=wid,
+                                          kind=WorkerKind.ROLLOUT_ENGINE, devices=(device,))))
             assert s.poll(10000), "no welcome"
             reply = decoder.decode(s.recv())
             assert isinstance(reply, wire.Welcome), reply
-        socks.append((wid, s))
+            token = reply.token  # every later message of the registration carries it
+        socks.append((wid, s, token))
     start_evt.wait()
     sent: list[tuple[str, int, float]] = []
     per = messages // workers
     for i in range(per):
-        for wid, s in socks:
+        for wid, s, token in socks:
             now = time.time()
-            s.send(wire.encode(wire.Progress(worker_id=wid, step=1, done=i, total=per, sent_at=now)))
+            s.send(wire.encode(wire.Progress(worker_id=wid, step=1, done=i, total=per, sent_at=now, token=token)))
             sent.append((wid, i, now))
     out_q.put(sent)
     time.sleep(1.0)
-    for _, s in socks:
+    for _, s, _ in socks:
         s.close()
     ctx.term()
 
@@ -222,12 +224,16 @@ def _heartbeaters(endpoint: str, index: int, count: int, seconds: float, ready_q
         s.setsockopt(zmq.IDENTITY, wid.encode())
         s.setsockopt(zmq.LINGER, 0)
         s.connect(endpoint)
-        s.send(wire.encode(wire.Hello(protocol=1, worker_id=wid, kind=WorkerKind.TRAINER_RANK,
+        s.send(wire.encode(wire.Hello(protocol=wire.PROTOCOL_VERSION, worker_id=wid, kind=WorkerKind.TRAINER_RANK,
                                       devices=(f"node{n // 8}:gpu{n % 8}",))))
         socks.append((wid, s))
-    for _, s in socks:
+    decoder = wire.daemon_decoder()
+    tokens = {}
+    for wid, s in socks:
         assert s.poll(30000)
-        s.recv()
+        welcome = decoder.decode(s.recv())
+        assert isinstance(welcome, wire.Welcome), welcome
+        tokens[wid] = welcome.token
     ready_q.put(index)
     end = time.monotonic() + seconds
     seq = 0
@@ -235,7 +241,7 @@ def _heartbeaters(endpoint: str, index: int, count: int, seconds: float, ready_q
         tick = time.monotonic()
         seq += 1
         for wid, s in socks:
-            s.send(wire.encode(wire.Heartbeat(worker_id=wid, seq=seq)))
+            s.send(wire.encode(wire.Heartbeat(worker_id=wid, seq=seq, token=tokens[wid])))
             while s.poll(0):
                 s.recv()
         time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
