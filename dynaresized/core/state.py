@@ -197,14 +197,19 @@ class ClusterState(msgspec.Struct, frozen=True):
         w = self.workers.get(worker_id)
         return w is not None and w.status is WorkerStatus.LIVE
 
+    def pool_of(self, worker: Worker) -> Pool | None:
+        """The pool all of `worker`'s devices are placed in; None while any of them is moving
+        or they are split between the pools."""
+        pools = {self.devices[d].pool for d in worker.devices if d in self.devices}
+        return pools.pop() if len(pools) == 1 else None
+
     def desired(self, worker: Worker) -> Holding | None:
         """What the log says `worker` should do: serve when all its devices are in its kind's
-        pool, hold nothing when all are in the other pool; None while any of them is moving or
-        they are split between the pools (nothing to converge then)."""
-        pools = {self.devices[d].pool for d in worker.devices if d in self.devices}
-        if len(pools) != 1 or None in pools:
+        pool, hold nothing when all are in the other pool; None otherwise (nothing to converge)."""
+        pool = self.pool_of(worker)
+        if pool is None:
             return None
-        return Holding.SERVING if pools == {worker.kind.pool} else Holding.RELEASED
+        return Holding.SERVING if pool is worker.kind.pool else Holding.RELEASED
 
     def durable(self) -> ClusterState:
         return replace(self, last_seen={}, last_sent=0.0, last_audit=0.0)

@@ -607,13 +607,12 @@ class Daemon:
                     worker = self.state.workers[msg.worker_id]
                     token = self._tokens[msg.worker_id] = secrets.token_hex(16)
                     self._routes[msg.worker_id] = item.identity
-                    pools = {self.state.devices[d].pool for d in worker.devices}
                     outbox.append((sock, item.identity, wire.encode(wire.Welcome(
                         protocol=wire.PROTOCOL_VERSION, worker_id=msg.worker_id, incarnation=worker.incarnation,
                         boot_id=self.boot_id, heartbeat_interval_s=self.config.daemon.heartbeat_interval_s,
                         heartbeat_timeout_s=self.config.core.heartbeat_timeout_s,
                         candidates=self.state.candidates, token=token,
-                        pool=pools.pop() if len(pools) == 1 else None, desired=self.state.desired(worker)))))
+                        pool=self.state.pool_of(worker), desired=self.state.desired(worker)))))
                     # The op re-sent to a re-registered worker must follow its Welcome: the outbox
                     # leaves in order, and commands are queued after this item's replies.
                 case wire.StepReport():
