@@ -32,14 +32,17 @@ import asyncio
 import contextlib
 import faulthandler
 import functools
+import heapq
 import json
 import os
+import queue
 import random
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -47,7 +50,6 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 DEVICES = ("node0:cpu0", "node0:cpu1", "node0:cpu2", "node0:cpu3")
 SPLITS = ((1, 3), (2, 2), (3, 1))
@@ -129,46 +131,83 @@ class Faults(msgspec.Struct):
 
 class Proxy:
     """Workers connect here; each routing id gets its own DEALER to the daemon with the same id,
-    so the daemon sees the worker's own identity. Faults apply per message, both ways."""
+    so the daemon sees the worker's own identity. Faults apply per message, both ways.
 
-    def __init__(self, ctx: zmq.asyncio.Context, daemon_endpoint: str, faults: Faults, rng: random.Random) -> None:
-        self.ctx = ctx
+    The proxy is one thread with its own ZeroMQ context and plain sockets, which only that
+    thread touches (a dealer is closed there too, when its worker dies): runs side by side share
+    no socket, no file descriptor and no event loop."""
+
+    def __init__(self, daemon_endpoint: str, faults: Faults, seed: int) -> None:
         self.daemon_endpoint = daemon_endpoint
         self.faults = faults
-        self.rng = rng
+        self.rng = random.Random(seed)  # its own: the run's generator belongs to the run's thread
         self.on = False
         self.counts = {"dropped": 0, "duplicated": 0, "delayed": 0, "failed": 0}
-        self.router = ctx.socket(zmq.ROUTER)
+        self.error = ""
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.router.bind(daemon_endpoint.replace("workers.sock", "proxy.sock"))
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.dealers: dict[bytes, zmq.asyncio.Socket] = {}
-        self.tasks: list[asyncio.Task[None]] = [asyncio.create_task(self._upstream())]
+        self.dealers: dict[bytes, zmq.Socket] = {}
+        self._cuts: queue.SimpleQueue[tuple[str, ...]] = queue.SimpleQueue()
+        self._later: list[tuple[float, int, bool, bytes, bytes]] = []  # (due, n, upstream, identity, payload)
+        self._n = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"proxy-{seed}", daemon=True)
+        self._thread.start()
 
     def cut(self, prefixes: tuple[str, ...]) -> None:
         """A worker process died: its connections to the daemon close too (as the kernel's would)."""
-        for identity in [i for i in self.dealers if i.split(b"#")[0].decode(errors="replace") in prefixes]:
-            self.dealers.pop(identity).close(0)
+        self._cuts.put(prefixes)
 
-    async def _upstream(self) -> None:
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                while not self._cuts.empty():
+                    prefixes = self._cuts.get()
+                    for identity in [i for i in self.dealers if i.split(b"#")[0].decode(errors="replace") in prefixes]:
+                        dealer = self.dealers.pop(identity)
+                        poller.unregister(dealer)
+                        dealer.close(0)
+                wait_ms = 20.0
+                if self._later:
+                    wait_ms = max(0.0, min(wait_ms, (self._later[0][0] - time.monotonic()) * 1000))
+                for sock, _ in poller.poll(wait_ms):
+                    self._drain(poller, sock)
+                now = time.monotonic()
+                while self._later and self._later[0][0] <= now:
+                    _, _, upstream, identity, payload = heapq.heappop(self._later)
+                    self._send(upstream, identity, payload)
+        except Exception:  # the run reports it as a harness violation
+            self.error = traceback.format_exc()
+        finally:
+            for dealer in self.dealers.values():
+                dealer.close(0)
+            self.router.close(0)
+
+    def _drain(self, poller: zmq.Poller, sock: zmq.Socket) -> None:
         while True:
-            identity, payload = await self.router.recv_multipart()
-            dealer = self.dealers.get(identity)
-            if dealer is None:
-                dealer = self.ctx.socket(zmq.DEALER)
-                dealer.setsockopt(zmq.IDENTITY, identity)
-                dealer.setsockopt(zmq.LINGER, 0)
-                dealer.connect(self.daemon_endpoint)
-                self.dealers[identity] = dealer
-                self.tasks.append(asyncio.create_task(self._downstream(identity, dealer)))
-            self._deliver(lambda p, d=dealer: d.send(p), self._maybe_fail(payload))
-
-    async def _downstream(self, identity: bytes, dealer: zmq.asyncio.Socket) -> None:
-        with contextlib.suppress(zmq.ZMQError, asyncio.CancelledError):
-            while True:
-                payload = await dealer.recv()
-                self._deliver(lambda p: self.router.send_multipart([identity, p]), payload)
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if sock is self.router:
+                identity, payload = frames[0], frames[-1]
+                if identity not in self.dealers:
+                    dealer = self.ctx.socket(zmq.DEALER)
+                    dealer.setsockopt(zmq.IDENTITY, identity)
+                    dealer.setsockopt(zmq.LINGER, 0)
+                    dealer.connect(self.daemon_endpoint)
+                    self.dealers[identity] = dealer
+                    poller.register(dealer, zmq.POLLIN)
+                self._deliver(True, identity, self._maybe_fail(payload))
+            else:
+                identity = sock.getsockopt(zmq.IDENTITY)
+                self._deliver(False, identity, frames[-1])
 
     def _maybe_fail(self, payload: bytes) -> bytes:
         if not self.on or not self.faults.fail or self.rng.random() >= self.faults.fail:
@@ -182,7 +221,7 @@ class Proxy:
             return msgspec.msgpack.encode({**msg, "ok": False, "detail": "injected failure"})
         return payload
 
-    def _deliver(self, send: Any, payload: bytes) -> None:
+    def _deliver(self, upstream: bool, identity: bytes, payload: bytes) -> None:
         f, rng = self.faults, self.rng
         copies = 1
         if self.on:
@@ -192,32 +231,31 @@ class Proxy:
             if rng.random() < f.duplicate:
                 self.counts["duplicated"] += 1
                 copies = 2
-            if rng.random() < f.delay:
+            if rng.random() < f.delay:  # later messages overtake it: a reorder
                 self.counts["delayed"] += 1
-                self.tasks.append(asyncio.create_task(self._later(send, payload, copies, rng.uniform(0.02, 0.4))))
+                due = time.monotonic() + rng.uniform(0.02, 0.4)
+                for _ in range(copies):
+                    self._n += 1
+                    heapq.heappush(self._later, (due, self._n, upstream, identity, payload))
                 return
         for _ in range(copies):
-            self._send(send, payload)
+            self._send(upstream, identity, payload)
 
-    async def _later(self, send: Any, payload: bytes, copies: int, seconds: float) -> None:
-        await asyncio.sleep(seconds)
-        for _ in range(copies):
-            self._send(send, payload)
-
-    @staticmethod
-    def _send(send: Any, payload: bytes) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            result = send(payload)
-            if asyncio.isfuture(result):  # zmq.asyncio sends return futures; a closed socket fails them
-                result.add_done_callback(lambda fut: fut.exception())
+    def _send(self, upstream: bool, identity: bytes, payload: bytes) -> None:
+        """To the daemon on the worker's dealer, or to the worker through the router. A message
+        for a connection that has closed since is lost, as it would be."""
+        with contextlib.suppress(zmq.Again, zmq.ZMQError):
+            if upstream:
+                dealer = self.dealers.get(identity)
+                if dealer is not None:
+                    dealer.send(payload, zmq.NOBLOCK)
+            else:
+                self.router.send_multipart([identity, payload], zmq.NOBLOCK)
 
     async def close(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        for d in self.dealers.values():
-            d.close(0)
-        self.router.close(0)
+        self._stop.set()
+        await asyncio.to_thread(self._thread.join)
+        self.ctx.term()
 
 
 # -- one run --------------------------------------------------------------------------------------
@@ -257,12 +295,11 @@ min_dwell_s = 0.0
 
 
 class Run:
-    def __init__(self, seed: int, root: Path, ctx: zmq.asyncio.Context, *, kills: bool = True) -> None:
+    def __init__(self, seed: int, root: Path, *, kills: bool = True) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         self.dir = root / f"run-{seed}"
         self.dir.mkdir(parents=True)
-        self.ctx = ctx
         # ipc sockets in the run's own directory: runs side by side never race for a TCP port
         self.worker_ep = f"ipc://{self.dir}/workers.sock"
         self.control_ep = f"ipc://{self.dir}/control.sock"
@@ -333,7 +370,7 @@ class Run:
     async def run(self) -> dict[str, Any]:
         from dynaresized import wire
 
-        self.proxy = Proxy(self.ctx, self.worker_ep, self.faults, self.rng)
+        self.proxy = Proxy(self.worker_ep, self.faults, self.seed * 7919 + 1)
         self.start_daemon()
         for i, d in enumerate(DEVICES):
             self.start_worker(d, "training" if i < 2 else "rollout")
@@ -356,6 +393,8 @@ class Run:
                     proc.kill()
                     proc.wait()
             await self.proxy.close()
+            if self.proxy.error:
+                self.violate("harness", f"the proxy failed: {self.proxy.error}")
 
     async def chaos(self) -> None:
         from dynaresized import wire
@@ -485,7 +524,10 @@ class Run:
         finally:
             recorder.close()
         state = ClusterState()
+        at_settle: ClusterState | None = None  # the log folded as far as the settled status had seen
         for i, fact in enumerate(facts):
+            if live is not None and state.version == live["facts"]:
+                at_settle = state
             starting = isinstance(fact, fx.ResizeStarted | fx.ReconcileStarted)
             if starting and state.inflight is not None:
                 self.violate("one_in_flight", f"fact {i + 1} starts a sequence while {state.inflight.plan.resize_id} "
@@ -500,8 +542,14 @@ class Run:
         self.facts = facts
         if state.inflight is not None:
             self.violate("in_flight", f"{state.inflight.plan.resize_id} still in flight at the end")
-        if live is not None:
-            replayed = status_of(state)
+        if live is not None and state.version == live["facts"]:
+            at_settle = state
+        if live is not None and at_settle is None:
+            self.violate("replay", f"the live daemon had folded {live['facts']} facts, the log holds {len(facts)}")
+        elif live is not None and at_settle is not None:
+            # The status taken at settle against the log folded to the same fact: later facts
+            # (a heartbeat lost while stopping, the stop itself) are not the replay's business.
+            replayed = status_of(at_settle)
             for key in ("devices", "split", "resizes", "phase"):
                 if replayed[key] != live[key]:
                     self.violate("replay", f"{key}: replayed {replayed[key]} != live {live[key]}")
@@ -551,14 +599,13 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 async def run_all(seeds: list[int], jobs: int, root: Path, kills: bool = True) -> list[dict[str, Any]]:
-    ctx = zmq.asyncio.Context()
     sem = asyncio.Semaphore(jobs)
     done = 0
 
     async def one(seed: int) -> dict[str, Any]:
         nonlocal done
         async with sem:
-            run = Run(seed, root, ctx, kills=kills)
+            run = Run(seed, root, kills=kills)
             try:
                 result = await run.run()
             except Exception:  # a harness bug is reported against its seed; the other runs go on
@@ -571,10 +618,7 @@ async def run_all(seeds: list[int], jobs: int, root: Path, kills: bool = True) -
             print(f"{done}/{len(seeds)} runs", file=sys.stderr, flush=True)
         return result
 
-    try:
-        return await asyncio.gather(*(one(s) for s in seeds))
-    finally:
-        ctx.destroy(linger=0)
+    return await asyncio.gather(*(one(s) for s in seeds))
 
 
 def summarize(results: list[dict[str, Any]], wall_s: float, jobs: int) -> dict[str, Any]:
@@ -607,6 +651,7 @@ def summarize(results: list[dict[str, Any]], wall_s: float, jobs: int) -> dict[s
         "operator_resumes": sum(len(r["degraded"]) for r in results),
         "jobs": jobs,
         "wall_s": round(wall_s, 1),
+        "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
     }
 
 

@@ -243,7 +243,10 @@ def on_bye(core: Core, tx: _Tx, e: ev.WorkerBye) -> None:
 
 def on_state_reported(core: Core, tx: _Tx, e: ev.StateReported) -> None:
     w = _require_worker(tx.state, e.worker_id)
-    if e.actual != w.actual:
+    # A worker left out as unconverged that now reports what the log says is recorded even when
+    # the report repeats the last one (e.g. its converging op "failed" after it had acted).
+    agrees_now = e.worker_id in tx.state.unconverged and tx.state.desired(w) == e.actual.holding
+    if e.actual != w.actual or agrees_now:
         tx.emit(f.WorkerReported(at=e.at, worker_id=e.worker_id, actual=e.actual))
 
 

@@ -313,3 +313,19 @@ def test_an_unconverged_worker_is_tried_again_after_the_retry_interval() -> None
     ack(d, engine(3), held(Holding.SERVING))
     assert engine(3) not in d.state.unconverged and d.state.phase is Phase.STEADY
     assert d.replayed().durable() == d.state.durable()
+
+
+def test_a_worker_whose_converging_op_failed_after_it_acted_is_back_at_its_next_report() -> None:
+    """Chaos seed 73: the last converging op's answer said "failed" (the failure was injected on
+    the way) while it carried the state the log wants. The worker is left out at first; the next
+    report, which repeats that state, brings it back: nothing else would (it is not retried, as
+    it does not disagree with the log)."""
+    d = boot_reporting(make_core(EAGER), 2, 2)
+    hello(d, trainer(0), WorkerKind.TRAINER_RANK, 0, held(Holding.RELEASED))
+    ack(d, trainer(0), held(Holding.DRAINED))  # reclaim
+    facts, _ = ack(d, trainer(0), held(Holding.SERVING), ok=False)  # resume: acted, answer "failed"
+    assert isinstance(facts[-1], f.WorkerUnconverged) and trainer(0) in d.state.unconverged
+    facts, _ = d.send(ev.StateReported(at=d.at(), worker_id=trainer(0), actual=held(Holding.SERVING)))
+    assert [type(x) for x in facts] == [f.WorkerReported]
+    assert trainer(0) not in d.state.unconverged
+    assert d.replayed().durable() == d.state.durable()
