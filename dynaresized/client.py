@@ -228,13 +228,26 @@ class WorkerClient:
     async def _hello(self, timeout: float) -> wire.Welcome:
         loop = asyncio.get_running_loop()
         self._welcome = loop.create_future()
-        await self._send(wire.Hello(protocol=wire.PROTOCOL_VERSION, worker_id=self.worker_id, kind=self.kind,
-                                    devices=self.devices, pid=os.getpid(), host=socket.gethostname(),
-                                    sent_at=time.time(), process=self.process, actual=self._actual_now()))
+        await self._send(self._hello_message())
         try:
             welcome = await asyncio.wait_for(self._welcome, timeout)
         except TimeoutError:
             raise DaemonUnavailable(f"no answer from the daemon at {self.endpoint} within {timeout:g}s") from None
+        self._adopt(welcome)
+        self._registered.set()
+        log.info("registered", worker=self.worker_id, incarnation=welcome.incarnation, boot_id=welcome.boot_id)
+        return welcome
+
+    def _hello_message(self) -> wire.Hello:
+        return wire.Hello(protocol=wire.PROTOCOL_VERSION, worker_id=self.worker_id, kind=self.kind,
+                          devices=self.devices, pid=os.getpid(), host=socket.gethostname(),
+                          sent_at=time.time(), process=self.process, actual=self._actual_now())
+
+    def _adopt(self, welcome: wire.Welcome) -> None:
+        """Take a welcome's registration as this worker's own. A welcome on this connection
+        answers one of this process's hellos; when several hellos reached the daemon (sent while
+        it was down and delivered together once it was up) each registered anew, and the newest
+        registration is the one whose token the daemon accepts."""
         self.incarnation = welcome.incarnation
         self.boot_id = welcome.boot_id
         self.token = welcome.token
@@ -242,9 +255,6 @@ class WorkerClient:
         self.heartbeat_interval_s = welcome.heartbeat_interval_s
         self.heartbeat_timeout_s = welcome.heartbeat_timeout_s
         self._last_ack = time.monotonic()
-        self._registered.set()
-        log.info("registered", worker=self.worker_id, incarnation=welcome.incarnation, boot_id=welcome.boot_id)
-        return welcome
 
     async def _reregister(self, why: str) -> None:
         """Say hello again until the daemon answers (it restarted, or forgot us)."""
@@ -295,6 +305,8 @@ class WorkerClient:
                 case wire.Welcome():
                     if self._welcome is not None and not self._welcome.done():
                         self._welcome.set_result(msg)
+                    elif self._registered.is_set() and msg.incarnation > self.incarnation:
+                        self._adopt(msg)
                 case wire.HeartbeatAck():
                     self._last_ack = time.monotonic()
                     if msg.boot_id != self.boot_id:

@@ -58,6 +58,10 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     out of resize plans meanwhile)."""
     loan_costs: LoanCosts = LoanCosts()
     """What a loan adds to the critical path, for the lending policy's estimate."""
+    stall_s: float | None = None
+    """A tick that comes more than this after the one before means the daemon itself was not
+    running (starved of CPU, or waiting on a slow disk): that blind time does not count as the
+    workers' silence. None: every gap counts (the simulator and tests, which jump in time)."""
 
 
 class SendOp(msgspec.Struct, frozen=True):
@@ -351,6 +355,7 @@ def on_abort_requested(core: Core, tx: _Tx, e: ev.AbortRequested) -> None:
 
 def on_tick(core: Core, tx: _Tx, e: ev.Tick) -> None:
     timeout = core.config.heartbeat_timeout_s
+    _credit_stall(core, tx, e.at)
     for worker_id, seen in sorted(tx.state.last_seen.items()):
         silent = e.at - seen
         if silent > timeout and tx.state.is_live(worker_id):
@@ -366,6 +371,18 @@ def on_tick(core: Core, tx: _Tx, e: ev.Tick) -> None:
         _op_failed(core, tx, reason, e.at)
     _resend_pending(core, tx, e.at)
     _audit(core, tx, e.at)
+
+
+def _credit_stall(core: Core, tx: _Tx, at: float) -> None:
+    """After a stall of the daemon, its heartbeat clocks move forward by the time it could not
+    watch: messages that waited in its socket meanwhile are read after this tick, and would
+    otherwise find every worker already declared lost."""
+    s = tx.state
+    gap = at - s.last_tick
+    if core.config.stall_s is not None and s.last_tick and gap > core.config.stall_s:
+        tx.state = replace(s, last_tick=at, last_seen={w: min(at, seen + gap) for w, seen in s.last_seen.items()})
+    else:
+        tx.state = replace(s, last_tick=at)
 
 
 def _resend_pending(core: Core, tx: _Tx, at: float) -> None:

@@ -3,8 +3,9 @@
 `mutate(state, fact)` is the only way state changes, live or on replay, so replaying the
 log always gives the live state. The exceptions are soft timers: `last_seen` (heartbeat
 times: heartbeats are not facts, and after a restart every worker gets a fresh grace period),
-`last_sent` (when the pending op was last sent) and `last_audit` (when every worker was last
-asked for its state): re-sending and asking are commands, not facts.
+`last_sent` (when the pending op was last sent), `last_audit` (when every worker was last
+asked for its state) and `last_tick` (when the core last ticked): re-sending and asking are
+commands, not facts.
 `ClusterState.durable()` is the part that replay must reproduce exactly.
 """
 
@@ -165,6 +166,7 @@ class ClusterState(msgspec.Struct, frozen=True):
     loans_landed: int = 0
     last_sent: float = 0.0  # soft: when the pending op was last sent
     last_audit: float = 0.0  # soft: when every live worker was last asked for its state
+    last_tick: float = 0.0  # soft: when the core last saw a tick (a long gap: the daemon stalled)
 
     # -- derived views -------------------------------------------------------------
     def pool_devices(self, pool: Pool) -> tuple[DeviceId, ...]:
@@ -212,7 +214,7 @@ class ClusterState(msgspec.Struct, frozen=True):
         return Holding.SERVING if pool is worker.kind.pool else Holding.RELEASED
 
     def durable(self) -> ClusterState:
-        return replace(self, last_seen={}, last_sent=0.0, last_audit=0.0)
+        return replace(self, last_seen={}, last_sent=0.0, last_audit=0.0, last_tick=0.0)
 
 
 S = TypeVar("S", bound=f.Fact)

@@ -90,6 +90,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             audit_interval_s=self.core.audit_interval_s or None,
             reconcile_retry_s=self.core.reconcile_retry_s,
             loan_costs=self.loan_costs,
+            # ticks come every tick_interval_s; ten missed in a row is the daemon stalling
+            stall_s=max(10 * self.daemon.tick_interval_s, 0.5),
         )
 
     def initial_pools(self) -> tuple[tuple[str, ...], tuple[Pool, ...]]:

@@ -329,3 +329,30 @@ def test_a_worker_whose_converging_op_failed_after_it_acted_is_back_at_its_next_
     assert [type(x) for x in facts] == [f.WorkerReported]
     assert trainer(0) not in d.state.unconverged
     assert d.replayed().durable() == d.state.durable()
+
+
+def test_the_daemons_own_stall_is_not_held_against_the_workers() -> None:
+    """Chaos runs at load 50: the daemon got no CPU for 3 s, then ticked before reading the
+    heartbeats waiting in its socket and declared all 8 workers lost. With `stall_s`, a tick
+    that comes long after the previous one moves the heartbeat clocks by the blind time."""
+    config = make_core().config.__class__(guards=EAGER, heartbeat_timeout_s=1.5, stall_s=0.5)
+    d = boot_reporting(Core(config, make_core().policy), 2, 2)
+    t = d.at()
+    d.send(ev.Tick(at=t + 0.05))
+    facts, _ = d.send(ev.Tick(at=t + 3.0))  # the daemon was blind for 2.95 s
+    assert not any(isinstance(x, f.WorkerLost) for x in facts)
+    # ticking normally again, the others heartbeating: engine 3, silent since boot (1.05 s
+    # watched before the stall), is lost once watched silent for 1.5 s in all
+    lost = []
+    for i in range(1, 20):
+        for w in sorted(d.state.workers):
+            if w != engine(3) and d.state.is_live(w):
+                d.send(ev.Heartbeat(at=t + 3.0 + 0.1 * i - 0.01, worker_id=w))
+        facts, _ = d.send(ev.Tick(at=t + 3.0 + 0.1 * i))
+        lost += [(x.worker_id, round(x.at - t, 1)) for x in facts if isinstance(x, f.WorkerLost)]
+    assert lost == [(engine(3), 3.5)]
+    # without stall_s (the simulator, tests that jump in time) every gap counts
+    d = boot_reporting(make_core(msgspec.structs.replace(EAGER)), 2, 2)
+    d.send(ev.Tick(at=d.at() + 0.05))
+    facts, _ = d.send(ev.Tick(at=d.at() + 11.0))
+    assert sum(isinstance(x, f.WorkerLost) for x in facts) == 8

@@ -211,3 +211,26 @@ def test_messages_after_hello_must_carry_the_current_token(make_daemon) -> None:
     finally:
         sock.close()
         ctx.term()
+
+
+async def test_hellos_delivered_together_leave_the_client_on_the_newest_registration(make_daemon) -> None:
+    """Hellos sent while the daemon was down arrive together once it is up, and each registers
+    anew (chaos runs: three registrations in a millisecond). The client takes the newest
+    welcome's token, so its messages are not refused as stale, and it does not re-register."""
+    daemon = make_daemon()
+    dev = Device(WorkerKind.TRAINER_RANK, DEVICES[2], Pool.ROLLOUT)
+    client = dev.client(daemon.worker_endpoint, "w")
+    await client.start()
+    try:
+        for _ in range(2):  # two more hellos of this process, as if queued during an outage
+            await client._send(client._hello_message())
+        await until(lambda: worker(daemon, "w")["incarnation"] == 3)
+        await until(lambda: client.incarnation == 3)
+        errors_before = len(client.errors)
+        await client.report_state()  # carries the token: accepted only if it is the newest one
+        hb = client._seq
+        await until(lambda: client._seq >= hb + 3)  # a few heartbeats later
+        assert [e.reason for e in client.errors[errors_before:]] == []
+        assert worker(daemon, "w")["incarnation"] == 3 and worker(daemon, "w")["status"] == "live"
+    finally:
+        await client.close()
