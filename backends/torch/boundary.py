@@ -5,6 +5,13 @@ claims the oldest ready one by compare-and-set, and broadcasts its index with th
 every member then applies it: leavers stop, the others meet the joiners in a store barrier,
 take the group of the new membership, feed each joiner from its donor (see `transfer`),
 compare digests and confirm the epoch in the store. A mixin of `TrainerRank`.
+
+With several mini-batches per RL step there are boundaries inside the step: a rank lent to
+training (a JOIN with plan LOAN) enters at the next one and, at the next RL-step boundary,
+leaves again by itself: the leader claims a change that takes every lent member out (its id
+ends in `/home`), so the group never waits for the daemon's RETURN, which then finds the rank
+drained. A loan that reaches the leader at an RL-step boundary, where no boundary of the step
+it was lent for is left, is refused with the reason.
 """
 
 from __future__ import annotations
@@ -56,14 +63,20 @@ class StepBoundary:
         return True
 
     def _stop_step(self) -> int:
+        """The optimizer step to stop at (-1: none); stop requests and `steps_total` count RL steps."""
         stop = self.registry.stop_step()
         if self.config.steps_total is not None:
             stop = self.config.steps_total if stop < 0 else min(stop, self.config.steps_total)
-        return stop
+        return stop * self.config.mini_batches if stop >= 0 else stop
 
     def _leader_scan(self) -> int:
         """The index of the next change to apply (claimed), or 0. Changes are taken in the
-        order posted; one that is not ready yet (movers missing) holds back those after it."""
+        order posted; one that is not ready yet (movers missing) holds back those after it.
+        At an RL-step boundary, late loans are refused and lent members go home first."""
+        if self.step % self.config.mini_batches == 0:
+            self._refuse_late_loans()
+            if self.lent:
+                return self._claim_home()
         seq = self.registry.seq()
         i = self.cursor + 1
         while i <= seq:
@@ -83,7 +96,8 @@ class StepBoundary:
                                                                   "no change needed"))
                 else:
                     epoch = self.registry.new_epoch()
-                    claim = ChangeState(ChangeStatus.APPLYING, epoch, members, before=self.members)
+                    lent = tuple(sorted({r for r in self.lent if r in members} | set(change.add if change.loan else ())))
+                    claim = ChangeState(ChangeStatus.APPLYING, epoch, members, before=self.members, lent=lent)
                     if self.registry.transition(cid, st, claim):
                         return i
                     continue  # cancelled meanwhile: look again
@@ -94,12 +108,40 @@ class StepBoundary:
             i += 1
         return 0
 
+    def _refuse_late_loans(self) -> None:
+        """Refuse every pending loan: this boundary starts a new RL step, and a loan is for the
+        rest of the step it was lent in (it would go home right here)."""
+        rl_step = self.step // self.config.mini_batches
+        why = (f"no boundary left inside the training step: RL step {rl_step - 1} has ended (optimizer step "
+               f"{self.step}); a loan joins only between two of a step's {self.config.mini_batches} mini-batches"
+               if self.config.mini_batches > 1 else
+               "the training step has no boundary inside it (mini_batches=1): a loan cannot join a step in progress")
+        for i in range(self.cursor + 1, self.registry.seq() + 1):
+            cid = self.registry.indexed(i)
+            st = self.registry.state(cid) if cid is not None else None
+            if st is not None and st.status is ChangeStatus.PENDING and self.registry.change(cid).loan:
+                self.registry.transition(cid, st, ChangeState(ChangeStatus.REJECTED, detail=why))
+
+    def _claim_home(self) -> int:
+        """Post and claim the change that takes the lent members out at this RL-step boundary.
+        It jumps the queue (changes posted before it wait for the next boundary), so `_apply`
+        leaves the cursor where it is and the leader's next scan still finds them."""
+        change = Change(cid=f"loans@{self.step}/home", remove=self.lent)
+        for r in self.lent:
+            self.registry.post(change, r)
+        index = self._index_of(change.cid)
+        st = self.registry.state(change.cid)
+        members = change.result(self.members)
+        claim = ChangeState(ChangeStatus.APPLYING, self.registry.new_epoch(), members, before=self.members)
+        assert st is not None and self.registry.transition(change.cid, st, claim), f"{change.cid} changed under us"
+        return index
+
     def _validate(self, change: Change) -> tuple[Members, str]:
         after = change.result(self.members)
         if not after:
             return after, "the training pool would have no trainer left"
-        if len(after) > self.config.micro_batches:
-            return after, (f"the global batch of {self.config.micro_batches} micro-batches cannot be split over "
+        if len(after) > self.config.mini_batch_size:
+            return after, (f"a mini-batch of {self.config.mini_batch_size} micro-batches cannot be split over "
                            f"{len(after)} ranks")
         if change.expect is not None and after != change.expect:
             missing = tuple(sorted(set(change.expect) - set(after)))
@@ -114,7 +156,8 @@ class StepBoundary:
         assert cid is not None
         change = self.registry.change(cid)
         st = self.registry.state(cid)
-        self.cursor = index
+        if not cid.endswith("/home"):
+            self.cursor = index
         # The others may already have finished (DONE) or failed (FAILED) it: a leaver does
         # not meet them, and a failure is settled by whoever sees it first.
         if st is None or st.epoch < 0:
@@ -131,7 +174,7 @@ class StepBoundary:
         joiners = tuple(r for r in st.members if r not in before)
         sources = tuple(r for r in before if r in st.members)
         try:
-            report = self._switch(st.members, st.epoch, joiners, sources, cid)
+            report = self._switch(st.members, st.epoch, joiners, sources, cid, lent=st.lent)
         except Cancelled as exc:
             # A mover gave up before everyone met (its join failed): no group of the new
             # membership was touched, so the old one goes on as it was, unless the change
@@ -148,18 +191,19 @@ class StepBoundary:
                 self.registry.settle(cid, ChangeState(ChangeStatus.FAILED, detail=str(exc)))
                 base = Topology(epoch=self.epoch, members=sources, step=self.step)
             else:  # everyone had confirmed it: the new epoch stands, the failure came after
-                self._adopt_epoch(st.members, st.epoch, joiners, sources)
+                self._adopt_epoch(st.members, st.epoch, joiners, sources, lent=st.lent)
                 base = None
             self._recover(exc, base)
             return
-        self.registry.settle(cid, ChangeState(ChangeStatus.DONE, st.epoch, st.members, report, before=before))
+        self.registry.settle(cid, ChangeState(ChangeStatus.DONE, st.epoch, st.members, report, before=before,
+                                              lent=st.lent))
         log.info("membership changed", rank=self.rank, change=cid, epoch=st.epoch, before=list(before),
                  after=list(st.members), step=self.step, detail=report)
 
     def _leave(self, change: Change, st: ChangeState) -> None:
         detail = (f"left the training group at the step-{self.step} boundary; {self._fmt(st.members)} continue "
                   f"at epoch {st.epoch}")
-        self.group, self.members, self.epoch = None, (), -1
+        self.group, self.members, self.epoch, self.lent = None, (), -1, ()
         # A drained rank keeps its device and state (a rollback may resume it); an evicted
         # one gives the device back at once.
         evicted = change.cid.endswith("/evict")
@@ -169,7 +213,8 @@ class StepBoundary:
         log.info("left training group", rank=self.rank, change=change.cid, step=self.step)
         self._notify(change.cid, detail)
 
-    def _switch(self, members: Members, epoch: int, joiners: Members, sources: Members, cid: str) -> str:
+    def _switch(self, members: Members, epoch: int, joiners: Members, sources: Members, cid: str, *,
+                lent: Members = ()) -> str:
         """Members' side of a change: meet, take the group, feed joiners, check, move on."""
         t0 = time.perf_counter()
         self._barrier(members, f"e{epoch}", f"the switch to epoch {epoch} ({cid})", self.config.collective_timeout_s,
@@ -190,7 +235,7 @@ class StepBoundary:
             self._verify(group, tensors, f"states after joining {self._fmt(joiners)}")
         self._confirm(members, epoch)
         t4 = time.perf_counter()
-        self._adopt_epoch(members, epoch, joiners, sources, group)
+        self._adopt_epoch(members, epoch, joiners, sources, group, lent=lent)
         self.switches.append(SwitchRecord(epoch, members, joiners, "donor" if sent else "member", t1 - t0, t2 - t1,
                                           t3 - t2, t4 - t3, sent, self.comms.stats.builds > builds))
         report = (f"epoch {epoch}: {self._fmt(members)} from step {self.step}; barrier {1e3 * (t1 - t0):.1f} ms, "
@@ -205,13 +250,13 @@ class StepBoundary:
         self._barrier(members, f"est{epoch}", f"confirming epoch {epoch}", self.config.collective_timeout_s, cid=cid)
 
     def _adopt_epoch(self, members: Members, epoch: int, joiners: Members, sources: Members,
-                     group: Group | None = None) -> None:
+                     group: Group | None = None, *, lent: Members = ()) -> None:
         eager = self.config.restore is RestoreMode.EAGER
         has_state = self.state.has_optimizer_state or bool(self._restoring)
         restoring = () if eager or not joiners or not has_state else tuple(
             sorted(assign_donors(sources, joiners, self.config.node_of).items()))
         old = self.registry.topology()
-        self.group, self.members, self.epoch, self._restoring = group, members, epoch, restoring
+        self.group, self.members, self.epoch, self._restoring, self.lent = group, members, epoch, restoring, lent
         if self.rank == members[0]:
             self.registry.establish(old, Topology(epoch=epoch, members=members, step=self.step, restoring=restoring))
         self._set_view(RankState.TRAINING)

@@ -19,7 +19,7 @@ import structlog
 from dynaresized.backends.torch.membership import Change, ChangeState, ChangeStatus, Members
 from dynaresized.backends.torch.rank_types import NotReady, RankState
 from dynaresized.client import op_handlers
-from dynaresized.domain import OpKind
+from dynaresized.domain import OpKind, PlanKind
 
 log = structlog.get_logger("dynaresized.backends.torch")
 
@@ -127,14 +127,17 @@ class DaemonOps:
         return await asyncio.to_thread(locked)
 
     async def join(self, op: Any) -> str:
-        """JOIN: enter the training group at the members' next step boundary."""
+        """JOIN: enter the training group at the members' next step boundary. With plan LOAN the
+        rank is lent for the rest of the RL step: it enters at the next boundary inside the step
+        (refused if none is left) and leaves by itself at the step's end."""
         movers = self._movers(op)
         expect = self._expect(op)
         if self._view.state is RankState.TRAINING and self.rank in self._view.members:
             return f"already training in epoch {self._view.epoch} {self._fmt(self._view.members)}"
         if self._view.state not in (RankState.IDLE, RankState.DRAINED):
             raise NotReady(f"join {op.op_id}: rank {self.rank} is {self._view.state.value}")
-        change = Change(cid=f"{op.resize_id}/join", add=movers, expect=expect, op_id=op.op_id)
+        change = Change(cid=f"{op.resize_id}/join", add=movers, expect=expect, op_id=op.op_id,
+                        loan=op.plan is PlanKind.LOAN)
         future = self._submit("join", change, deadline=time.time() + op.timeout_s)
         return await asyncio.wrap_future(future)
 
@@ -158,10 +161,10 @@ class DaemonOps:
                 # The last resize of a run may commit after the final step: nothing to switch.
                 return f"training finished at step {v.step} on the committed membership (epoch {v.epoch})"
             if v.state is RankState.TRAINING and v.members == expect:
-                n = self.config.micro_batches
+                n = self.config.mini_batch_size
                 split = "/".join(str(len(range(i, n, len(expect)))) for i in range(len(expect)))
-                return (f"training on {self._fmt(expect)} in epoch {v.epoch} since step {v.step}: {n} micro-batches "
-                        f"split {split}")
+                per = f"{n} micro-batches" + (" per mini-batch" if self.config.mini_batches > 1 else "")
+                return f"training on {self._fmt(expect)} in epoch {v.epoch} since step {v.step}: {per} split {split}"
             if v.state in (RankState.FAILED, RankState.FINISHED) or time.monotonic() > deadline:
                 raise NotReady(f"commit {op.op_id}: the daemon committed {self._fmt(expect)} but this rank is "
                                f"{v.state.value} on {self._fmt(v.members)} (epoch {v.epoch})")
@@ -187,6 +190,9 @@ class DaemonOps:
             st = await self._call(lambda: self._handler_registry.state(change.cid))
             if st is not None and st.status in (ChangeStatus.REJECTED, ChangeStatus.FAILED, ChangeStatus.CANCELLED):
                 raise NotReady(f"{change.cid} was {st.status.value}: {st.detail}")
+            if st is not None and st.status is ChangeStatus.DONE and self.rank not in st.members:
+                # left by another change first (a lent rank goes home at the RL-step boundary)
+                return f"not in the training group ({self._view.state.value} at step {self._view.step}): {st.detail}"
             if self._view.state in (RankState.FAILED, RankState.FINISHED):
                 raise NotReady(f"rank {self.rank} stopped ({self._view.state.value}) before leaving")
 
@@ -242,7 +248,10 @@ class DaemonOps:
         if self._view.state is not RankState.TRAINING:
             return f"not in the training group ({self._view.state.value}); nothing to evict"
         change = Change(cid=f"{op.resize_id}/evict", remove=(self.rank,), op_id=op.op_id)
-        return await self._leave_request(change)
+        detail = await self._leave_request(change)
+        if self._view.state is RankState.DRAINED:  # a lent rank went home first: give the device back too
+            detail += "; " + await asyncio.wrap_future(self._submit("release"))
+        return detail
 
     def handlers(self) -> dict[OpKind, OpHandler]:
         return op_handlers(self)

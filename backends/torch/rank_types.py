@@ -39,7 +39,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: str  # this process's device
     initial: tuple[str, ...]  # the devices that train from step 0
     candidates: tuple[tuple[str, ...], ...] = ()  # memberships to pre-warm groups for
-    micro_batches: int = 8  # the global batch, in micro-batches; fixed for the whole job
+    micro_batches: int = 8  # the global batch of one RL step, in micro-batches; fixed for the whole job
+    # Optimizer steps per RL step (verl's ppo_mini_batch_size): the global batch is cut into this
+    # many consecutive mini-batches of micro_batches / mini_batches micro-batches each. The
+    # boundaries between them are where a loan joins inside the step.
+    mini_batches: int = 1
     deterministic: bool = False
     restore: RestoreMode = RestoreMode.LAZY
     transfer: TransferPath = TransferPath.AUTO
@@ -72,9 +76,12 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 problems.append(f"{name} names unknown devices {unknown}")
             if not devs:
                 problems.append(f"{name} is empty")
-        if self.micro_batches < max(1, len(self.initial)):
-            problems.append(f"micro_batches={self.micro_batches} cannot be split over {len(self.initial)} "
-                            "initial ranks")
+        if self.mini_batches < 1 or self.micro_batches % self.mini_batches:
+            problems.append(f"mini_batches={self.mini_batches} must be at least 1 and divide "
+                            f"micro_batches={self.micro_batches}")
+        elif self.mini_batch_size < max(1, len(self.initial)):
+            problems.append(f"a mini-batch of {self.mini_batch_size} micro-batches cannot be split over "
+                            f"{len(self.initial)} initial ranks")
         if self.backend not in ("gloo", "nccl"):
             problems.append(f"backend {self.backend!r} is not 'gloo' or 'nccl'")
         for key in ("collective_timeout_s", "peer_timeout_s", "heartbeat_interval_s", "start_timeout_s"):
@@ -105,9 +112,23 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def node_of(self, rank: int) -> str:
         return self.devices[rank].partition(":")[0]
 
+    @property
+    def mini_batch_size(self) -> int:
+        """Micro-batches per mini-batch (per optimizer step): the largest group that can train."""
+        return self.micro_batches // self.mini_batches
+
+    def position(self, optimizer_step: int) -> tuple[int, int]:
+        """(RL step, mini-batch within it) of the `optimizer_step`-th optimizer step (0-based)."""
+        return divmod(optimizer_step, self.mini_batches)
+
+    def micro_batches_of(self, mini_batch: int) -> range:
+        """The global batch's micro-batch indices that mini-batch `mini_batch` sums, in order."""
+        size = self.mini_batch_size
+        return range(mini_batch * size, (mini_batch + 1) * size)
+
 
 class StepRecord(msgspec.Struct, frozen=True):
-    step: int  # the step just finished (the optimizer has applied it)
+    step: int  # optimizer steps done, this one included (= RL steps done when mini_batches is 1)
     epoch: int
     members: Members
     micro_batches: tuple[int, ...]  # the micro-batches this rank computed
@@ -115,6 +136,13 @@ class StepRecord(msgspec.Struct, frozen=True):
     seconds: float
     params_sha: str = ""
     optimizer_sha: str = ""
+    rl_step: int = 0  # the RL step (0-based) this optimizer step belongs to
+    mini_batch: int = 0  # its mini-batch within that RL step (0-based)
+    mini_batches: int = 1  # mini-batches per RL step
+
+    @property
+    def ends_rl_step(self) -> bool:
+        return self.mini_batch == self.mini_batches - 1
 
 
 class SwitchRecord(msgspec.Struct, frozen=True):

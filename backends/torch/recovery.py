@@ -52,6 +52,7 @@ class GroupRecovery:
                 base = Topology(epoch=decision.epoch, members=decision.members, step=self.step)
                 continue
             self.group, self.members, self.epoch, self._restoring = group, decision.members, decision.epoch, ()
+            self.lent = tuple(r for r in self.lent if r in decision.members)  # they still go home at the RL boundary
             if self.rank == decision.members[0]:
                 self.registry.establish(self.registry.topology(),
                                         Topology(epoch=decision.epoch, members=decision.members, step=self.step))
@@ -105,5 +106,5 @@ class GroupRecovery:
 
     def _become_idle(self, why: str) -> None:
         log.warning("rank leaves training", rank=self.rank, why=why)
-        self.group, self.members, self.epoch, self._restoring = None, (), -1, ()
+        self.group, self.members, self.epoch, self._restoring, self.lent = None, (), -1, (), ()
         self._set_view(RankState.IDLE)

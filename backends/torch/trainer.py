@@ -92,6 +92,7 @@ class TrainerRank(StepLoop, StepBoundary, StateTransfer, GroupRecovery, DaemonOp
         self.members: Members = ()
         self.step = 0
         self.cursor = 0  # change requests up to this index are settled
+        self.lent: Members = ()  # members on loan: they leave at the next RL-step boundary
         self._restoring: tuple[tuple[int, int], ...] = ()  # (joiner, donor) pending lazy restore
         self._restore_note = ""
         self._recovered = False

@@ -135,7 +135,7 @@ class StateTransfer:
             log.warning("a member failed right after the join was confirmed", rank=self.rank, error=str(exc))
         self.step = outline.step
         self._restoring = ()
-        self._adopt_epoch(members, epoch, joiners, sources, group)
+        self._adopt_epoch(members, epoch, joiners, sources, group, lent=st.lent)
         self.switches.append(SwitchRecord(epoch, members, joiners, "joiner", t2 - t1, t3 - t2, t4 - t3, t5 - t4,
                                           outline.param_bytes + (outline.optimizer_bytes if outline.with_optimizer
                                                                  else 0), self.comms.stats.builds > builds))
