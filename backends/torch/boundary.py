@@ -141,8 +141,9 @@ class StepBoundary:
         if not after:
             return after, "the training pool would have no trainer left"
         if len(after) > self.config.mini_batch_size:
-            return after, (f"a mini-batch of {self.config.mini_batch_size} micro-batches cannot be split over "
-                           f"{len(after)} ranks")
+            batch = (f"the global batch of {self.config.micro_batches}" if self.config.mini_batches == 1 else
+                     f"a mini-batch of {self.config.mini_batch_size}")
+            return after, f"{batch} micro-batches cannot be split over {len(after)} ranks"
         if change.expect is not None and after != change.expect:
             missing = tuple(sorted(set(change.expect) - set(after)))
             extra = tuple(sorted(set(after) - set(change.expect)))

@@ -80,8 +80,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             problems.append(f"mini_batches={self.mini_batches} must be at least 1 and divide "
                             f"micro_batches={self.micro_batches}")
         elif self.mini_batch_size < max(1, len(self.initial)):
-            problems.append(f"a mini-batch of {self.mini_batch_size} micro-batches cannot be split over "
-                            f"{len(self.initial)} initial ranks")
+            batch = (f"micro_batches={self.micro_batches}" if self.mini_batches == 1 else
+                     f"a mini-batch of {self.mini_batch_size} micro-batches")
+            problems.append(f"{batch} cannot be split over {len(self.initial)} initial ranks")
         if self.backend not in ("gloo", "nccl"):
             problems.append(f"backend {self.backend!r} is not 'gloo' or 'nccl'")
         for key in ("collective_timeout_s", "peer_timeout_s", "heartbeat_interval_s", "start_timeout_s"):
