@@ -126,7 +126,8 @@ class StepBoundary:
         """Post and claim the change that takes the lent members out at this RL-step boundary.
         It jumps the queue (changes posted before it wait for the next boundary), so `_apply`
         leaves the cursor where it is and the leader's next scan still finds them."""
-        change = Change(cid=f"loans@{self.step}/home", remove=self.lent)
+        # the epoch in the id: a step redone after a recovery reaches this boundary again
+        change = Change(cid=f"loans@{self.epoch}.{self.step}/home", remove=self.lent)
         for r in self.lent:
             self.registry.post(change, r)
         index = self._index_of(change.cid)

@@ -67,7 +67,7 @@ def test_lent_members_go_home_first_at_the_rl_step_boundary_and_queued_changes_w
     drain = post(leader, cid="r3/drain", remove=(1,), expect=(0,))
     index = leader._leader_scan()
     cid = leader.registry.indexed(index)
-    assert cid == "loans@6/home"
+    assert cid == "loans@0.6/home"
     home = leader.registry.state(cid)
     assert home.status is ChangeStatus.APPLYING and home.members == (0, 1) and home.before == (0, 1, 2)
     assert leader.registry.state(drain.cid).status is ChangeStatus.PENDING
