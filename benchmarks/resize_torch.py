@@ -271,14 +271,20 @@ def bench_loan(args: argparse.Namespace) -> dict[str, Any]:
     options = {"width": job.width, "depth": job.depth}
     local = LocalJob(config, "dynaresized.backends.torch.jobs:SyntheticRegression", options, op_timeout_s=300)
     walls: dict[str, tuple[float, float]] = {}
+    refused = 0
     try:
         local.start(600)
         leader = local.ranks[devices[0]]
         for name, device in (("prewarmed_group", devices[2]), ("group_built_on_demand", devices[3])):
-            rl_step = leader.view()["step"] // mini
-            while (lambda s: s // mini <= rl_step or s % mini != 0)(leader.view()["step"]):
-                time.sleep(0.005)  # lent while mini-batch 0 of a fresh RL step runs
-            loan = local.lend(device)
+            for _ in range(5):  # a JOIN that reaches the leader at the RL-step boundary itself is refused
+                rl_step = leader.view()["step"] // mini
+                while (lambda s: s // mini <= rl_step or s % mini != 0)(leader.view()["step"]):
+                    time.sleep(0.005)  # lent while mini-batch 0 of a fresh RL step runs...
+                time.sleep(0.02)  # ...once the leader is past the boundary, which the view reaches just before it
+                loan = local.lend(device)
+                if loan.ok or "no boundary left" not in loan.ops[0].detail:
+                    break
+                refused += 1
             if not loan.ok:
                 raise RuntimeError(f"loan {name} failed: {loan.ops}")
             while local.ranks[device].view()["state"] != "drained":  # home at the RL-step boundary
@@ -286,6 +292,9 @@ def bench_loan(args: argparse.Namespace) -> dict[str, Any]:
             home = local.return_loan(device)
             if not home.ok:
                 raise RuntimeError(f"return of {name} failed: {home.ops}")
+            step = leader.view()["step"]
+            while leader.view()["step"] <= step:  # the members' side of the leave has been recorded
+                time.sleep(0.005)
             walls[name] = (loan.seconds, home.seconds)
         switches = {d: r.switches() for d, r in local.ranks.items()}
         history = leader.history()
@@ -294,7 +303,7 @@ def bench_loan(args: argparse.Namespace) -> dict[str, Any]:
     records = [s for recs in switches.values() for s in recs]
     epochs = switch_epochs(records)  # loan, home, loan, home
     out: dict[str, Any] = {"model_params": SyntheticRegression.parameters_for(job.width, job.depth),
-                           "mini_batches_per_step": mini}
+                           "mini_batches_per_step": mini, "loans_refused_too_late": refused}
     for size in (2, 3):
         secs = [h["seconds"] for h in history[mini:] if len(h["members"]) == size]
         if secs:

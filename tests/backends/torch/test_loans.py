@@ -4,6 +4,7 @@ home at the RL-step boundary, and the parameters stay bitwise equal to a run wit
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.torch, pytest.mark.slow]
 D0, D1, D2, D3 = DEVICES
 MINI = 3  # mini-batches (optimizer steps) per RL step: boundaries inside the step after mini-batch 0 and 1
 MICRO = 12  # micro-batches per RL step: 4 per mini-batch, so up to 4 ranks
-RL_STEPS = 7
+RL_STEPS = 8
 
 
 def loan_config(**overrides: Any) -> Any:
@@ -41,6 +42,19 @@ def in_mini_batch(job: LocalJob, mini: int, after_rl_step: int) -> None:
     leader = job.ranks[job.training[0]]
     wait_for(lambda: (lambda s: s // MINI > after_rl_step and s % MINI == mini)(leader.view()["step"]),
              what=f"mini-batch {mini} of an RL step after {after_rl_step}")
+
+
+def lend_in_step(job: LocalJob, devices: tuple[str, ...], after_rl_step: int, *, abort: bool = False) -> Any:
+    """Lend while mini-batch 0 of an RL step runs, so the loan enters at the boundary after it.
+    A JOIN that reaches the leader at the RL-step boundary itself (a loaded machine) is refused;
+    lend again in the next step then."""
+    for attempt in range(3):
+        in_mini_batch(job, 0, after_rl_step + attempt)
+        time.sleep(0.03)  # the view shows the new step just before the leader scans its boundary
+        loan = job.lend(*devices, abort=abort)
+        if loan.ok or (abort and loan.ops[0].ok) or "no boundary left" not in loan.ops[0].detail:
+            return loan
+    return loan
 
 
 def digests(histories: dict[str, list[dict[str, Any]]]) -> dict[int, set[tuple[str, str]]]:
@@ -67,8 +81,7 @@ def test_a_rank_lent_mid_step_joins_at_a_mini_batch_boundary_and_leaves_at_the_s
     try:
         loans = []
         for lent, after in (((D2,), 1), ((D2, D3), 3)):
-            in_mini_batch(job, 0, after)  # lent while mini-batch 0 runs: it enters at the boundary after it
-            loan = job.lend(*lent)
+            loan = lend_in_step(job, lent, after)
             assert loan.ok, loan.ops
             for d in lent:  # at the RL-step boundary the lent ranks leave by themselves...
                 wait_for(lambda d=d: job.ranks[d].view()["state"] == "drained", what=f"{d} to go home")
@@ -134,8 +147,7 @@ def test_without_mini_batches_a_loan_is_refused_since_the_step_has_no_boundary_i
 def test_a_loan_join_rolled_back_by_evict_restores_the_previous_membership(reference):
     job = start(loan_config(), warmup_steps=MINI)
     try:
-        in_mini_batch(job, 0, 1)
-        loan = job.lend(D2, abort=True)  # join, then the daemon's rollback: evict
+        loan = lend_in_step(job, (D2,), 1, abort=True)  # join, then the daemon's rollback: evict
         wait_for(lambda: job.ranks[D2].view()["state"] == "idle", what="the evicted rank to give the device back")
         histories = run_to_end(job)
     finally:
