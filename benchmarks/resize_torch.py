@@ -7,6 +7,10 @@ Side by side, in one run, on real processes:
 * `resize_end_to_end`: real `TrainerRank`s (5M-parameter model, Adam) growing 2 -> 3 -> 4 and
   shrinking back: where each switch's critical path went (barrier, group, transfer, verify),
   and the lazy optimizer restore at the first step.
+* `loan_mid_step`: a rank lent into a 2-rank group joins the RL step in progress at a
+  mini-batch boundary and leaves at the RL-step boundary: the join's and the leave's critical
+  path, the lazy optimizer restore, the ops' wall time, with the loan's group pre-warmed and
+  built on demand; mini-batch seconds on 2 and 3 ranks.
 * `transfer`: donor -> joiner throughput of parameters + Adam moments for 5M/20M/50M
   parameters, one message per tensor (direct) and through the staging buffer (staged), and
   the crc32 check.
@@ -219,25 +223,94 @@ def bench_resize(args: argparse.Namespace) -> dict[str, Any]:
     records = [s for recs in switches.values() for s in recs]
     out: dict[str, Any] = {"model_params": SyntheticRegression.parameters_for(job.width, job.depth),
                            "step_s_median": round(statistics.median(steps), 4)}
-    for (name, wall), epoch in zip(walls.items(), sorted({s["epoch"] for s in records if s["role"] != "restore"}),
-                                   strict=True):
-        sw = [s for s in records if s["epoch"] == epoch and s["role"] != "restore"]
-        restore = [s for s in records if s["epoch"] == epoch and s["role"] == "restore"]
-        entry = {
-            "barrier_ms": round(1e3 * min(s["barrier_s"] for s in sw), 3),  # the last rank to arrive waits least
-            "group_ms": round(1e3 * max(s["group_s"] for s in sw), 3),
-            "transfer_ms": round(1e3 * max(s["transfer_s"] for s in sw), 3),
-            "verify_ms": round(1e3 * max(s["verify_s"] for s in sw), 3),
-            "bytes": max(s["bytes"] for s in sw),
-            "groups_built_on_demand": sum(s["group_built"] for s in sw),
-            "op_sequence_wall_s": round(wall, 3),  # JOIN..COMMIT incl. waiting for a step boundary
-        }
-        entry["critical_path_ms"] = round(entry["barrier_ms"] + entry["group_ms"] + entry["transfer_ms"]
-                                          + entry["verify_ms"], 3)
-        if restore:
-            entry["lazy_restore_ms"] = round(1e3 * max(s["transfer_s"] + s["verify_s"] for s in restore), 3)
-            entry["lazy_restore_bytes"] = max(s["bytes"] for s in restore)
-        out[name] = entry
+    for (name, wall), epoch in zip(walls.items(), switch_epochs(records), strict=True):
+        out[name] = switch_entry(records, epoch, wall)
+    return out
+
+
+def switch_epochs(records: list[dict[str, Any]]) -> list[int]:
+    """The epochs that membership switches created, in order (lazy restores belong to theirs)."""
+    return sorted({s["epoch"] for s in records if s["role"] != "restore"})
+
+
+def switch_entry(records: list[dict[str, Any]], epoch: int, wall_s: float) -> dict[str, Any]:
+    """The critical path of the switch to `epoch` over every rank's `SwitchRecord`s."""
+    sw = [s for s in records if s["epoch"] == epoch and s["role"] != "restore"]
+    restore = [s for s in records if s["epoch"] == epoch and s["role"] == "restore"]
+    entry = {
+        "barrier_ms": round(1e3 * min(s["barrier_s"] for s in sw), 3),  # the last rank to arrive waits least
+        "group_ms": round(1e3 * max(s["group_s"] for s in sw), 3),
+        "transfer_ms": round(1e3 * max(s["transfer_s"] for s in sw), 3),
+        "verify_ms": round(1e3 * max(s["verify_s"] for s in sw), 3),
+        "bytes": max(s["bytes"] for s in sw),
+        "groups_built_on_demand": sum(s["group_built"] for s in sw),
+        "op_sequence_wall_s": round(wall_s, 3),  # the ops' wall time, incl. waiting for a boundary
+    }
+    entry["critical_path_ms"] = round(entry["barrier_ms"] + entry["group_ms"] + entry["transfer_ms"]
+                                      + entry["verify_ms"], 3)
+    if restore:
+        entry["lazy_restore_ms"] = round(1e3 * max(s["transfer_s"] + s["verify_s"] for s in restore), 3)
+        entry["lazy_restore_bytes"] = max(s["bytes"] for s in restore)
+    return entry
+
+
+# -- loans: a rank joins the RL step in progress at a mini-batch boundary ------------------------------------------
+def bench_loan(args: argparse.Namespace) -> dict[str, Any]:
+    """Two loans of one rank into a 2-rank group with 4 mini-batches per RL step (deterministic
+    reduction, the bitwise guarantee's mode): one whose membership is pre-warmed (cpu2: the
+    prefix {0, 1, 2}) and one whose group is built on demand (cpu3: {0, 1, 3}). Each joins at
+    the boundary after mini-batch 0 and goes home by itself at the RL-step boundary."""
+    devices = tuple(f"node0:cpu{i}" for i in range(4))
+    mini = 4
+    config = TrainerConfig(devices=devices, device=devices[0], initial=devices[:2],
+                           candidates=tuple(devices[:k] for k in (2, 3, 4)), micro_batches=4 * mini,
+                           mini_batches=mini, deterministic=True,
+                           torch_device="cuda" if args.device == "cuda" else "cpu", backend=args.backend,
+                           collective_timeout_s=120, peer_timeout_s=10, staging_bytes=args.staging_mib * MIB)
+    job = job_for(args.loan_params_m * 1e6)
+    options = {"width": job.width, "depth": job.depth}
+    local = LocalJob(config, "dynaresized.backends.torch.jobs:SyntheticRegression", options, op_timeout_s=300)
+    walls: dict[str, tuple[float, float]] = {}
+    refused = 0
+    try:
+        local.start(600)
+        leader = local.ranks[devices[0]]
+        for name, device in (("prewarmed_group", devices[2]), ("group_built_on_demand", devices[3])):
+            for _ in range(5):  # a JOIN that reaches the leader at the RL-step boundary itself is refused
+                rl_step = leader.view()["step"] // mini
+                while (lambda s: s // mini <= rl_step or s % mini != 0)(leader.view()["step"]):
+                    time.sleep(0.005)  # lent while mini-batch 0 of a fresh RL step runs...
+                time.sleep(0.02)  # ...once the leader is past the boundary, which the view reaches just before it
+                loan = local.lend(device)
+                if loan.ok or "no boundary left" not in loan.ops[0].detail:
+                    break
+                refused += 1
+            if not loan.ok:
+                raise RuntimeError(f"loan {name} failed: {loan.ops}")
+            while local.ranks[device].view()["state"] != "drained":  # home at the RL-step boundary
+                time.sleep(0.005)
+            home = local.return_loan(device)
+            if not home.ok:
+                raise RuntimeError(f"return of {name} failed: {home.ops}")
+            step = leader.view()["step"]
+            while leader.view()["step"] <= step:  # the members' side of the leave has been recorded
+                time.sleep(0.005)
+            walls[name] = (loan.seconds, home.seconds)
+        switches = {d: r.switches() for d, r in local.ranks.items()}
+        history = leader.history()
+    finally:
+        local.close()
+    records = [s for recs in switches.values() for s in recs]
+    epochs = switch_epochs(records)  # loan, home, loan, home
+    out: dict[str, Any] = {"model_params": SyntheticRegression.parameters_for(job.width, job.depth),
+                           "mini_batches_per_step": mini, "loans_refused_too_late": refused}
+    for size in (2, 3):
+        secs = [h["seconds"] for h in history[mini:] if len(h["members"]) == size]
+        if secs:
+            out[f"mini_batch_s_median_{size}_ranks"] = round(statistics.median(secs), 4)
+    for i, (name, (join_wall, home_wall)) in enumerate(walls.items()):
+        out[name] = {"join": switch_entry(records, epochs[2 * i], join_wall),
+                     "leave": switch_entry(records, epochs[2 * i + 1], home_wall)}
     return out
 
 
@@ -478,15 +551,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--staging-mib", type=int, default=64)
     p.add_argument("--staging-params-m", type=float, default=50)
     p.add_argument("--realloc-params-m", type=float, default=20)
+    p.add_argument("--loan-params-m", type=float, default=5, help="model size of the loan benchmark")
     p.add_argument("--spill-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else "/tmp")
-    p.add_argument("--only", default="communicators,resize,transfer,staging,reallocation")
+    p.add_argument("--only", default="communicators,resize,loan,transfer,staging,reallocation")
     p.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     args = p.parse_args(argv)
     quiet()
     args.sizes = [float(s) for s in args.sizes.split(",")]
     if args.quick:
         args.sizes, args.repeats, args.transfer_repeats = [1.0], 3, 1
-        args.staging_params_m, args.realloc_params_m = 2.0, 1.0
+        args.staging_params_m, args.realloc_params_m, args.loan_params_m = 2.0, 1.0, 1.0
     only = set(args.only.split(","))
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no GPU")
@@ -502,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         result["communicators"] = bench_communicators(args)
     if "resize" in only:
         result["resize_end_to_end"] = bench_resize(args)
+    if "loan" in only:
+        result["loan_mid_step"] = bench_loan(args)
     if "transfer" in only:
         result["transfer"] = bench_transfer(args)
     if "staging" in only:

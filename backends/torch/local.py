@@ -5,7 +5,8 @@ The rank processes run the real `TrainerRank` and the same op handlers the worke
 calls; only the transport differs (a pipe instead of ZeroMQ). Used by the runnable example's
 standalone mode, the benchmark and the tests. The sequences are the core's
 (`plan_resize`): JOIN, RESTORE, COMMIT to grow; DRAIN, RELEASE, COMMIT to shrink; and on a
-failure the undo ops in reverse (EVICT; RECLAIM, RESUME).
+failure the undo ops in reverse (EVICT; RECLAIM, RESUME). A loan (`plan_loan`, trainer side)
+is a JOIN with plan LOAN, and its return DRAIN, RELEASE with plan RETURN; no commit.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import structlog
 
 from dynaresized import wire
 from dynaresized.backends.torch.store import StoreAddress, StoreHost
-from dynaresized.domain import OpKind, Pool
+from dynaresized.domain import OpKind, PlanKind, Pool
 
 # forkserver: one server process imports torch once and forks each rank from it, so a rank
 # starts in milliseconds instead of re-importing torch (1-2 s of CPU on a small machine).
@@ -279,15 +280,15 @@ class LocalJob:
         return tuple(d for d in self.base.devices if d not in self.training)
 
     def _command(self, resize_id: str, index: int, kind: OpKind, devices: tuple[str, ...], from_pool: Pool,
-                 training: tuple[str, ...]) -> wire.OpCommand:
+                 training: tuple[str, ...], plan: PlanKind = PlanKind.RESIZE) -> wire.OpCommand:
         return wire.OpCommand(op_id=f"{resize_id}/{index}-{kind.value}", resize_id=resize_id, kind=kind,
                               devices=devices, from_pool=from_pool, to_pool=from_pool.other,
                               timeout_s=self.op_timeout_s, training=training,
-                              rollout=tuple(d for d in self.base.devices if d not in training))
+                              rollout=tuple(d for d in self.base.devices if d not in training), plan=plan)
 
     def _send(self, resize_id: str, index: int, kind: OpKind, devices: tuple[str, ...], targets: tuple[str, ...],
-              from_pool: Pool, training: tuple[str, ...]) -> list[OpOutcome]:
-        cmd = self._command(resize_id, index, kind, devices, from_pool, training)
+              from_pool: Pool, training: tuple[str, ...], plan: PlanKind = PlanKind.RESIZE) -> list[OpOutcome]:
+        cmd = self._command(resize_id, index, kind, devices, from_pool, training, plan)
         futures = {d: self.ranks[d].op(cmd) for d in targets if self.ranks[d].process.is_alive()}
         outcomes = []
         for d, fut in futures.items():
@@ -334,6 +335,35 @@ class LocalJob:
             if kind in undo:
                 ops += self._send(rid, 100 + i, undo[kind], devices, targets, from_pool, before)
         return ops
+
+    def lend(self, *devices: str, abort: bool = False) -> ResizeOutcome:
+        """Lend `devices` to training for the rest of the RL step (the trainer side of the core's
+        `plan_loan`): JOIN with plan LOAN; on a failure, or with `abort` once it succeeded, the
+        daemon's rollback (EVICT). The home pool (`training`) does not change."""
+        started = time.perf_counter()
+        rid = f"l{next(self._resizes)}"
+        devices = tuple(sorted(devices))
+        during = tuple(d for d in self.base.devices if d in self.training or d in devices)
+        ops = self._send(rid, 2, OpKind.JOIN, devices, devices, Pool.ROLLOUT, during, PlanKind.LOAN)
+        ok = all(o.ok for o in ops)
+        if not ok or abort:
+            ops += self._send(rid, 100, OpKind.EVICT, devices, devices, Pool.ROLLOUT, self.training, PlanKind.LOAN)
+        outcome = ResizeOutcome(rid, ok and not abort, self.training, tuple(ops), time.perf_counter() - started)
+        self.resizes.append(outcome)
+        return outcome
+
+    def return_loan(self, *devices: str) -> ResizeOutcome:
+        """The loan goes home at the RL-step boundary: DRAIN and RELEASE with plan RETURN (the
+        ranks have usually left already, at the boundary, and say so)."""
+        started = time.perf_counter()
+        rid = f"l{next(self._resizes)}-home"
+        devices = tuple(sorted(devices))
+        ops: list[OpOutcome] = []
+        for i, kind in enumerate((OpKind.DRAIN, OpKind.RELEASE)):
+            ops += self._send(rid, i, kind, devices, devices, Pool.TRAINING, self.training, PlanKind.RETURN)
+        outcome = ResizeOutcome(rid, all(o.ok for o in ops), self.training, tuple(ops), time.perf_counter() - started)
+        self.resizes.append(outcome)
+        return outcome
 
     def grow(self, *devices: str, abort_after: OpKind | None = None) -> ResizeOutcome:
         return self.resize(tuple(devices), Pool.TRAINING, abort_after=abort_after)

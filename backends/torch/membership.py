@@ -44,6 +44,7 @@ class Change(msgspec.Struct, frozen=True):
     remove: Members = ()
     expect: Members | None = None  # the membership the daemon expects afterwards (None: any)
     op_id: str = ""
+    loan: bool = False  # the added ranks are lent for the rest of the RL step (a JOIN with plan LOAN)
 
     @property
     def movers(self) -> Members:
@@ -59,6 +60,7 @@ class ChangeState(msgspec.Struct, frozen=True):
     members: Members = ()  # the membership it creates (APPLYING, DONE)
     detail: str = ""
     before: Members = ()  # the membership it starts from (APPLYING, DONE)
+    lent: Members = ()  # members of the new membership that are on loan, who leave at the RL-step boundary
 
 
 class Topology(msgspec.Struct, frozen=True):

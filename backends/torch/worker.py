@@ -6,7 +6,8 @@
 Under torchrun (`torchrun --nproc-per-node N -m dynaresized.backends.torch.worker ...`) the
 device is `devices[RANK]` and the store is the torchrun agent's, which outlives the workers.
 The rank registers as a trainer for its device, answers the daemon's ops with
-`TrainerRank.handlers()`, and (as the group's leader) reports each step's timing.
+`TrainerRank.handlers()`, and (as the group's leader) reports `mini_batch_done` after each
+optimizer step and each RL step's timing (`step_report`) after its last mini-batch.
 """
 
 from __future__ import annotations
@@ -48,12 +49,22 @@ async def attach(rank: TrainerRank, endpoint: str, worker_id: str, *, rollout_wo
     loop = asyncio.get_running_loop()
     total = len(rank.config.devices)
 
+    seconds: dict[int, float] = {}  # RL step -> training seconds of its mini-batches so far
+
     def report(record: StepRecord) -> None:
         if record.members[0] != rank.rank:
             return  # one report per step: the group's leader sends it
+        step = record.rl_step + 1  # the number the step's step_report carries
+        asyncio.run_coroutine_threadsafe(
+            client.report_mini_batch(step, record.mini_batch + 1, record.mini_batches), loop)
+        # A leader that changed mid-step (a lent rank of lower id) sums only what it saw.
+        seconds[record.rl_step] = seconds.get(record.rl_step, 0.0) + record.seconds
+        if not record.ends_rl_step:
+            return
         rollout_devices = max(total - len(record.members), 1)
-        timing = StepTiming(step=record.step, rollout_s=rollout_work_s / rollout_devices, train_s=record.seconds,
-                            train_devices=len(record.members), rollout_devices=total - len(record.members))
+        timing = StepTiming(step=step, rollout_s=rollout_work_s / rollout_devices,
+                            train_s=seconds.pop(record.rl_step), train_devices=len(record.members),
+                            rollout_devices=total - len(record.members))
         asyncio.run_coroutine_threadsafe(client.report_step(timing), loop)
 
     rank.on_step = report
@@ -79,7 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-sizes", default="",
                    help="comma list of training-pool sizes the daemon may choose (its candidate splits); "
                         "default: every size from 1 to the number of devices")
-    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--micro-batches", type=int, default=8, help="the global batch of one RL step")
+    p.add_argument("--mini-batches", type=int, default=1,
+                   help="optimizer steps per RL step; loans join at the boundaries between them")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--restore", choices=[m.value for m in RestoreMode], default="lazy")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
@@ -123,7 +136,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
         torch_device = f"cuda:{env.get('LOCAL_RANK', '0')}"
     return TrainerConfig(
         devices=devices, device=device, initial=devices[: args.initial], candidates=candidates,
-        micro_batches=args.micro_batches, deterministic=args.deterministic, restore=RestoreMode(args.restore),
+        micro_batches=args.micro_batches, mini_batches=args.mini_batches, deterministic=args.deterministic, restore=RestoreMode(args.restore),
         backend=args.backend, torch_device=torch_device, staging_bytes=args.staging_mib << 20,
         collective_timeout_s=args.collective_timeout, peer_timeout_s=args.peer_timeout,
         offload_dir=default_offload_dir() if args.offload else None, steps_total=args.steps,

@@ -40,9 +40,9 @@ def start(config: TrainerConfig, warmup_steps: int = 2, **kw: Any) -> LocalJob:
 
 
 def finish(job: LocalJob, extra_steps: int = 2) -> dict[str, list[dict[str, Any]]]:
-    """Stop every member a couple of steps from now; return each rank's step records."""
+    """Stop every member a couple of RL steps from now; return each rank's step records."""
     leader = job.ranks[job.training[0]]
-    job.stop_at(leader.view()["step"] + extra_steps)
+    job.stop_at(leader.view()["step"] // job.base.mini_batches + extra_steps)
     for r in job.ranks.values():
         if r.process.is_alive():
             assert r.wait(60)["state"] == "finished"
@@ -71,7 +71,10 @@ def assert_lockstep(histories: dict[str, list[dict[str, Any]]], micro_batches: i
         assert sorted(devices.index(d) for d in recs) == alive, f"step {step}: taken by {sorted(recs)}, members {m}"
         shares = [mb for r in recs.values() for mb in r["micro_batches"]]
         if len(alive) == len(m):
-            assert sorted(shares) == list(range(micro_batches)), f"step {step}: micro-batches {shares}"
+            (r0,) = list(recs.values())[:1]
+            size = micro_batches // r0["mini_batches"]  # the step's mini-batch, in order
+            want = list(range(r0["mini_batch"] * size, (r0["mini_batch"] + 1) * size))
+            assert sorted(shares) == want, f"step {step}: micro-batches {shares}, want {want}"
         states = {(r["params_sha"], r["optimizer_sha"]) for r in recs.values()}
         assert len(states) == 1, f"step {step}: states differ across {sorted(recs)}: {states}"
         if not memberships or memberships[-1] != m:

@@ -1,6 +1,7 @@
 """Trainer ranks attached through the real worker client to a real daemon process: an operator's
 resize requests grow and shrink the training group, the daemon records what each trainer did,
-and the group leader's step timings reach the daemon.
+and the group leader's reports reach the daemon: `mini_batch_done` after each of the RL step's
+two mini-batches, the step timing after the last.
 
 The rollout side of each device is a minimal engine worker that accepts its ops (the real one
 is the vllm backend's); every trainer op runs on real torch.distributed processes."""
@@ -48,6 +49,7 @@ async def test_trainer_ranks_grow_and_shrink_on_the_daemons_command(make_daemon,
         argv = ["--daemon", daemon.worker_endpoint, "--store", str(host.address), "--devices", ",".join(DEVICES),
                 "--initial", "2", "--device", device, "--job", JOB, "--job-options", json.dumps(JOB_OPTIONS),
                 "--step-delay", "0.05", "--peer-timeout", "2", "--collective-timeout", "20",
+                "--micro-batches", "8", "--mini-batches", "2",
                 "--log-level", "warning"]
         p = ctx.Process(target=worker.main, args=(argv,), name=f"trainer-{device}")
         p.start()
@@ -94,6 +96,12 @@ async def test_trainer_ranks_grow_and_shrink_on_the_daemons_command(make_daemon,
     assert "left the training group" in acks[("drain", "trainer3")]
     steps = [x for x in facts if isinstance(x, f.StepObserved)]
     assert {s.timing.train_devices for s in steps} >= {2, 3}  # reported by the leader of each group
+    numbers = [s.timing.step for s in steps]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))  # one report per RL step, not per mini-batch
+    minis = [(x.step, x.done, x.total) for x in facts if isinstance(x, f.MiniBatchObserved)]
+    assert {total for _, _, total in minis} == {2}
+    for step in numbers:  # each reported RL step was preceded by its two mini-batches
+        assert (step, 1, 2) in minis and (step, 2, 2) in minis, (step, minis)
 
 
 def test_worker_arguments_are_checked():

@@ -1,0 +1,166 @@
+"""Loans on real trainer processes (gloo on 127.0.0.1): a rank lent to training joins the RL
+step in progress at a mini-batch boundary, computes part of the remaining mini-batches and goes
+home at the RL-step boundary, and the parameters stay bitwise equal to a run without the loan."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch", reason="the torch backend tests need the torch extra (pip install -e '.[torch]')")
+
+from dynaresized.backends.torch.local import LocalJob  # noqa: E402
+from dynaresized.domain import OpKind  # noqa: E402
+
+from .cluster import DEVICES, assert_lockstep, by_step, start, trainer_config, wait_for  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+D0, D1, D2, D3 = DEVICES
+MINI = 3  # mini-batches (optimizer steps) per RL step: boundaries inside the step after mini-batch 0 and 1
+MICRO = 12  # micro-batches per RL step: 4 per mini-batch, so up to 4 ranks
+RL_STEPS = 8
+
+
+def loan_config(**overrides: Any) -> Any:
+    base: dict[str, Any] = dict(micro_batches=MICRO, mini_batches=MINI, deterministic=True, steps_total=RL_STEPS,
+                                step_delay_s=0.25)
+    base.update(overrides)
+    return trainer_config(**base)
+
+
+def run_to_end(job: LocalJob) -> dict[str, list[dict[str, Any]]]:
+    for r in job.ranks.values():
+        assert r.wait(120)["state"] == "finished"
+    return {d: r.history() for d, r in job.ranks.items()}
+
+
+def in_mini_batch(job: LocalJob, mini: int, after_rl_step: int) -> None:
+    """Wait until the group is in mini-batch `mini` of an RL step after `after_rl_step`."""
+    leader = job.ranks[job.training[0]]
+    wait_for(lambda: (lambda s: s // MINI > after_rl_step and s % MINI == mini)(leader.view()["step"]),
+             what=f"mini-batch {mini} of an RL step after {after_rl_step}")
+
+
+def lend_in_step(job: LocalJob, devices: tuple[str, ...], after_rl_step: int, *, abort: bool = False) -> Any:
+    """Lend while mini-batch 0 of an RL step runs, so the loan enters at the boundary after it.
+    A JOIN that reaches the leader at the RL-step boundary itself (a loaded machine) is refused;
+    lend again in the next step then."""
+    for attempt in range(3):
+        in_mini_batch(job, 0, after_rl_step + attempt)
+        time.sleep(0.03)  # the view shows the new step just before the leader scans its boundary
+        loan = job.lend(*devices, abort=abort)
+        if loan.ok or (abort and loan.ops[0].ok) or "no boundary left" not in loan.ops[0].detail:
+            return loan
+    return loan
+
+
+def digests(histories: dict[str, list[dict[str, Any]]]) -> dict[int, set[tuple[str, str]]]:
+    return {step: {(r["params_sha"], r["optimizer_sha"]) for r in recs.values()}
+            for step, recs in by_step(histories).items()}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[int, set[tuple[str, str]]]:
+    """The same job without any loan: the digests after every optimizer step."""
+    job = start(loan_config(devices=DEVICES[:2], candidates=()), warmup_steps=0)
+    try:
+        histories = run_to_end(job)
+    finally:
+        job.close()
+    assert assert_lockstep(histories, micro_batches=MICRO) == [(0, 1)]
+    ref = digests(histories)
+    assert sorted(ref) == list(range(1, RL_STEPS * MINI + 1)) and all(len(v) == 1 for v in ref.values())
+    return ref
+
+
+def test_a_rank_lent_mid_step_joins_at_a_mini_batch_boundary_and_leaves_at_the_step_boundary(reference):
+    job = start(loan_config(), warmup_steps=MINI)  # one RL step done: optimizer state exists
+    try:
+        loans = []
+        for lent, after in (((D2,), 1), ((D2, D3), 3)):
+            loan = lend_in_step(job, lent, after)
+            assert loan.ok, loan.ops
+            for d in lent:  # at the RL-step boundary the lent ranks leave by themselves...
+                wait_for(lambda d=d: job.ranks[d].view()["state"] == "drained", what=f"{d} to go home")
+            home = job.return_loan(*lent)  # ...and the core's RETURN, sent after the step report, finds them out
+            assert home.ok, home.ops
+            loans.append((loan, home))
+        histories = run_to_end(job)
+    finally:
+        job.close()
+
+    # a lent rank trains from a boundary inside the RL step it was lent in to that step's end
+    for device, times_lent in ((D2, 2), (D3, 1)):
+        per_step: dict[int, list[int]] = {}
+        for r in histories[device]:
+            per_step.setdefault(r["rl_step"], []).append(r["mini_batch"])
+        assert len(per_step) == times_lent, (device, per_step)
+        for minis in per_step.values():
+            assert minis[0] >= 1 and minis == list(range(minis[0], MINI)), (device, per_step)
+    memberships = assert_lockstep(histories, micro_batches=MICRO)
+    assert memberships == [(0, 1), (0, 1, 2), (0, 1), (0, 1, 2, 3), (0, 1)], memberships
+
+    # bitwise equal to the run without loans after every optimizer step
+    got = digests(histories)
+    assert sorted(got) == sorted(reference)
+    for step in got:
+        assert got[step] == reference[step], f"optimizer step {step} differs from the run without loans"
+
+    for loan, home in loans:
+        (join, *_) = [o for o in loan.ops if o.kind is OpKind.JOIN]
+        assert "joined epoch" in join.detail and "verified" in join.detail, join.detail
+        drain = next(o for o in home.ops if o.kind is OpKind.DRAIN)
+        assert "already drained" in drain.detail, drain.detail
+
+
+def test_a_loan_that_arrives_in_the_last_mini_batch_is_refused_with_the_reason():
+    job = start(loan_config(steps_total=6), warmup_steps=MINI)
+    try:
+        for attempt in range(3):
+            in_mini_batch(job, MINI - 1, attempt)  # the last mini-batch runs: no boundary of this step is left
+            loan = job.lend(D2)
+            if not loan.ok:
+                break
+            # a loaded machine delayed the JOIN past the boundary, so it joined the next step: again
+            wait_for(lambda: job.ranks[D2].view()["state"] == "drained", what="the loan to go home")
+            assert job.return_loan(D2).ok
+        histories = run_to_end(job)
+    finally:
+        job.close()
+    assert not loan.ok
+    join = next(o for o in loan.ops if o.kind is OpKind.JOIN)
+    assert not join.ok and "no boundary left inside the training step" in join.detail, join.detail
+    evict = next(o for o in loan.ops if o.kind is OpKind.EVICT)  # the daemon's rollback finds nothing to undo
+    assert evict.ok and "nothing to evict" in evict.detail, evict.detail
+    memberships = assert_lockstep(histories, micro_batches=MICRO)
+    if attempt == 0:
+        assert memberships == [(0, 1)] and histories[D2] == []
+
+
+def test_without_mini_batches_a_loan_is_refused_since_the_step_has_no_boundary_inside():
+    job = start(loan_config(mini_batches=1, micro_batches=8, steps_total=4), warmup_steps=1)
+    try:
+        loan = job.lend(D2)
+        run_to_end(job)
+    finally:
+        job.close()
+    join = next(o for o in loan.ops if o.kind is OpKind.JOIN)
+    assert not join.ok and "mini_batches=1" in join.detail, join.detail
+
+
+def test_a_loan_join_rolled_back_by_evict_restores_the_previous_membership(reference):
+    job = start(loan_config(), warmup_steps=MINI)
+    try:
+        loan = lend_in_step(job, (D2,), 1, abort=True)  # join, then the daemon's rollback: evict
+        wait_for(lambda: job.ranks[D2].view()["state"] == "idle", what="the evicted rank to give the device back")
+        histories = run_to_end(job)
+    finally:
+        job.close()
+    assert not loan.ok and not loan.failures(), loan.ops
+    assert [o.kind for o in loan.ops] == [OpKind.JOIN, OpKind.EVICT]
+    assert assert_lockstep(histories, micro_batches=MICRO) == [(0, 1), (0, 1, 2), (0, 1)]
+    got = digests(histories)
+    assert all(got[step] == reference[step] for step in got), "the rolled-back loan changed the parameters"
