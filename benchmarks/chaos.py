@@ -5,6 +5,9 @@ resizes. After each run it checks the invariants and prints one JSON object.
     python benchmarks/chaos.py --runs 1000            # the acceptance run (--jobs runs at once)
     python benchmarks/chaos.py --runs 1 --seed 17     # replay one run: a violation names its seed
 
+Each run is a process of its own (this script with `--one SEED DIR`): its proxy, its checks and
+its event loop share nothing with the runs beside it.
+
 Each run: a daemon (`dynaresized serve`, its own log in a temporary directory) and one worker
 process per device (4 devices, 2:2; each process hosts the device's rollout engine and trainer
 rank through the real `WorkerClient`, says what it holds, and records it in a file). Workers

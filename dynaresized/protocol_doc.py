@@ -71,9 +71,13 @@ connection; ZeroMQ reconnects it. The daemon never dies of a bad message.
    after a restart of either side), `boot_id` (changes with every daemon start), the heartbeat
    settings, and what the log says this worker should be: `pool` (where its devices are) and
    `desired` (`serving` or `released`; null while its devices move or straddle the pools).
+   Every `hello` that reaches the daemon registers anew: hellos sent while it was down can
+   arrive together once it is up, each answered by its own `welcome`. The one with the
+   highest `incarnation` is current: take its token.
 2. **Stay registered.** Send `heartbeat` every `welcome.heartbeat_interval_s`. A worker silent
    for `welcome.heartbeat_timeout_s` is declared lost (a resize it takes part in is rolled
-   back). A lost worker is refused with `not_registered`; it then, and whenever an ack shows a
+   back); only time the daemon was running counts, so a daemon that stalled (no CPU, a slow
+   disk) does not declare everyone lost when it wakes. A lost worker is refused with `not_registered`; it then, and whenever an ack shows a
    new `boot_id`, or any message is refused with `stale_token` or `missing_token`, sends
    `hello` again. A message refused with `stale_token` whose `error.token` is not the current
    token is about an earlier registration and is ignored.
