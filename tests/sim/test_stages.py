@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dynaresized.sim.profile import load_profile
 from dynaresized.sim.run import scenario_shape
-from dynaresized.sim.stages import StageModel, fifo_makespan
+from dynaresized.sim.stages import StageModel, fifo_makespan, placement_at_submission
 from dynaresized.sim.workload import StepBatch, Trace, scenario_trace
 
 PROFILE = load_profile("qwen3-8b-h20x8")
@@ -65,6 +65,37 @@ def test_closed_form_rollout_equals_iteration_simulation(samples, engines):
         if prompts[e::engines]
     )
     assert np.isclose(model.rollout_seconds(0, engines), expected, rtol=1e-9)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 60)), min_size=1, max_size=24), st.integers(1, 3))
+def test_verl_placement_is_contiguous_chunks_and_matches_iteration_simulation(samples, engines):
+    prompts = [p for p, _ in samples]
+    lengths = [n for _, n in samples]
+    batch = StepBatch(0, np.array(prompts, dtype=np.int64), np.array(lengths, dtype=np.int64))
+    model = StageModel(PROFILE, Trace("t", (batch,)), router="verl")
+    slots = int(model.batch_limit[0])
+    # verl's DataProto.chunk: engine e runs one contiguous slice, sizes differing by at most one.
+    placed = placement_at_submission(len(lengths), engines, "verl")
+    assert list(placed) == sorted(placed)
+    sizes = np.bincount(placed, minlength=engines)
+    assert sizes.max() - sizes.min() <= 1
+    expected = max(
+        engine_by_iteration([prompts[j] for j in np.flatnonzero(placed == e)],
+                            [lengths[j] for j in np.flatnonzero(placed == e)], slots)
+        for e in range(engines)
+        if sizes[e]
+    )
+    assert np.isclose(model.rollout_seconds(0, engines), expected, rtol=1e-9)
+
+
+def test_verl_placement_keeps_a_prompts_samples_together_and_straggles_more_than_round_robin():
+    trace = scenario_trace("longtail-drift", scenario_shape(PROFILE), seed=0, steps=40)
+    verl, rr = StageModel(PROFILE, trace, router="verl"), StageModel(PROFILE, trace, router="round-robin")
+    per_prompt = PROFILE.workload.samples_per_prompt
+    placed = placement_at_submission(trace.steps[0].samples, 4, "verl")
+    assert all(len(set(placed[j:j + per_prompt])) == 1 for j in range(0, len(placed), per_prompt))
+    assert verl.rollout_table(4).sum() > rr.rollout_table(4).sum()
 
 
 def pull_by_iteration(prompts: list[int], lengths: list[int], engines: int, slots: int) -> list[float]:
