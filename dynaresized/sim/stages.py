@@ -180,9 +180,10 @@ class StageModel:
         sum_p = np.bincount(placement, pf, engines)
         ctx = np.bincount(placement, pf * lf + lf * (lf - 1.0) / 2.0, engines)
         slots = int(self.batch_limit[i])
-        as_list = length.tolist()
-        mine = [np.flatnonzero(placement == e) for e in range(engines)]
-        tau = np.array([fifo_makespan([as_list[j] for j in m], slots) for m in mine], dtype=np.float64)
+        # each engine's requests in submission order (a stable sort keeps trace order)
+        order = length[np.argsort(placement, kind="stable")]
+        mine = np.split(order, np.cumsum(np.bincount(placement, minlength=engines))[:-1])
+        tau = np.array([fifo_makespan(m.tolist(), slots) for m in mine], dtype=np.float64)
         return (r.iter_base_s * tau + r.iter_per_seq_s * sum_l + r.iter_per_ctx_token_s * ctx
                 + r.prefill_per_token_s * sum_p)
 
