@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -50,36 +51,23 @@ def test_fifo_makespan_matches_iterations(lengths, slots):
     assert fifo_makespan(lengths, slots) == iterations
 
 
+@pytest.mark.parametrize("router", ["round-robin", "verl"])
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 60)), min_size=1, max_size=24), st.integers(1, 3))
-def test_closed_form_rollout_equals_iteration_simulation(samples, engines):
+def test_closed_form_rollout_equals_iteration_simulation(router, samples, engines):
     prompts = [p for p, _ in samples]
     lengths = [n for _, n in samples]
     batch = StepBatch(0, np.array(prompts, dtype=np.int64), np.array(lengths, dtype=np.int64))
-    model = StageModel(PROFILE, Trace("t", (batch,)), router="round-robin")
+    model = StageModel(PROFILE, Trace("t", (batch,)), router=router)
     slots = int(model.batch_limit[0])
-    # Round robin: request j on engine j % engines; the slowest engine sets the rollout time.
-    expected = max(
-        engine_by_iteration(prompts[e::engines], lengths[e::engines], slots)
-        for e in range(engines)
-        if prompts[e::engines]
-    )
-    assert np.isclose(model.rollout_seconds(0, engines), expected, rtol=1e-9)
-
-
-@settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 60)), min_size=1, max_size=24), st.integers(1, 3))
-def test_verl_placement_is_contiguous_chunks_and_matches_iteration_simulation(samples, engines):
-    prompts = [p for p, _ in samples]
-    lengths = [n for _, n in samples]
-    batch = StepBatch(0, np.array(prompts, dtype=np.int64), np.array(lengths, dtype=np.int64))
-    model = StageModel(PROFILE, Trace("t", (batch,)), router="verl")
-    slots = int(model.batch_limit[0])
-    # verl's DataProto.chunk: engine e runs one contiguous slice, sizes differing by at most one.
-    placed = placement_at_submission(len(lengths), engines, "verl")
-    assert list(placed) == sorted(placed)
+    placed = placement_at_submission(len(lengths), engines, router)
     sizes = np.bincount(placed, minlength=engines)
-    assert sizes.max() - sizes.min() <= 1
+    if router == "round-robin":
+        assert list(placed) == [j % engines for j in range(len(lengths))]
+    else:
+        # verl's DataProto.chunk: engine e runs one contiguous slice, sizes differing by at most one.
+        assert list(placed) == sorted(placed) and sizes.max() - sizes.min() <= 1
+    # Each engine runs its own requests FIFO; the slowest engine sets the rollout time.
     expected = max(
         engine_by_iteration([prompts[j] for j in np.flatnonzero(placed == e)],
                             [lengths[j] for j in np.flatnonzero(placed == e)], slots)
