@@ -15,7 +15,9 @@ simulated duration. Resize costs are charged the way DESIGN.md §5 says they fal
   resize starts until the step boundary where it commits; drain, release, join and restore
   run during that window (a commit slips to a later boundary when they do not fit); at
   commit the training pool pays `commit_s` (its data-parallel group changes in either
-  direction) and the destination pool pays `first_step_s` on its first step.
+  direction) and the destination pool pays `first_step_s` on its first step. With the pull
+  router, devices moving to the rollout pull the window's queue once their ops and warm-up are
+  done (our router admits an engine mid-step), and pay no warm-up after the commit.
 * naive: the pipeline stops for the whole resize (teardown, fresh communicators, state
   reload, restart) and resumes on the new split.
 """
@@ -367,6 +369,8 @@ class DynamicPipeline:
         c = profile.resize.to_rollout
         ready = c.drain_s + c.release_s + c.join_s + c.restore_s + c.first_step_s
         home, extra = model.engines(split.rollout), model.engines(len(fl.plan.devices))
+        if extra == 0:
+            return model.rollout_seconds(w, split.rollout)  # too few devices moving for one engine
         late = np.concatenate([np.zeros(home), np.full(extra, ready)])
         self._served_early.add(fl.plan.resize_id)
         return float(model.engine_finish(w, home + extra, late).max())
