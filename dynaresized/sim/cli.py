@@ -95,7 +95,8 @@ def add_parsers(subparsers: Any) -> None:
     sim.add_argument("--naive", action="store_true",
                      help="charge naive resize costs: stop the pipeline, fresh communicators, full restart")
     sim.add_argument("--router", choices=ROUTERS, default="pull",
-                     help="request placement: pull (one queue, our router; default) or round-robin (verl)")
+                     help="request placement: pull (one queue, our router; default), verl (contiguous chunks at "
+                          "submission, verl's dispatch) or round-robin (request j on engine j %% E)")
     sim.add_argument("--policy-option", action="append", metavar="KEY=VALUE", help="option for the policy")
     sim.add_argument("--guard", action="append", metavar="KEY=VALUE",
                      help="override a hysteresis guard, e.g. cooldown_steps=5")
@@ -193,8 +194,8 @@ def summary(r: SimReport) -> str:
         f"speedup {r.speedup_vs_initial_split:.3f}x",
         f"  colocated            {r.colocated_total_time_s:12.1f} s   speedup {r.speedup_vs_colocated:.3f}x",
         f"  per-step oracle      {r.oracle_total_time_s:12.1f} s   (best split every step, free resizes)",
-        f"  best static, verl RR {rr.total_time_s:12.1f} s   at {rr.train}:{rr.rollout}   "
-        f"speedup {r.speedup_vs_best_static_round_robin:.3f}x   (placed round robin at submission)",
+        f"  best static, verl    {rr.total_time_s:12.1f} s   at {rr.train}:{rr.rollout}   "
+        f"speedup {r.speedup_vs_best_static_round_robin:.3f}x   (verl's placement: chunks at submission)",
         f"  loans                {r.loans:12d}     {r.devices_lent} device-steps lent, {r.loans_refused} refused",
         f"  lower bound          {r.lower_bound_s:12.1f} s   gap {r.gap_to_lower_bound:.1%}   (moves at step boundaries only)",
         f"  fluid bound          {r.fluid_bound_s:12.1f} s   gap {r.gap_to_fluid_bound:.1%}   (any schedule, loans included)",

@@ -15,7 +15,9 @@ simulated duration. Resize costs are charged the way DESIGN.md §5 says they fal
   resize starts until the step boundary where it commits; drain, release, join and restore
   run during that window (a commit slips to a later boundary when they do not fit); at
   commit the training pool pays `commit_s` (its data-parallel group changes in either
-  direction) and the destination pool pays `first_step_s` on its first step.
+  direction) and the destination pool pays `first_step_s` on its first step. With the pull
+  router, devices moving to the rollout pull the window's queue once their ops and warm-up are
+  done (our router admits an engine mid-step), and pay no warm-up after the commit.
 * naive: the pipeline stops for the whole resize (teardown, fresh communicators, state
   reload, restart) and resumes on the new split.
 """
@@ -178,6 +180,7 @@ class DynamicPipeline:
         self._seq = 0
         self._commits: list[SendOp] = []
         self._penalty = {Pool.ROLLOUT: 0.0, Pool.TRAINING: 0.0}
+        self._served_early: set[str] = set()  # resizes to the rollout whose engines pulled before commit
 
     def _estimated_cost(self, to_pool: Pool) -> float:
         """Critical-path seconds per moved device before the core has measured one."""
@@ -193,7 +196,8 @@ class DynamicPipeline:
                 plan = self.facts_plan(fact.resize_id)
                 c = costs.to_training if plan.to_pool is Pool.TRAINING else costs.to_rollout
                 self._penalty[Pool.TRAINING] += c.commit_s
-                self._penalty[plan.to_pool] += c.first_step_s
+                if fact.resize_id not in self._served_early:
+                    self._penalty[plan.to_pool] += c.first_step_s
         for command in commands:
             self._schedule(command, event.at)
 
@@ -350,6 +354,27 @@ class DynamicPipeline:
         train_s = t
         return rollout_s, train_s, lent
 
+    def _mixed_rollout_s(self, w: int, split: Split, now: float) -> float:
+        """Rollout w on `split`, plus, with the pull router, the engines of a pipelined resize to
+        the rollout that started at this boundary: each pulls from the step's queue once its
+        drain, release, join and restore are done and it has warmed up (our router admits an
+        engine mid-step, `backends/vllm/router.py`); the commit still waits for the boundary."""
+        model = self.model
+        fl = self.state.inflight
+        if (self.naive or model.router != "pull" or fl is None or fl.plan.kind is not PlanKind.RESIZE
+                or fl.plan.to_pool is not Pool.ROLLOUT or fl.plan.resize_id in self._served_early
+                or fl.started_at != now):
+            return model.rollout_seconds(w, split.rollout)
+        profile = model.profile
+        c = profile.resize.to_rollout
+        ready = c.drain_s + c.release_s + c.join_s + c.restore_s + c.first_step_s
+        home, extra = model.engines(split.rollout), model.engines(len(fl.plan.devices))
+        if extra == 0:
+            return model.rollout_seconds(w, split.rollout)  # too few devices moving for one engine
+        late = np.concatenate([np.zeros(home), np.full(extra, ready)])
+        self._served_early.add(fl.plan.resize_id)
+        return float(model.engine_finish(w, home + extra, late).max())
+
     # -- the run -------------------------------------------------------------------------
     def run(self) -> DynamicRun:
         model = self.model
@@ -377,7 +402,7 @@ class DynamicPipeline:
                 rollout_s, train_s, lent = self._window_with_loans(w, now, split)
             else:
                 if w < k:
-                    rollout_s = model.rollout_seconds(w, split.rollout) + self._penalty[Pool.ROLLOUT]
+                    rollout_s = self._mixed_rollout_s(w, split, now) + self._penalty[Pool.ROLLOUT]
                 if w >= 1:
                     train_s = model.train_seconds(w - 1, split.train) + self._penalty[Pool.TRAINING]
                 self._late.clear()

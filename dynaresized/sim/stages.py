@@ -7,8 +7,8 @@ simulator, the best-static search, the lower bound and the daemon's simulated ba
 see the same numbers.
 
 Rollout model (per engine, continuous batching, FCFS). Requests of a step are placed on
-engines the way verl's `AsyncLLMServerManager` does it, least-requests-first at submission,
-which for a batch submitted at once is round robin in trace order. An engine runs at most
+engines by a router (`ROUTERS`): pulled from one queue (ours), or fixed at submission as verl
+places them. An engine runs at most
 `B` requests at once, `B = min(max_num_seqs, kv_cache_tokens / mean context)`; one decode
 iteration advances every running request by one token and costs
 `base + per_seq * running + per_ctx * sum(running contexts)`. Because every running request
@@ -44,10 +44,23 @@ def fifo_makespan(lengths: list[int], slots: int) -> int:
     return max(heap)
 
 
-ROUTERS: tuple[str, ...] = ("pull", "round-robin")
+ROUTERS: tuple[str, ...] = ("pull", "round-robin", "verl")
 """`pull`: one queue per step, an engine pulls a request when it has a free slot (our router,
 backends/vllm/router.py). `round-robin`: placed at submission, request j on engine j % E (verl's
-`AsyncLLMServerManager` for a batch submitted at once)."""
+`AsyncLLMServerManager` for a batch submitted at once). `verl`: placed at submission in E
+contiguous, equal chunks (verl's `DP_COMPUTE_PROTO` dispatch, `DataProto.chunk`, of a batch whose
+samples are grouped by prompt, as `repeat(interleave=True)` leaves them): every sample of a prompt
+lands on one engine, so a hard prompt's long responses straggle together."""
+
+
+def placement_at_submission(n: int, engines: int, router: str) -> np.ndarray:
+    """The engine each of `n` requests is placed on by a router that places at submission."""
+    if router == "round-robin":
+        return np.arange(n, dtype=np.int64) % engines
+    if router == "verl":
+        return np.concatenate([np.full(len(c), e, dtype=np.int64)
+                               for e, c in enumerate(np.array_split(np.arange(n), engines))])
+    raise ValueError(f"router {router!r} does not place at submission")
 
 
 def pull_placement(lengths: list[int], engines: int, slots: int, offsets: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -154,29 +167,23 @@ class StageModel:
     def _rollout_step(self, i: int, engines: int) -> float:
         return float(self.engine_finish(i, engines).max())
 
-    def _round_robin_busy(self, i: int, engines: int) -> np.ndarray:
+    def _submitted_busy(self, i: int, engines: int) -> np.ndarray:
+        """Busy seconds of each engine when the step's requests were placed at submission
+        (`round-robin` or `verl`); each engine runs its own requests FIFO with `B` slots."""
         r = self.profile.rollout
         b = self.trace.steps[i]
         length = b.response_tokens
-        n = length.shape[0]
-        rows = -(-n // engines)
-        pad = rows * engines - n
-
-        def per_engine(a: np.ndarray) -> np.ndarray:
-            # Round-robin placement: request j goes to engine j % engines (column j % engines).
-            return np.concatenate([a, np.zeros(pad, dtype=a.dtype)]).reshape(rows, engines)
-
+        placement = placement_at_submission(length.shape[0], engines, self.router)
         lf = length.astype(np.float64)
         pf = b.prompt_tokens.astype(np.float64)
-        sum_l = per_engine(lf).sum(axis=0)
-        sum_p = per_engine(pf).sum(axis=0)
-        ctx = per_engine(pf * lf + lf * (lf - 1.0) / 2.0).sum(axis=0)
+        sum_l = np.bincount(placement, lf, engines)
+        sum_p = np.bincount(placement, pf, engines)
+        ctx = np.bincount(placement, pf * lf + lf * (lf - 1.0) / 2.0, engines)
         slots = int(self.batch_limit[i])
-        if rows <= slots:
-            tau = per_engine(length).max(axis=0).astype(np.float64)
-        else:
-            as_list = length.tolist()
-            tau = np.array([fifo_makespan(as_list[e::engines], slots) for e in range(engines)], dtype=np.float64)
+        # each engine's requests in submission order (a stable sort keeps trace order)
+        order = length[np.argsort(placement, kind="stable")]
+        mine = np.split(order, np.cumsum(np.bincount(placement, minlength=engines))[:-1])
+        tau = np.array([fifo_makespan(m.tolist(), slots) for m in mine], dtype=np.float64)
         return (r.iter_base_s * tau + r.iter_per_seq_s * sum_l + r.iter_per_ctx_token_s * ctx
                 + r.prefill_per_token_s * sum_p)
 
@@ -184,9 +191,10 @@ class StageModel:
         """Seconds after the step starts at which each engine of the pull router has generated
         its last response. `late_s[e]`: engine e starts that late (woken after a loan); with the
         pull router its start is converted to iterations at the step's full-batch iteration
-        time (the others pull its share meanwhile); round robin placed its requests already."""
-        if self.router == "round-robin":
-            busy = self._round_robin_busy(i, engines)
+        time (the others pull its share meanwhile); a router that places at submission placed its
+        requests already."""
+        if self.router != "pull":
+            busy = self._submitted_busy(i, engines)
             return busy if late_s is None else busy + np.asarray(late_s, dtype=np.float64)
         r = self.profile.rollout
         b = self.trace.steps[i]

@@ -9,7 +9,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from dynaresized.sim.pipeline import colocated_steps
+from dynaresized.domain import Split
+from dynaresized.sim.pipeline import colocated_steps, static_windows
 from dynaresized.sim.profile import load_profile
 from dynaresized.sim.run import SimReport, baselines, scenario_shape, simulate
 from dynaresized.sim.stages import StageModel
@@ -98,18 +99,24 @@ def test_same_seed_gives_the_same_json_bit_for_bit():
 
 def test_lending_gains_most_where_steps_vary(lending):
     noisy = lending["noisy"]
-    # Issue 11 asks 1.08; measured 1.076 (docs/simulator.md, "Loans": the rest of the gap is
-    # the latency-bound tail, which no loan can take).
-    assert noisy.loans >= 100 and noisy.speedup_vs_best_static >= 1.07
+    # Issue 11's target.
+    assert noisy.loans >= 100 and noisy.speedup_vs_best_static >= 1.08
     assert noisy.speedup_vs_best_static == max(r.speedup_vs_best_static for r in lending.values())
 
 
 def test_lending_on_longtail_drift_beats_both_best_static_splits(lending):
     drift = lending["longtail-drift"]
     assert drift.speedup_vs_best_static >= 1.00
-    # Issue 11 asks 1.03 over verl-style placement; measured 1.008 (docs/simulator.md, "Loans":
-    # the pull router gains nothing here, and the long late steps are rollout-bound).
-    assert drift.speedup_vs_best_static_round_robin >= 1.00
+    # Issue 11's target over what a verl user runs today: verl's dispatch places each step's
+    # batch in contiguous chunks at submission, a prompt's samples together on one engine.
+    assert drift.speedup_vs_best_static_round_robin >= 1.03
+
+
+def test_the_verl_baseline_straggles_where_the_pull_router_does_not(lending):
+    # The same fixed split placed as verl places it is slower than with our pull router, on
+    # every scenario: a hard prompt's long responses decode together on one engine.
+    for name, report in lending.items():
+        assert report.best_static_round_robin.total_time_s > report.best_static.total_time_s, name
 
 
 def test_lending_never_costs_more_than_one_percent_and_never_beats_the_fluid_bound(lending):
@@ -119,9 +126,16 @@ def test_lending_never_costs_more_than_one_percent_and_never_beats_the_fluid_bou
         if report.steps >= 200:
             assert report.speedup_vs_best_static >= 0.99, name
         else:
-            # verl-dapo is 20 steps: 4 of them run on the profile's initial 6:2 split before
-            # the first resize commits, which no policy that starts there can make up.
-            assert without.speedup_vs_best_static < 0.9 and report.speedup_vs_initial_split > 1.3
+            # verl-dapo is 20 steps. The first step is reported when its training ends, at the end
+            # of window 1, so windows 0 and 1 run on the profile's initial 6:2 split whatever a
+            # policy does; the first resize starts right there, and what the run loses to the
+            # best static split is those two windows plus the resize's own pauses (under 0.1%)
+            # (docs/simulator.md, "Loans").
+            assert report.resize_events[0].step == 0 and report.speedup_vs_initial_split > 1.3
+            model = StageModel(PROFILE, scenario_trace(name, scenario_shape(PROFILE), seed=0))
+            best = Split(train=report.best_static.train, rollout=report.best_static.rollout)
+            first_two = (static_windows(model, PROFILE.initial_split)[:2] - static_windows(model, best)[:2]).sum()
+            assert report.total_time_s - report.best_static.total_time_s <= first_two + 0.001 * report.total_time_s, name
         assert report.fluid_bound_s <= report.lower_bound_s, name
         assert report.gap_to_fluid_bound > 0, name
         assert report.gap_to_fluid_bound == round(report.total_time_s / report.fluid_bound_s - 1.0, 4)

@@ -7,7 +7,7 @@ import pytest
 from dynaresized.core import facts as f
 from dynaresized.core import fold
 from dynaresized.core.policy import load_policy
-from dynaresized.domain import FORWARD_ORDER, Split
+from dynaresized.domain import FORWARD_ORDER, Pool, Split
 from dynaresized.sim.bounds import fluid_bound, lower_bound
 from dynaresized.sim.pipeline import DynamicPipeline, best_static, colocated_total, static_total
 from dynaresized.sim.profile import load_profile
@@ -71,7 +71,7 @@ def test_resizes_run_every_op_through_the_core_and_replay(model):
     assert fold(result.facts).durable() == result.state.durable()
 
 
-def test_moving_devices_serve_neither_pool_until_commit(model):
+def test_moving_devices_serve_no_pool_until_commit_but_engines_pull_once_woken(model):
     result = run(model, "greedy")
     mixed = [w for w in result.windows if w.moving]
     assert mixed
@@ -80,6 +80,18 @@ def test_moving_devices_serve_neither_pool_until_commit(model):
     first = next(x for x in result.facts if isinstance(x, f.ResizeStarted))
     window = next(w for w in result.windows if w.start_s == first.at)
     assert window.moving == len(first.plan.devices)
+    # The first move grows the rollout: with the pull router its engines pull the window's
+    # queue once drained, released, joined, restored and warmed up, so that rollout beats the
+    # home engines alone and cannot beat every engine from the start.
+    assert first.plan.to_pool is Pool.ROLLOUT
+    home = model.rollout_seconds(window.window, window.rollout_devices)
+    everyone = model.rollout_seconds(window.window, window.rollout_devices + window.moving)
+    assert everyone < window.rollout_s < home
+    # Devices moving to training wait for the commit: the window trains on the pool it has.
+    to_training = [x for x in result.facts if isinstance(x, f.ResizeStarted) and x.plan.to_pool is Pool.TRAINING]
+    assert to_training
+    w = next(w for w in result.windows if w.start_s == to_training[0].at)
+    assert w.train_s >= model.train_seconds(w.window - 1, w.train_devices)
 
 
 def test_naive_costs_stop_the_pipeline_and_cost_more(model):

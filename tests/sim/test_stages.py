@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import msgspec
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynaresized.sim.profile import load_profile
 from dynaresized.sim.run import scenario_shape
-from dynaresized.sim.stages import StageModel, fifo_makespan
+from dynaresized.sim.stages import StageModel, fifo_makespan, placement_at_submission
 from dynaresized.sim.workload import StepBatch, Trace, scenario_trace
 
 PROFILE = load_profile("qwen3-8b-h20x8")
@@ -50,21 +51,39 @@ def test_fifo_makespan_matches_iterations(lengths, slots):
     assert fifo_makespan(lengths, slots) == iterations
 
 
+@pytest.mark.parametrize("router", ["round-robin", "verl"])
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 60)), min_size=1, max_size=24), st.integers(1, 3))
-def test_closed_form_rollout_equals_iteration_simulation(samples, engines):
+def test_closed_form_rollout_equals_iteration_simulation(router, samples, engines):
     prompts = [p for p, _ in samples]
     lengths = [n for _, n in samples]
     batch = StepBatch(0, np.array(prompts, dtype=np.int64), np.array(lengths, dtype=np.int64))
-    model = StageModel(PROFILE, Trace("t", (batch,)), router="round-robin")
+    model = StageModel(PROFILE, Trace("t", (batch,)), router=router)
     slots = int(model.batch_limit[0])
-    # Round robin: request j on engine j % engines; the slowest engine sets the rollout time.
+    placed = placement_at_submission(len(lengths), engines, router)
+    sizes = np.bincount(placed, minlength=engines)
+    if router == "round-robin":
+        assert list(placed) == [j % engines for j in range(len(lengths))]
+    else:
+        # verl's DataProto.chunk: engine e runs one contiguous slice, sizes differing by at most one.
+        assert list(placed) == sorted(placed) and sizes.max() - sizes.min() <= 1
+    # Each engine runs its own requests FIFO; the slowest engine sets the rollout time.
     expected = max(
-        engine_by_iteration(prompts[e::engines], lengths[e::engines], slots)
+        engine_by_iteration([prompts[j] for j in np.flatnonzero(placed == e)],
+                            [lengths[j] for j in np.flatnonzero(placed == e)], slots)
         for e in range(engines)
-        if prompts[e::engines]
+        if sizes[e]
     )
     assert np.isclose(model.rollout_seconds(0, engines), expected, rtol=1e-9)
+
+
+def test_verl_placement_keeps_a_prompts_samples_together_and_straggles_more_than_round_robin():
+    trace = scenario_trace("longtail-drift", scenario_shape(PROFILE), seed=0, steps=40)
+    verl, rr = StageModel(PROFILE, trace, router="verl"), StageModel(PROFILE, trace, router="round-robin")
+    per_prompt = PROFILE.workload.samples_per_prompt
+    placed = placement_at_submission(trace.steps[0].samples, 4, "verl")
+    assert all(len(set(placed[j:j + per_prompt])) == 1 for j in range(0, len(placed), per_prompt))
+    assert verl.rollout_table(4).sum() > rr.rollout_table(4).sum()
 
 
 def pull_by_iteration(prompts: list[int], lengths: list[int], engines: int, slots: int) -> list[float]:
