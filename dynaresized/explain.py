@@ -37,6 +37,8 @@ def explain(fact: f.Fact) -> str:
         case f.ProposalRejected():
             target = f" to {fact.target}" if fact.target else ""
             return f"no resize{target} (from {fact.source}), guard {fact.guard}: {fact.reason}"
+        case f.PolicyHeld():
+            return f"step {fact.step}: {fact.source} holds {fact.split}: {fact.reason}"
         case f.ResizeStarted():
             p = fact.plan
             return f"resize {p.resize_id} started: {p.before} -> {p.after}, moving {', '.join(p.devices)} " \

@@ -8,6 +8,7 @@ from dynaresized.core.policy import ObservedView, Proposal
 class StaticPolicy:
     name = "static"
     guarded = True
+    last_reason = "the static policy never moves a device"
 
     def __call__(self, view: ObservedView) -> Proposal | None:
         return None

@@ -67,6 +67,16 @@ class ProposalRejected(Fact, frozen=True, tag="proposal_rejected"):
     step: int = -1
 
 
+class PolicyHeld(Fact, frozen=True, tag="policy_held"):
+    """The policy looked at step `step` and proposed no resize, and why: the operator's "why
+    nothing moved" when no guard was even asked (a refused proposal is `ProposalRejected`)."""
+
+    source: str  # policy name
+    step: int
+    split: Split
+    reason: str
+
+
 class ResizeStarted(Fact, frozen=True, tag="resize_started"):
     plan: ResizePlan
     source: str
@@ -271,6 +281,7 @@ AnyFact = (
     | StepObserved
     | ProgressObserved
     | ProposalRejected
+    | PolicyHeld
     | ResizeStarted
     | OpAcked
     | OpCompleted

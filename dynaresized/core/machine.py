@@ -281,6 +281,8 @@ def on_step_steady(core: Core, tx: _Tx, e: ev.StepReported) -> None:
         _return_loans(core, tx, e.at, proposal, core.policy.name)
         return
     if proposal is None:
+        why = getattr(core.policy, "last_reason", "") or "the policy proposed no resize"
+        tx.emit(f.PolicyHeld(at=e.at, source=core.policy.name, step=e.timing.step, split=s.split, reason=why))
         return
     _decide(core, tx, view, proposal, core.policy.name, hysteresis=core.policy.guarded, at=e.at)
 

@@ -378,6 +378,11 @@ def _(s: ClusterState, e: f.ProposalRejected) -> ClusterState:
     return s  # a record for operators; changes nothing
 
 
+@_on(f.PolicyHeld)
+def _(s: ClusterState, e: f.PolicyHeld) -> ClusterState:
+    return s  # a record for operators; changes nothing
+
+
 @_on(f.ResizeStarted)
 def _(s: ClusterState, e: f.ResizeStarted) -> ClusterState:
     plan = e.plan

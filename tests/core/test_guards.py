@@ -354,3 +354,17 @@ def test_payback_learned_factor_raises_the_bar() -> None:
     v, p = view(tuple(ROLLOUT_SLOW)), proposal(Split(4, 4), saving_s=2.5)
     assert g.check_payback(v, p, CFG, NOBODY) is None
     rejected(g.check_payback(v, p, CFG, History(payback_factor=2.0)), "payback", "x 2 (raised")
+
+
+@pytest.mark.parametrize(("policy", "why"), [("static", "never moves a device"),
+                                             ("hysteresis", "but no allowed split that grows it predicts less")])
+def test_a_step_the_policy_lets_pass_says_why_in_the_log(policy: str, why: str) -> None:
+    """No proposal, so no guard is asked and no `proposal_rejected` is written: the log still
+    says why nothing moved (issue 12: a 30-step run printed no reason at all)."""
+    d = boot(make_core(policy=policy), train=2, rollout=2)
+    facts, commands = d.send(ev.StepReported(at=d.at(), worker_id=trainer(0),
+                                             timing=timing(0, 5.0, 5.0, Split(2, 2))))
+    held = [x for x in facts if isinstance(x, f.PolicyHeld)]
+    assert len(held) == 1 and held[0].step == 0 and held[0].split == Split(2, 2) and why in held[0].reason
+    assert held[0].source == policy and not any(isinstance(x, f.ResizeStarted) for x in facts)
+    assert d.replayed().durable() == d.state.durable()

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from dynaresized.core import events as ev
+from dynaresized.core import facts as f
 from dynaresized.core.idle import IdleTotals, idle_ratio, percent, step_idle, step_period_s
 from dynaresized.core.state import fold
 from dynaresized.daemon.metrics import Metrics
@@ -86,14 +87,16 @@ def test_status_metrics_and_events_say_unknown_where_there_is_no_figure() -> Non
     assert "rollout unknown (last step unknown)" in render_status(status)
 
     facts, _ = d.send(ev.StepReported(at=d.at(), worker_id=trainer(0), timing=timing(0, 0.0, 3.0)))
-    assert "idle rollout unknown, training unknown" in explain(facts[-1])
+    (observed,) = [x for x in facts if isinstance(x, f.StepObserved)]
+    assert "idle rollout unknown, training unknown" in explain(observed)
     metrics = Metrics()
     metrics.observe(d.state, facts)
     value = metrics.registry.get_sample_value("dynaresized_pool_idle_ratio", {"pool": "training"})
     assert value is not None and math.isnan(value)
 
     facts, _ = d.send(ev.StepReported(at=d.at(), worker_id=trainer(0), timing=timing(1, 1.0, 4.0)))
-    assert "idle rollout 75.0%, training 0.0%" in explain(facts[-1])
+    (observed,) = [x for x in facts if isinstance(x, f.StepObserved)]
+    assert "idle rollout 75.0%, training 0.0%" in explain(observed)
     metrics.observe(d.state, facts)
     assert metrics.registry.get_sample_value("dynaresized_pool_idle_ratio", {"pool": "rollout"}) == 0.75
     assert metrics.registry.get_sample_value("dynaresized_pool_idle_device_seconds", {"pool": "rollout"}) == 6.0
