@@ -9,7 +9,9 @@ is tested on its own, and here only the engines are under test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -62,23 +64,38 @@ async def resize(daemon: RunningDaemon, train: int, rollout: int, count: str, ex
                        and s, timeout=90, what=f"resize to {train}:{rollout} {count}")
 
 
-async def test_engines_follow_the_daemon_through_resizes_and_a_rollback(rollout: Rollout, tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def attached(rollout: Rollout, tmp_path: Path, **overrides: dict) -> AsyncIterator[tuple[RunningDaemon,
+                                                                                           TrainerStandIns]]:
+    """A daemon (cpu2 in training) with both engines and a trainer stand-in per device attached."""
     await ready(rollout)
     sections = daemon_sections(
         tmp_path,
         cluster={"devices": DEVICES, "training": ["node0:cpu2"]},
         core={"heartbeat_timeout_s": 2.0, "op_timeout_s": 90.0},
         daemon={"drain_timeout_s": 10.0},
+        **overrides,
     )
     daemon = RunningDaemon(write_config(tmp_path / "daemon.toml", sections), sections).start()
     trainers = TrainerStandIns()
-    workers = rollout.workers
     try:
-        for engine_id, worker in workers.items():
+        for engine_id, worker in rollout.workers.items():
             await worker.attach(WorkerClient(daemon.worker_endpoint, engine_id, WorkerKind.ROLLOUT_ENGINE,
                                              worker.devices))
         await trainers.attach(daemon.worker_endpoint)
-        status = await until(lambda: (s := daemon.status()) and len(s["workers"]) == 5 and s, what="5 workers")
+        await until(lambda: len(daemon.status()["workers"]) == 5, what="5 workers")
+        yield daemon, trainers
+    finally:
+        for worker in rollout.workers.values():
+            await worker.detach("test over")
+        await trainers.close()
+        daemon.stop()
+
+
+async def test_engines_follow_the_daemon_through_resizes_and_a_rollback(rollout: Rollout, tmp_path: Path) -> None:
+    workers = rollout.workers
+    async with attached(rollout, tmp_path) as (daemon, trainers):
+        status = daemon.status()
         assert status["split"] == {"train": 1, "rollout": 2}
 
         # 1. rollout -> training for cpu1 while a step generates; the trainer's join fails:
@@ -118,11 +135,6 @@ async def test_engines_follow_the_daemon_through_resizes_and_a_rollback(rollout:
         result = await rollout.router.run_step(32, 1, make_requests(32, 8, random.Random(32)))
         assert result.engines == ("e0", "e1")
         await until(lambda: workers["e1"].progress.step == 32, what="progress of step 32")
-    finally:
-        for worker in workers.values():
-            await worker.detach("test over")
-        await trainers.close()
-        daemon.stop()
 
     facts = read_facts(daemon.state_dir)
     engine_ops = [(x.worker_id, x.op_id.split("-", 1)[1]) for x in facts
@@ -139,25 +151,10 @@ async def test_an_idle_engine_is_lent_mid_step_and_comes_home_at_the_boundary(ro
     """The real worker reports queue_empty; the daemon's default lending lends e1 (drain and
     release with plan LOAN: e1 pauses) to the training step in progress and, once the step is
     reported, brings it home (join with plan RETURN), where it serves the next step."""
-    await ready(rollout)
-    sections = daemon_sections(
-        tmp_path,
-        cluster={"devices": DEVICES, "training": ["node0:cpu2"]},
-        core={"heartbeat_timeout_s": 2.0, "op_timeout_s": 90.0},
-        policy={"name": "hysteresis"},
-        loan_costs={"to_training_s": 0.0, "return_s": 0.0, "lead_s": 0.0},
-        daemon={"drain_timeout_s": 10.0},
-    )
-    daemon = RunningDaemon(write_config(tmp_path / "daemon.toml", sections), sections).start()
-    trainers = TrainerStandIns()
     workers, e1 = rollout.workers, rollout.engines["e1"]
-    [pid] = e1.core_pids
-    try:
-        for engine_id, worker in workers.items():
-            await worker.attach(WorkerClient(daemon.worker_endpoint, engine_id, WorkerKind.ROLLOUT_ENGINE,
-                                             worker.devices))
-        await trainers.attach(daemon.worker_endpoint)
-        await until(lambda: len(daemon.status()["workers"]) == 5, what="5 workers")
+    async with attached(rollout, tmp_path, policy={"name": "hysteresis"},
+                        loan_costs={"to_training_s": 0.0, "return_s": 0.0, "lead_s": 0.0}) as (daemon, trainers):
+        [pid] = e1.core_pids
         trainer = trainers.clients[2]  # the training pool's rank reports its mini-batches
         for done in (1, 2):
             await trainer.report_mini_batch(step=49, done=done, total=8)
@@ -180,11 +177,6 @@ async def test_an_idle_engine_is_lent_mid_step_and_comes_home_at_the_boundary(ro
         after = await rollout.router.run_step(51, 2, following)
         assert_exactly_once(after, following, 2)
         assert after.engines == ("e0", "e1")
-    finally:
-        for worker in workers.values():
-            await worker.detach("test over")
-        await trainers.close()
-        daemon.stop()
 
     facts = read_facts(daemon.state_dir)
     dry = [(x.running, x.tokens_left) for x in facts

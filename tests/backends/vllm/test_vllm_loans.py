@@ -20,7 +20,9 @@ pytest.importorskip("vllm", reason="real-engine tests need the vllm extra (vllm-
 from dynaresized.backends.vllm.engine import EngineState  # noqa: E402
 from dynaresized.domain import OpKind, PlanKind, Pool  # noqa: E402
 from dynaresized.wire import OpCommand  # noqa: E402
-from tests.backends.vllm.workload import Rollout, assert_exactly_once, make_requests, ready, wait_for_progress  # noqa: E402
+from tests.backends.vllm.workload import (  # noqa: E402
+    Rollout, assert_exactly_once, make_requests, ready, wait_for_progress,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 

