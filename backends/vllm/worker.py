@@ -382,7 +382,7 @@ class EngineWorker:
             client.actual = self.actual
         await client.start()
         self.client = client
-        self._queue_empty.clear()  # reports of a step the daemon may not know: it hears progress afresh
+        self._queue_empty.clear()  # left over from an earlier attachment, whose reporter was cancelled
         self._reporter = asyncio.create_task(self._report(client), name=f"{self.worker_id}-progress")
 
     async def detach(self, reason: str = "engine worker detaching") -> None:
