@@ -98,8 +98,8 @@ async def _cpu_share(engine, seconds: float, work=None) -> float:
 
 
 async def _first_sample_s(engine, step: int) -> float:
-    """Seconds for one 32-token request: that the engine serves, and how soon, after it is back."""
-    [request] = _requests(step, random.Random(step), count=1, tail=0, tail_tokens=0)
+    """Seconds for one 32-token request: that the engine serves, and how fast."""
+    [request] = _requests(step, random.Random(step), count=1, tail=1, tail_tokens=32)
     started = time.perf_counter()
     await engine.generate(request, f"loan-check-{step}")
     return time.perf_counter() - started
@@ -118,21 +118,26 @@ async def _loan_paths(engine, reps: int, window_s: float) -> dict:
             "generating_cpu_share": await _cpu_share(engine, 0.0, busy),
             "idle_running_cpu_share": await _cpu_share(engine, window_s),
             "rss_mib": _rss_mib(pids),
-            "first_sample_s": await _first_sample_s(engine, 899),
         },
     }
-    lend, back, share, rss = [], [], [], []
-    for _ in range(reps):
+    lend, back, share, rss, before, after = [], [], [], [], [], []
+    for rep in range(reps):
+        before.append(await _first_sample_s(engine, 910 + rep))
         lend.append(await engine.lend())
         assert engine.state is EngineState.PAUSED
         share.append(await _cpu_share(engine, window_s))
         rss.append(_rss_mib(pids))
         back.append(await engine.join())
+        after.append(await _first_sample_s(engine, 920 + rep))
     out["pause_resume"] = {
         "release_s_median": statistics.median(lend), "restore_s_median": statistics.median(back),
         "release_s_max": max(lend), "restore_s_max": max(back),
         "cpu_share_while_paused_median": statistics.median(share), "rss_mib_while_paused": max(rss),
-        "first_sample_after_restore_s": await _first_sample_s(engine, 901), "same_process": engine.core_pids == pids,
+        # one 32-token request just before each pause and just after each resume: a resumed
+        # engine serves at once, and as fast as before
+        "sample_before_pause_s_median": statistics.median(before),
+        "sample_after_resume_s_median": statistics.median(after),
+        "same_process": engine.core_pids == pids,
     }
     # vLLM's own sleep/wake, which the backend uses only on a GPU: on a CPU engine started without
     # sleep mode (vLLM refuses it there) it pauses the scheduler and frees nothing.
@@ -149,7 +154,7 @@ async def _loan_paths(engine, reps: int, window_s: float) -> dict:
     out["sleep_wake"] = {
         "release_s_median": statistics.median(sleep), "restore_s_median": statistics.median(wake),
         "cpu_share_while_asleep_median": statistics.median(share), "rss_mib_while_asleep": max(rss),
-        "first_sample_after_restore_s": await _first_sample_s(engine, 902), "same_process": engine.core_pids == pids,
+        "sample_after_wake_s": await _first_sample_s(engine, 930), "same_process": engine.core_pids == pids,
     }
     return out
 
