@@ -5,7 +5,14 @@
 * release / restore time per mode: on CPU, shutdown + restart with the model inside the
   engine-core process (in-process) versus a separate worker process (multi-process); on a
   GPU, sleep level 1 and 2 + wake_up;
-* weight reload time (`collective_rpc("reload_weights")` from the weight store).
+* weight reload time (`collective_rpc("reload_weights")` from the weight store);
+* `loan`: the ways an engine can give its device to the training step in progress and take
+  it back at the step boundary, on this device type. On a CPU: pause/resume (the path loans
+  take), sleep/wake (vLLM's sleep without sleep mode) and a full release/restart (the
+  resize path, from `release_restore`); for each, the wall time of release and of restore,
+  the engine-core process's CPU share over an idle window (from /proc/<pid>/stat: does it
+  spin?) and its resident memory (does it free any?), against an idle running engine and
+  one generating.
 
 Runs on the tiny Llama (tiny_model.py), so absolute numbers are about the machinery, not
 the model. `--quick` does one repetition of everything. No assertions: numbers only.
@@ -67,6 +74,88 @@ async def _release_restore(engine, store, version: int, device_type: str, level:
     out = {"release_s": release_s, "join_s": join_s, "restore_reload_s": reload_s}
     if level is not None:
         out["sleep_level"] = level
+    return out
+
+
+def _rss_mib(pids: list[int]) -> float:
+    total_kib = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total_kib += int(line.split()[1])
+    return total_kib / 1024
+
+
+async def _cpu_share(engine, seconds: float, work=None) -> float:
+    """Share of one core the engine-core process used over `seconds` (while `work` runs, if given)."""
+    before = engine.core_cpu_seconds()
+    started = time.perf_counter()
+    if work is None:
+        await asyncio.sleep(seconds)
+    else:
+        await work
+    return (engine.core_cpu_seconds() - before) / (time.perf_counter() - started)
+
+
+async def _first_sample_s(engine, step: int) -> float:
+    """Seconds for one 32-token request: that the engine serves, and how fast."""
+    [request] = _requests(step, random.Random(step), count=1, tail=1, tail_tokens=32)
+    started = time.perf_counter()
+    await engine.generate(request, f"loan-check-{step}")
+    return time.perf_counter() - started
+
+
+async def _loan_paths(engine, reps: int, window_s: float) -> dict:
+    """Pause/resume and sleep/wake of a loaded CPU engine, timed, with what each leaves running."""
+    from dynaresized.backends.vllm.engine import EngineState
+
+    pids = engine.core_pids
+    busy = asyncio.gather(*(engine.generate(r, f"loan-busy-{r.sample_id}") for r in
+                            _requests(900, random.Random(900), count=8, tail=8, tail_tokens=200)))
+    out: dict = {
+        "idle_window_s": window_s,
+        "reference": {
+            "generating_cpu_share": await _cpu_share(engine, 0.0, busy),
+            "idle_running_cpu_share": await _cpu_share(engine, window_s),
+            "rss_mib": _rss_mib(pids),
+        },
+    }
+    lend, back, share, rss, before, after = [], [], [], [], [], []
+    for rep in range(reps):
+        before.append(await _first_sample_s(engine, 910 + rep))
+        lend.append(await engine.lend())
+        assert engine.state is EngineState.PAUSED
+        share.append(await _cpu_share(engine, window_s))
+        rss.append(_rss_mib(pids))
+        back.append(await engine.join())
+        after.append(await _first_sample_s(engine, 920 + rep))
+    out["pause_resume"] = {
+        "release_s_median": statistics.median(lend), "restore_s_median": statistics.median(back),
+        "release_s_max": max(lend), "restore_s_max": max(back),
+        "cpu_share_while_paused_median": statistics.median(share), "rss_mib_while_paused": max(rss),
+        # one 32-token request just before each pause and just after each resume: a resumed
+        # engine serves at once, and as fast as before
+        "sample_before_pause_s_median": statistics.median(before),
+        "sample_after_resume_s_median": statistics.median(after),
+        "same_process": engine.core_pids == pids,
+    }
+    # vLLM's own sleep/wake, which the backend uses only on a GPU: on a CPU engine started without
+    # sleep mode (vLLM refuses it there) it pauses the scheduler and frees nothing.
+    sleep, wake, share, rss = [], [], [], []
+    for _ in range(reps):
+        started = time.perf_counter()
+        await engine._llm.sleep(level=1)
+        sleep.append(time.perf_counter() - started)
+        share.append(await _cpu_share(engine, window_s))
+        rss.append(_rss_mib(pids))
+        started = time.perf_counter()
+        await engine._llm.wake_up()
+        wake.append(time.perf_counter() - started)
+    out["sleep_wake"] = {
+        "release_s_median": statistics.median(sleep), "restore_s_median": statistics.median(wake),
+        "cpu_share_while_asleep_median": statistics.median(share), "rss_mib_while_asleep": max(rss),
+        "sample_after_wake_s": await _first_sample_s(engine, 930), "same_process": engine.core_pids == pids,
+    }
     return out
 
 
@@ -133,9 +222,17 @@ async def main(quick: bool) -> dict:
         reloads.append(await engines["e0"].reload(version, store.path(version)))
     out["weight_reload_s"] = {"median": statistics.median(reloads), "max": max(reloads), "n": len(reloads)}
 
+    # -- loan paths ----------------------------------------------------------------------------
+    router.admitted.clear()  # nothing is placed from here on
+    loan: dict = {"load_before": os.getloadavg()[0]}
+    if device_type.value == "cpu":
+        loan.update(await _loan_paths(engines["e1"], reps=3 if quick else 5, window_s=3.0 if quick else 5.0))
+    else:
+        loan["gpu"] = "a lent GPU engine sleeps (release_restore's sleep levels): its memory is what the trainer needs"
+    loan["load_after"] = os.getloadavg()[0]
+
     # -- release / restore per mode ------------------------------------------------------------
     release: dict = {}
-    router.admitted.clear()  # nothing is generating from here on
     if device_type.value == "cpu":
         release["in-process"] = await _release_restore(engines["e1"], store, 1, "cpu", None)
         await engines["e0"].stop()
@@ -154,6 +251,16 @@ async def main(quick: bool) -> dict:
         for engine in engines.values():
             await engine.stop()
     out["release_restore"] = release
+    if "in-process" in release:
+        full = release["in-process"]
+        loan["release_restart"] = {
+            "release_s_median": full["release_s"], "restore_s_median": full["join_s"] + full["restore_reload_s"],
+            "while_released": "the engine-core process has exited", "same_process": False,
+        }
+        paths = ("pause_resume", "sleep_wake", "release_restart")
+        loan["round_trip_s"] = {k: loan[k]["release_s_median"] + loan[k]["restore_s_median"] for k in paths}
+        loan["chosen"] = "pause_resume"
+    out["loan"] = loan
     return out
 
 

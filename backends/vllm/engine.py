@@ -10,6 +10,12 @@ and join depend on the device type, found from vLLM's platform:
   runs the model inside the engine-core process and starts faster than `MULTI_PROCESS`,
   which adds a separate worker process.
 
+A loan (the device serves the training step in progress until the step boundary) takes the
+cheap way: `lend()` sleeps a GPU engine (the trainer needs its memory), and pauses a CPU one
+(vLLM's `pause_generation`: the engine stays loaded, its scheduler admits nothing and its
+core process blocks waiting for input, spending no CPU time, which is what a CPU device is
+short of); `join()` resumes it in milliseconds instead of a restart's seconds.
+
 vLLM is imported lazily, so importing this module does not need the `vllm` extra.
 Blocking vLLM calls (start, shutdown) run in a thread so the event loop keeps serving
 heartbeats and the other engines meanwhile.
@@ -50,6 +56,7 @@ class EngineState(str, enum.Enum):
     STOPPED = "stopped"
     RUNNING = "running"
     SLEEPING = "sleeping"  # GPU only: weights/KV cache released, process kept
+    PAUSED = "paused"  # lent (CPU): loaded, scheduler paused, admits nothing, core process idle
     DEAD = "dead"  # the engine core died (EngineDeadError) or stopped answering
 
 
@@ -138,7 +145,7 @@ class RolloutEngine:
     async def start(self) -> float:
         """Start the engine with the base weights; returns seconds taken."""
         async with self._lock:
-            if self.state in (EngineState.RUNNING, EngineState.SLEEPING):
+            if self.state in (EngineState.RUNNING, EngineState.SLEEPING, EngineState.PAUSED):
                 return 0.0
             if self.state is EngineState.DEAD:
                 await self._shutdown_quietly()
@@ -216,8 +223,31 @@ class RolloutEngine:
                 self.loaded_version = None  # weights discarded: restore must reload them
             return time.perf_counter() - started
 
+    async def lend(self) -> float:
+        """Give the device to the training step in progress until the step boundary: sleep on a
+        GPU, pause on a CPU (loaded, admitting nothing, not using the CPU). Returns seconds taken."""
+        if self.device_type is DeviceType.GPU:
+            return await self.release()
+        async with self._lock:
+            if self.state is not EngineState.RUNNING:
+                return 0.0
+            started = time.perf_counter()
+            # "abort" is a safety net only: the router drained the engine before it is lent, so
+            # no request of the step is left on it. The KV and prefix caches stay (clear_cache
+            # False): on a CPU they are host memory nobody else is waiting for.
+            await self._llm.pause_generation(mode="abort", clear_cache=False)
+            self.state = EngineState.PAUSED
+            return time.perf_counter() - started
+
     async def join(self) -> float:
-        """Take the device back: wake on a GPU, start on a CPU. Returns seconds taken."""
+        """Take the device back: resume a paused engine, wake a sleeping one on a GPU, start one
+        on a CPU. Returns seconds taken."""
+        async with self._lock:
+            if self.state is EngineState.PAUSED:
+                started = time.perf_counter()
+                await self._llm.resume_generation()
+                self.state = EngineState.RUNNING
+                return time.perf_counter() - started
         if self.device_type is DeviceType.CPU or self.state in (EngineState.STOPPED, EngineState.DEAD):
             return await self.start()
         async with self._lock:
@@ -323,6 +353,19 @@ class RolloutEngine:
 
     def mark_dead(self) -> None:
         self.state = EngineState.DEAD
+
+    def core_cpu_seconds(self) -> float:
+        """CPU time (user + system) the engine-core process(es) used so far, from /proc: what
+        tells an idle engine from one that spins."""
+        ticks = 0
+        for pid in self.core_pids:
+            try:
+                # the fields after the parenthesised command name; utime and stime are 14th and 15th
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except FileNotFoundError:
+                continue  # exited meanwhile: it spends nothing any more
+            ticks += int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     @property
     def core_pids(self) -> list[int]:

@@ -17,6 +17,12 @@ engine glued to a suffix from another. The cost is recomputing the dropped token
 
 Every placement goes through the step's `StepLedger`; `run_step` checks it at the step
 boundary and raises `LedgerError` if any sample is missing, duplicated or off-version.
+
+Once every sample of the step has been placed, the step's queue holds nothing for anyone:
+each admitted engine's `on_dry` listeners hear so once, with the requests it still runs and
+an upper bound on their tokens left, and once more when its last one finished (running 0).
+That is what the daemon lends an engine on. A hand-over that refills the queue makes an
+engine pull work again; it is not told twice, and a loan drains it like any other engine.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ log = structlog.get_logger("dynaresized.backends.vllm")
 
 SampleListener = Callable[[SampleResult, int], None]  # (result, samples in the step)
 LossListener = Callable[[str, str], None]  # (engine id, reason)
+DryListener = Callable[[str, int, int, int], None]  # (engine id, step, running, tokens left)
 
 
 class DrainReport(msgspec.Struct, frozen=True):
@@ -79,6 +86,7 @@ class _Step:
         self.progress: dict[Attempt, int] = {}  # response tokens so far, per in-flight attempt
         self.finished = asyncio.Event()
         self.failure: BaseException | None = None
+        self.told_dry: dict[str, int] = {}  # engine -> the running count its dry report said
         if not requests:
             self.finished.set()
 
@@ -107,6 +115,7 @@ class RequestRouter:
         self._membership = asyncio.Lock()  # admit vs. a step's weight sync
         self._sample_listeners: list[SampleListener] = []
         self._loss_listeners: list[LossListener] = []
+        self._dry_listeners: list[DryListener] = []
         self._cancelled: list[asyncio.Task[None]] = []
 
     # -- membership --------------------------------------------------------------------
@@ -138,6 +147,11 @@ class RequestRouter:
 
     def on_lost(self, listener: LossListener) -> None:
         self._loss_listeners.append(listener)
+
+    def on_dry(self, listener: DryListener) -> None:
+        """`listener(engine, step, running, tokens_left)` once the step's queue holds nothing
+        for an admitted engine, and again with running 0 when that engine is idle."""
+        self._dry_listeners.append(listener)
 
     async def admit(self, engine_id: str) -> float:
         """Let an engine take samples, after loading the current policy version into it.
@@ -303,6 +317,21 @@ class RequestRouter:
             attempt = step.ledger.place(step.pending.popleft(), engine_id)
             step.progress[attempt] = 0
             step.tasks[attempt] = asyncio.create_task(self._run(step, attempt), name=attempt.request_id)
+        self._tell_dry(step)
+
+    def _tell_dry(self, step: _Step) -> None:
+        """The queue is empty: tell each admitted engine's listeners what it still runs, once,
+        and once more when it runs nothing."""
+        for engine_id in sorted(self.admitted):
+            attempts = step.ledger.in_flight(engine_id)
+            told = step.told_dry.get(engine_id)
+            if told == 0 or (told is not None and attempts):
+                continue
+            # an upper bound: a response may end (EOS) before its max_tokens
+            left = sum(max(step.requests[a.sample_id].max_tokens - step.progress.get(a, 0), 0) for a in attempts)
+            step.told_dry[engine_id] = len(attempts)
+            for listener in self._dry_listeners:
+                listener(engine_id, step.ledger.step, len(attempts), left)
 
     async def _run(self, step: _Step, attempt: Attempt) -> None:
         engine = self.engines[attempt.engine_id]

@@ -15,8 +15,21 @@ Each op is one async method taking the daemon's `OpRequest` and returning a shor
 | reclaim | undo release: wake/start + reload           |                                                  |
 | evict   |                                             | undo join: leave the router, sleep/shut down     |
 
+A loan (`op.plan` LOAN: lent to the training step in progress; RETURN: its way home at the
+step boundary) is drain, release and join with no restore or commit, and takes the cheap path:
+
+| op (plan)       | what the engine does                                                          |
+|-----------------|-------------------------------------------------------------------------------|
+| drain (LOAN)    | as for a resize: admit nothing more, near-done requests finish, the rest move  |
+| release (LOAN)  | `engine.lend()`: GPU sleep; CPU pause (loaded, admitting nothing, CPU unused)  |
+| join (RETURN)   | resume (or wake/start), load the current policy version, admitted again        |
+| reclaim (LOAN)  | undo release: resume and bring the weights up to date                          |
+| evict (RETURN)  | undo join: leave the router and pause again (the device stays lent)            |
+
 Every op is idempotent: a repeated op finds the work done and says so. The worker also
-reports its engine's per-sample progress, and watches the engine's health: a dead engine
+reports its engine's per-sample progress and, once the step's queue holds nothing for it,
+`queue_empty` (running requests and an upper bound on their tokens left; again with running
+0 once idle), which is what the daemon lends on. It watches the engine's health: a dead engine
 (EngineDeadError) or one that misses `missed_heartbeats` pings in a row is reported lost,
 its requests are re-placed by the router, and the worker stops heartbeating to the daemon
 so that the daemon marks it lost.
@@ -25,6 +38,7 @@ so that the daemon marks it lost.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -35,7 +49,7 @@ from dynaresized.backends.vllm.engine import EngineState, RolloutEngine
 from dynaresized.backends.vllm.ledger import SampleResult
 from dynaresized.backends.vllm.router import RequestRouter, StepResult
 from dynaresized.client import op_handlers
-from dynaresized.domain import ActualState, Holding, OpKind, Pool, StepTiming
+from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, StepTiming
 
 log = structlog.get_logger("dynaresized.backends.vllm")
 
@@ -49,6 +63,14 @@ class Progress(msgspec.Struct, frozen=True):
     done: int
     total: int
     tokens: int
+
+
+class QueueEmptyReport(msgspec.Struct, frozen=True):
+    """What `queue_empty` tells the daemon: no queued request of `step` is left for this engine."""
+
+    step: int
+    running: int
+    tokens_left: int
 
 
 class OpMismatch(ValueError):
@@ -83,11 +105,13 @@ class EngineWorker:
         self.lost_reason: str | None = None
         self.progress = Progress(step=-1, done=0, total=0, tokens=0)
         self.client: Any = None  # a dynaresized.client.WorkerClient once attached
-        self._progress_changed = asyncio.Event()
+        self._queue_empty: deque[QueueEmptyReport] = deque()  # to send, in order
+        self._reports_waiting = asyncio.Event()  # progress changed or a queue_empty is waiting
         self._tasks: list[asyncio.Task[None]] = []
         self._reporter: asyncio.Task[None] | None = None
         router.add(engine)
         router.on_sample(self._sample_done)
+        router.on_dry(self._ran_dry)
         router.on_lost(self._engine_lost)
 
     # -- ops -------------------------------------------------------------------------------
@@ -127,18 +151,39 @@ class EngineWorker:
         self._check(op, leaving=True)
         if self.engine.engine_id in self.router.admitted:
             raise RuntimeError(f"release before drain: {self.engine.engine_id} is still admitting samples")
+        if op.plan is PlanKind.LOAN:
+            return await self._lend()
+        # a resize takes the device for good: a paused (lent) engine is shut down too
         if self.engine.state in (EngineState.STOPPED, EngineState.SLEEPING):
             return f"{self.engine.engine_id} already released ({self.engine.state.value})"
         seconds = await self.engine.release()
         return f"released {self.engine.engine_id} ({self.engine.state.value}) in {seconds:.3f}s"
 
+    async def _lend(self) -> str:
+        if self.engine.state in (EngineState.STOPPED, EngineState.SLEEPING, EngineState.PAUSED):
+            return f"{self.engine.engine_id} already released ({self.engine.state.value})"
+        seconds = await self.engine.lend()
+        return f"lent {self.engine.engine_id} ({self.engine.state.value}) in {seconds:.3f}s"
+
     async def join(self, op: Any) -> str:
         self._check(op, leaving=False)
+        if op.plan is PlanKind.RETURN:
+            return await self._come_home()
         if self.engine.state is EngineState.RUNNING:
             return f"{self.engine.engine_id} already running"
         seconds = await self.engine.join()
         self.lost_reason = None
         return f"{self.engine.engine_id} up ({self.engine.device_type.value}) in {seconds:.3f}s"
+
+    async def _come_home(self) -> str:
+        """A loan's way home: no restore or commit follows, so join does all three: resume (or
+        wake, or start) the engine, bring it to the current policy version, admit it."""
+        if self.engine.engine_id in self.router.admitted:
+            return f"{self.engine.engine_id} already home and admitting"
+        was = self.engine.state.value
+        seconds, restored = await self._start_at_current_version()
+        await self.router.admit(self.engine.engine_id)
+        return f"{self.engine.engine_id} home (it was {was}) in {seconds:.3f}s; {restored}; admitting"
 
     async def restore(self, op: Any) -> str:
         self._check(op, leaving=False)
@@ -207,10 +252,12 @@ class EngineWorker:
         return f"{self.engine.engine_id} reclaimed in {seconds:.3f}s; {restored}"
 
     async def evict(self, op: Any) -> str:
-        """Undo join: the engine gives the device back."""
+        """Undo join: the engine gives the device back (a loan's failed way home: lent again)."""
         self._check(op, leaving=False)
         if self.engine.engine_id in self.router.admitted:
             await self.router.drain(self.engine.engine_id, timeout_s=0.0)
+        if op.plan is PlanKind.RETURN:
+            return await self._lend()
         if self.engine.state in (EngineState.STOPPED, EngineState.SLEEPING):
             return f"{self.engine.engine_id} already released"
         seconds = await self.engine.release()
@@ -229,7 +276,8 @@ class EngineWorker:
 
     def actual(self) -> ActualState:
         """What this engine really does, for the daemon's reconciliation: admitting samples
-        (serving), loaded but admitting nothing (drained), or asleep/stopped/dead (released)."""
+        (serving), loaded but admitting nothing (drained), or paused/asleep/stopped/dead
+        (released: a paused engine holds memory but leaves the device's CPU to the trainer)."""
         state = self.engine.state
         if self.engine.engine_id in self.router.admitted and state is EngineState.RUNNING:
             holding = Holding.SERVING
@@ -248,7 +296,13 @@ class EngineWorker:
         if p.step != result.step:
             p = Progress(step=result.step, done=0, total=total, tokens=0)
         self.progress = Progress(p.step, p.done + 1, total, p.tokens + len(result.token_ids))
-        self._progress_changed.set()
+        self._reports_waiting.set()
+
+    def _ran_dry(self, engine_id: str, step: int, running: int, tokens_left: int) -> None:
+        if engine_id != self.engine.engine_id or self.client is None:
+            return  # nobody to tell: a detached worker's daemon lends nothing
+        self._queue_empty.append(QueueEmptyReport(step, running, tokens_left))
+        self._reports_waiting.set()
 
     async def report_step(self, result: StepResult, train_s: float = 0.0) -> StepTiming:
         """Send a step's timing to the daemon; one party per step should do this."""
@@ -257,13 +311,20 @@ class EngineWorker:
             await self.client.report_step(timing)
         return timing
 
-    async def _report_progress(self, client: Any) -> None:
-        """Send the latest progress whenever it changed; bursts coalesce into one report."""
+    async def _report(self, client: Any) -> None:
+        """Send the latest progress whenever it changed (bursts coalesce into one report), then
+        every queue_empty in order: an engine's last progress goes out before its idle report."""
+        sent = self.progress
         while True:
-            await self._progress_changed.wait()
-            self._progress_changed.clear()
+            await self._reports_waiting.wait()
+            self._reports_waiting.clear()
             p = self.progress
-            await client.report_progress(p.step, p.done, p.total, p.tokens)
+            if p != sent:
+                await client.report_progress(p.step, p.done, p.total, p.tokens)
+                sent = p
+            while self._queue_empty:
+                q = self._queue_empty.popleft()
+                await client.report_queue_empty(q.step, q.running, q.tokens_left)
 
     # -- health ------------------------------------------------------------------------------
     def _engine_lost(self, engine_id: str, reason: str) -> None:
@@ -290,10 +351,11 @@ class EngineWorker:
             if self.engine.changing:
                 missed = 0  # starting, stopping or reloading: silence is expected
                 continue
-            if self.engine.state is not EngineState.RUNNING and not (
+            if self.engine.state not in (EngineState.RUNNING, EngineState.PAUSED) and not (
                 self.engine.state is EngineState.DEAD and self.lost_reason is None
             ):
-                missed = 0  # stopped, asleep, or already reported lost: nothing to watch
+                missed = 0  # stopped, asleep, or already reported lost: nothing to watch (a lent,
+                # paused engine is watched: it must come back at the step boundary)
                 continue
             if await self.engine.ping(self.heartbeat_interval_s):
                 missed = 0
@@ -320,7 +382,8 @@ class EngineWorker:
             client.actual = self.actual
         await client.start()
         self.client = client
-        self._reporter = asyncio.create_task(self._report_progress(client), name=f"{self.worker_id}-progress")
+        self._queue_empty.clear()  # left over from an earlier attachment, whose reporter was cancelled
+        self._reporter = asyncio.create_task(self._report(client), name=f"{self.worker_id}-progress")
 
     async def detach(self, reason: str = "engine worker detaching") -> None:
         """Say goodbye to the daemon; the engine keeps running."""

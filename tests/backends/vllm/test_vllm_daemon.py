@@ -9,7 +9,9 @@ is tested on its own, and here only the engines are under test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ from dynaresized.backends.vllm.engine import EngineState  # noqa: E402
 from dynaresized.client import OpRequest, WorkerClient  # noqa: E402
 from dynaresized.core import facts as f  # noqa: E402
 from dynaresized.domain import OpKind, WorkerKind  # noqa: E402
-from tests.backends.vllm.workload import Rollout, make_requests, ready  # noqa: E402
+from tests.backends.vllm.workload import Rollout, assert_exactly_once, make_requests, ready  # noqa: E402
 from tests.daemon.conftest import RunningDaemon, daemon_sections, read_facts, until, write_config  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
@@ -62,23 +64,38 @@ async def resize(daemon: RunningDaemon, train: int, rollout: int, count: str, ex
                        and s, timeout=90, what=f"resize to {train}:{rollout} {count}")
 
 
-async def test_engines_follow_the_daemon_through_resizes_and_a_rollback(rollout: Rollout, tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def attached(rollout: Rollout, tmp_path: Path, **overrides: dict) -> AsyncIterator[tuple[RunningDaemon,
+                                                                                           TrainerStandIns]]:
+    """A daemon (cpu2 in training) with both engines and a trainer stand-in per device attached."""
     await ready(rollout)
     sections = daemon_sections(
         tmp_path,
         cluster={"devices": DEVICES, "training": ["node0:cpu2"]},
         core={"heartbeat_timeout_s": 2.0, "op_timeout_s": 90.0},
         daemon={"drain_timeout_s": 10.0},
+        **overrides,
     )
     daemon = RunningDaemon(write_config(tmp_path / "daemon.toml", sections), sections).start()
     trainers = TrainerStandIns()
-    workers = rollout.workers
     try:
-        for engine_id, worker in workers.items():
+        for engine_id, worker in rollout.workers.items():
             await worker.attach(WorkerClient(daemon.worker_endpoint, engine_id, WorkerKind.ROLLOUT_ENGINE,
                                              worker.devices))
         await trainers.attach(daemon.worker_endpoint)
-        status = await until(lambda: (s := daemon.status()) and len(s["workers"]) == 5 and s, what="5 workers")
+        await until(lambda: len(daemon.status()["workers"]) == 5, what="5 workers")
+        yield daemon, trainers
+    finally:
+        for worker in rollout.workers.values():
+            await worker.detach("test over")
+        await trainers.close()
+        daemon.stop()
+
+
+async def test_engines_follow_the_daemon_through_resizes_and_a_rollback(rollout: Rollout, tmp_path: Path) -> None:
+    workers = rollout.workers
+    async with attached(rollout, tmp_path) as (daemon, trainers):
+        status = daemon.status()
         assert status["split"] == {"train": 1, "rollout": 2}
 
         # 1. rollout -> training for cpu1 while a step generates; the trainer's join fails:
@@ -118,11 +135,6 @@ async def test_engines_follow_the_daemon_through_resizes_and_a_rollback(rollout:
         result = await rollout.router.run_step(32, 1, make_requests(32, 8, random.Random(32)))
         assert result.engines == ("e0", "e1")
         await until(lambda: workers["e1"].progress.step == 32, what="progress of step 32")
-    finally:
-        for worker in workers.values():
-            await worker.detach("test over")
-        await trainers.close()
-        daemon.stop()
 
     facts = read_facts(daemon.state_dir)
     engine_ops = [(x.worker_id, x.op_id.split("-", 1)[1]) for x in facts
@@ -133,3 +145,49 @@ async def test_engines_follow_the_daemon_through_resizes_and_a_rollback(rollout:
     progress = [x for x in facts if isinstance(x, f.ProgressObserved) and x.step == 31]
     assert {x.worker_id for x in progress} == {"e0", "e1"}
     assert sum(max(x.done for x in progress if x.worker_id == w) for w in ("e0", "e1")) == 16
+
+
+async def test_an_idle_engine_is_lent_mid_step_and_comes_home_at_the_boundary(rollout: Rollout, tmp_path: Path) -> None:
+    """The real worker reports queue_empty; the daemon's default lending lends e1 (drain and
+    release with plan LOAN: e1 pauses) to the training step in progress and, once the step is
+    reported, brings it home (join with plan RETURN), where it serves the next step."""
+    workers, e1 = rollout.workers, rollout.engines["e1"]
+    async with attached(rollout, tmp_path, policy={"name": "hysteresis"},
+                        loan_costs={"to_training_s": 0.0, "return_s": 0.0, "lead_s": 0.0}) as (daemon, trainers):
+        [pid] = e1.core_pids
+        trainer = trainers.clients[2]  # the training pool's rank reports its mini-batches
+        for done in (1, 2):
+            await trainer.report_mini_batch(step=49, done=done, total=8)
+            await asyncio.sleep(0.2)
+
+        # e0 holds the one long response; e1 runs dry and is lent while e0 still decodes
+        requests = make_requests(50, 16, random.Random(50), long=1, long_tokens=800)
+        step = asyncio.create_task(rollout.router.run_step(50, 1, requests))
+        await until(lambda: daemon.status()["devices"]["node0:cpu1"] == "training" and daemon.status()["phase"]
+                    == "steady", timeout=90, what="e1 lent")
+        await trainer.report_mini_batch(step=49, done=8, total=8)  # training done: nothing more to lend to
+        assert e1.state is EngineState.PAUSED and e1.core_pids == [pid] and "e1" not in rollout.router.admitted
+        result = await step
+        assert_exactly_once(result, requests, 1)
+        await workers["e0"].report_step(result, train_s=result.rollout_s)
+        await until(lambda: "e1" in rollout.router.admitted and daemon.status()["phase"] == "steady"
+                    and daemon.status()["devices"]["node0:cpu1"] == "rollout", timeout=90, what="e1 home")
+        assert e1.state is EngineState.RUNNING and e1.core_pids == [pid], "home without a restart"
+        following = make_requests(51, 16, random.Random(51))
+        after = await rollout.router.run_step(51, 2, following)
+        assert_exactly_once(after, following, 2)
+        assert after.engines == ("e0", "e1")
+
+    facts = read_facts(daemon.state_dir)
+    dry = [(x.running, x.tokens_left) for x in facts
+           if isinstance(x, f.EngineQueueEmptyObserved) and x.worker_id == "e1" and x.step == 50]
+    e1_tokens = sum(r.max_tokens for i, r in enumerate(requests) if i % 2 == 1)
+    assert dry == [(8, e1_tokens), (0, 0)]
+    started = [x for x in facts if isinstance(x, f.LoanStarted)]
+    assert [x.plan.devices for x in started] == [("node0:cpu1",)]
+    assert [type(x) for x in facts].count(f.LoanReturned) == 1
+    e1_ops = [x.op_id for x in facts if isinstance(x, f.OpAcked) and x.worker_id == "e1"]
+    resize_id = started[0].plan.resize_id
+    assert e1_ops[:2] == [f"{resize_id}/0-drain", f"{resize_id}/1-release"]
+    assert len(e1_ops) == 3 and e1_ops[2].startswith(f"{resize_id}-home") and e1_ops[2].endswith("-join")
+    assert ("trainer1", f"{resize_id}/2-join") in trainers.ran

