@@ -100,6 +100,9 @@ class StepLine:
     response_tokens: int
     hashes: list[str]
     decision: str = ""
+    ended_s: float = 0.0  # seconds from the loop's start to this step's samples being written
+    prompt_tokens: list[int] = field(default_factory=list)  # per sample (a trace for `dynaresized simulate`)
+    decoded_tokens: list[int] = field(default_factory=list)  # per sample, tokens the engines generated
 
 
 Hook = Callable[["Driver", int], Awaitable[None]]
@@ -219,6 +222,9 @@ class Driver:
         n = len(self.devices)
         candidates = [f"{t}:{n - t}" for t in range(1, n)]
         guards = "\n".join(f"{k} = {json.dumps(v)}" for k, v in self.cfg.guards.items())
+        # No loans: a torch trainer here joins only at an RL-step boundary, not inside a step
+        # (docs/e2e.md), so an engine lent mid-step would idle until the step ended.
+        policy_options = "options = { lending = false }" if self.cfg.policy == "hysteresis" else ""
         text = f"""[daemon]
 state_dir = "{state}"
 worker_endpoint = "{worker_ep}"
@@ -235,9 +241,11 @@ training = {json.dumps(list(self.training0))}
 candidates = {json.dumps(candidates)}
 [policy]
 name = "{self.cfg.policy}"
+{policy_options}
 [guards]
 {guards}
 [core]
+steps_total = {self.cfg.steps}
 heartbeat_timeout_s = 30.0
 op_timeout_s = 240.0
 """
@@ -510,6 +518,7 @@ op_timeout_s = 240.0
     async def loop(self) -> dict[str, Any]:
         cfg = self.cfg
         curriculum = self.curriculum
+        self._loop_started = time.monotonic()
         forced = dict(cfg.force)
         for step in range(cfg.steps):
             version = max(step - 1, 0)  # one step off-policy: step k+1 generates while step k trains
@@ -526,15 +535,16 @@ op_timeout_s = 240.0
             by_id = {s.sample_id: s for s in result.samples}
             ordered = [by_id[r.sample_id] for r in requests]
             self.produced[step] = [(s.sample_id, s.policy_version) for s in result.samples]
-            rewards = [task.reward(r.prompt_token_ids, s.token_ids) for r, s in zip(requests, ordered, strict=True)]
+            answers = [task.answer_part(r.prompt_token_ids, s.token_ids) for r, s in zip(requests, ordered, strict=True)]
+            rewards = [task.reward(r.prompt_token_ids, a) for r, a in zip(requests, answers, strict=True)]
             adv = advantages(rewards, cfg.group)
             batch = StepSamples(step=step, policy_version=version, samples=tuple(
                 # the answer up to its first </s> (a sampling budget decodes past it); the loss's
                 # normaliser is the answer's room (n digits and </s> and one more), in every workload
-                TrainSample(sample_id=r.sample_id, prompt=r.prompt_token_ids, response=task.answer_part(s.token_ids),
+                TrainSample(sample_id=r.sample_id, prompt=r.prompt_token_ids, response=ans,
                             max_tokens=len(r.prompt_token_ids), reward=rw, advantage=a,
                             policy_version=s.policy_version)
-                for r, s, rw, a in zip(requests, ordered, rewards, adv, strict=True)))
+                for r, s, ans, rw, a in zip(requests, ordered, answers, rewards, adv, strict=True)))
             write_step(self.work / "samples", batch)
             # Training step k-1 ends before rollout k+1 may start (it publishes the version that
             # rollout needs), so waiting for its record here costs nothing. Reporting without it
@@ -550,7 +560,10 @@ op_timeout_s = 240.0
                             train_s=train_s, train=train_n, rollout=len(result.engines),
                             response_tokens=result.ledger.response_tokens,
                             hashes=[sample_hash(r.prompt_token_ids, s.token_ids, s.policy_version)
-                                    for r, s in zip(requests, ordered, strict=True)])
+                                    for r, s in zip(requests, ordered, strict=True)],
+                            ended_s=time.monotonic() - self._loop_started,
+                            prompt_tokens=[len(r.prompt_token_ids) for r in requests],
+                            decoded_tokens=[len(s.token_ids) for s in ordered])
             self.lines.append(line)
             self.say(f"step {step:3d}  v{version:<3d} reward {line.reward:5.3f}  tokens {line.response_tokens:5d}  "
                      f"rollout {line.rollout_s:6.2f}s on {line.rollout}  train(k-1) {train_s:6.2f}s on {train_n}  "
@@ -647,12 +660,17 @@ op_timeout_s = 240.0
             "resizes": status.get("resizes", {}), "final_split": status.get("split"), "phase": status.get("phase"),
             "ledger_ok": not checks["ledger_problems"], "ledger_problems": checks["ledger_problems"][:10],
             "events": self.events,
+            "decisions": [x.decision for x in self.lines],
             "idle_ratio": {pool: t["ratio"] for pool, t in status.get("idle", {}).get("pools", {}).items()},
         }
         self.summary = {**summary, "params_sha": checks["params_sha"],
                         "sample_hashes": [x.hashes for x in self.lines],
                         "versions": [x.version for x in self.lines],
-                        "pools": [(x.train, x.rollout) for x in self.lines]}
+                        "pools": [(x.train, x.rollout) for x in self.lines],
+                        "steps_detail": [{"step": x.step, "ended_s": round(x.ended_s, 3), "rollout_s": x.rollout_s,
+                                          "train_s": x.train_s, "train": x.train, "rollout": x.rollout,
+                                          "prompt_tokens": x.prompt_tokens, "response_tokens": x.decoded_tokens}
+                                         for x in self.lines]}
         self.say(f"\ndone: {cfg.steps} steps in {loop_s:.1f}s; resizes {summary['resizes']}; "
                  f"final split {summary['final_split']}")
         self.say(f"  held-out greedy reward: {before:.3f} before -> {after:.3f} after")

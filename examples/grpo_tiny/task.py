@@ -147,9 +147,13 @@ def eval_prompts(seed: int, count: int, min_len: int, max_len: int) -> list[tupl
     return [prompt_ids(digits_of(rng, rng.randint(min_len, max_len))) for _ in range(count)]
 
 
-def answer_part(response: tuple[int, ...]) -> tuple[int, ...]:
-    """The response up to and including its first </s>: what the reward reads and training trains."""
-    return response[: response.index(EOS_ID) + 1] if EOS_ID in response else response
+def answer_part(prompt: tuple[int, ...], response: tuple[int, ...]) -> tuple[int, ...]:
+    """What the reward reads and training trains: the response up to and including its first
+    </s>, and at most the answer's room (n digits, </s> and one more: `len(prompt)` tokens, the
+    `max_tokens` of a request without a sampling budget). With a budget the engine decodes
+    further; the answer is the same tokens a request without one would have returned."""
+    room = response[: len(prompt)]
+    return room[: room.index(EOS_ID) + 1] if EOS_ID in room else room
 
 
 def build_policy(directory: str | Path, *, sft_steps: int = 300, sft_max_len: int = 3, seed: int = 0,

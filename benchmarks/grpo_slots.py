@@ -1,0 +1,277 @@
+"""Benchmark: does the daemon, deciding by itself on device slots, finish the GRPO example sooner
+than a static split? Prints ONE JSON object; asserts nothing.
+
+Runs `examples/grpo_tiny --workload shift --slots CORES` (real vLLM engines, real torch trainer
+ranks, the real daemon; every device a cgroup slot) once with the hysteresis policy from the
+initial split, and once on every static split with the same seeds. Every time is MEASURED on the
+same slots: `loop_s` is the RL loop's wall time (set-up, i.e. engine and trainer starts before
+step 0, is reported apart as `setup_s` and left out of the speedups: it is the same for every
+run).
+
+* `speedup_vs_initial_split` = static run on the initial split / the run with the policy;
+* `speedup_vs_best_static` = the fastest static run (hindsight-best) / the run with the policy;
+* `per_phase_best_split`: per phase of the workload, which static run's steps were fastest and
+  by how much (mean step period), i.e. how far the best split per phase is from the best static;
+* `sim_vs_measured_total_time_error`: the simulator (`dynaresized simulate`, the same core and
+  policy) replays the policy run's trace (per-sample prompt and decoded lengths) on a profile
+  fitted from the STATIC runs' step times (benchmarks/grpo_slots.py `fit_profile`), with the
+  resize costs the daemon measured; (predicted − measured) / measured total loop time.
+
+Usage: python benchmarks/grpo_slots.py [--steps 24] [--prompts 64] [--slots 0.5] [--weight N]
+                                       [--initial-train 1] [--work DIR] [--quick]
+Needs root (or a delegated cgroup), the torch and vllm extras. About 2-3 minutes per run on 2
+cores (4 runs by default: the policy run and the 2 static splits of 3 devices... see `--quick`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from examples.grpo_tiny import task  # noqa: E402
+from examples.grpo_tiny.run import RunConfig, quiet_output, run_once  # noqa: E402
+
+GUARDS = {"signal_run": 1, "min_dwell_s": 0.0, "cooldown_steps": 1, "payback_safety": 0.0,
+          "imbalance_threshold": 0.2}
+
+
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def periods(detail: list[dict[str, Any]]) -> list[float]:
+    """Per step: seconds from the previous step's end (the loop's start for step 0)."""
+    ends = [d["ended_s"] for d in detail]
+    return [e - (ends[i - 1] if i else 0.0) for i, e in enumerate(ends)]
+
+
+def one_run(base: Path, name: str, cfg: dict[str, Any], shared: Path) -> dict[str, Any]:
+    work = base / name
+    work.mkdir(parents=True, exist_ok=True)
+    for part in ("model", "teacher"):  # built once: every run starts from the same warm start
+        if not (work / part).exists():
+            shutil.copytree(shared / part, work / part)
+    before = load()
+    started = time.monotonic()
+    summary = asyncio.run(run_once(RunConfig(**cfg, work=work, keep=True, quiet=True)))
+    return {"name": name, "policy": cfg["policy"], "initial_split": f"{cfg['initial_train']}:"
+            f"{cfg['devices'] - cfg['initial_train']}", "loop_s": summary["loop_s"],
+            "setup_s": summary["setup_s"], "wall_s": round(time.monotonic() - started, 1),
+            "resizes": summary["resizes"], "ledger_ok": summary["ledger_ok"], "events": summary["events"],
+            "decisions": summary["decisions"], "pools": summary["pools"],
+            "step_periods_s": [round(p, 3) for p in periods(summary["steps_detail"])],
+            "eval_reward": [summary["eval_reward_before"], summary["eval_reward_after"]],
+            "params_sha_last": summary["params_sha"][-1], "load_before": before, "load_after": load(),
+            "_detail": summary["steps_detail"]}
+
+
+# -- the simulator's side ----------------------------------------------------------------------
+def write_trace(detail: list[dict[str, Any]], path: Path) -> Path:
+    with path.open("w") as fh:
+        for d in detail:
+            fh.write(json.dumps({"step": d["step"], "prompt_tokens": d["prompt_tokens"],
+                                 "response_tokens": d["response_tokens"]}) + "\n")
+    return path
+
+
+def fit_profile(static_runs: list[dict[str, Any]], devices: int, initial_train: int, samples: int,
+                resize_s: dict[str, float], path: Path) -> Path:
+    """A profile of the slots fitted from the static runs' measured stage times.
+
+    Rollout: the simulator's decode cost `iter_base_s * iterations + iter_per_seq_s * tokens` per
+    engine is fitted by least squares on (engine iterations, tokens per engine) of every step of
+    every static run (iterations = the step's longest response: every request runs at once;
+    tokens split evenly over the pool). Training: `tokens / rate + step_overhead_s` on one rank,
+    divided over the pool with the fitted efficiency; the workload's first phase (the teacher's
+    forward pass) costs more per token than the second, so the fit is per phase and the profile
+    takes the token-weighted rate (a profile has one rate: `dynaresized simulate` cannot change
+    it mid-run; the resulting error is part of what this benchmark reports)."""
+    import numpy as np
+
+    rows, ys = [], []
+    trows, tys = [], []
+    for run in static_runs:
+        for d in run["_detail"][1:]:  # step 0 has no training time and the engines' first step
+            engines = d["rollout"]
+            rows.append([max(d["response_tokens"]), sum(d["response_tokens"]) / engines])
+            ys.append(d["rollout_s"])
+            if d["train_s"] > 0:
+                tokens = sum(p + min(r, p) for p, r in zip(d["prompt_tokens"], d["response_tokens"], strict=True))
+                trows.append([tokens / d["train"], 1.0])
+                tys.append(d["train_s"])
+    (base, per_seq), *_ = np.linalg.lstsq(np.array(rows, float), np.array(ys, float), rcond=None)
+    # the first training step of a run includes the ranks' warm-up: drop the slowest 10%
+    keep = np.argsort(tys)[: max(2, int(len(tys) * 0.9))]
+    (per_token, overhead), *_ = np.linalg.lstsq(np.array(trows, float)[keep], np.array(tys, float)[keep], rcond=None)
+    per_token = max(float(per_token), 1e-7)
+    to_train = resize_s.get("to_training", 5.0)
+    to_rollout = resize_s.get("to_rollout", 15.0)
+    text = f"""# Fitted by benchmarks/grpo_slots.py from measured static runs on device slots.
+name = "tiny-llama-cpu-slots"
+description = "the grpo_tiny example's tiny Llama on CPU device slots (fitted)"
+
+[cluster]
+gpus = {devices}
+initial_train = {initial_train}
+gpus_per_node = {devices}
+
+[rollout]
+gpus_per_engine = 1
+max_num_seqs = 1024
+kv_cache_tokens = 100000000
+iter_base_s = {max(float(base), 1e-6):.6g}
+iter_per_seq_s = {max(float(per_seq), 1e-9):.6g}
+iter_per_ctx_token_s = 0.0
+prefill_per_token_s = 0.0
+
+[training]
+update_tokens_per_s = {1.0 / per_token:.6g}
+logprob_tokens_per_s = 1e12
+attention_tokens = 0.0
+dp_efficiency_per_doubling = 1.0
+step_overhead_s = {max(float(overhead), 0.0):.6g}
+
+[sync]
+weight_sync_s = 0.0
+colocated_switch_s = 0.0
+
+[resize]
+[resize.to_training]
+drain_s = 0.0
+release_s = 0.0
+join_s = {to_train:.3f}
+restore_s = 0.0
+commit_s = 0.0
+first_step_s = 0.0
+
+[resize.to_rollout]
+drain_s = 0.0
+release_s = 0.0
+join_s = {to_rollout:.3f}
+restore_s = 0.0
+commit_s = 0.0
+first_step_s = 0.0
+
+[resize.naive]
+drain_s = 0.0
+teardown_s = 0.0
+init_process_group_s = 0.0
+load_state_s = 0.0
+restart_s = 0.0
+
+[workload]
+samples_per_step = {samples}
+samples_per_prompt = 8
+max_response_tokens = 64
+prompt_median_tokens = 6.0
+"""
+    path.write_text(text)
+    return path
+
+
+def resize_seconds(events: list[str]) -> dict[str, float]:
+    """Seconds each committed resize took, by direction, from the daemon's event lines."""
+    out: dict[str, float] = {}
+    direction = {}
+    for e in events:
+        if e.startswith("ResizeStarted"):
+            rid = e.split("resize ", 1)[1].split(" ", 1)[0]
+            direction[rid] = "to_training" if "rollout->training" in e else "to_rollout"
+        elif e.startswith("ResizeCommitted") and " committed in " in e:
+            rid = e.split("resize ", 1)[1].split(" ", 1)[0]
+            seconds = float(e.split(" committed in ", 1)[1].split("s", 1)[0])
+            if rid in direction:
+                out[direction[rid]] = seconds
+    return out
+
+
+def simulate(trace: Path, profile: Path, guards: dict[str, Any]) -> dict[str, Any]:
+    import subprocess
+
+    cmd = [sys.executable, "-m", "dynaresized.cli", "simulate", "--trace", str(trace), "--profile", str(profile),
+           "--policy", "hysteresis", "--policy-option", "lending=false", "--json"]
+    for k, v in guards.items():
+        cmd += ["--guard", f"{k}={v}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--slots", type=float, default=0.5)
+    p.add_argument("--weight", type=int, default=8192)
+    p.add_argument("--devices", type=int, default=3)
+    p.add_argument("--initial-train", type=int, default=1)
+    p.add_argument("--work", help="keep every run's work directory here")
+    p.add_argument("--quick", action="store_true", help="12 steps")
+    args = p.parse_args()
+    steps = 12 if args.quick else args.steps
+    base = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="grpo-slots-bench-"))
+    base.mkdir(parents=True, exist_ok=True)
+    out_fd = os.dup(1)
+    quiet_output(base)  # vLLM's and the libraries' logs to base/engines.log; stdout keeps the JSON
+    os.dup2(2, 1)
+    shared = base / "shared"
+    if not (shared / "model" / "config.json").exists():
+        task.build_policy(shared / "model", sft_steps=10, seed=0)
+    if not (shared / "teacher" / "config.json").exists():
+        task.build_policy(shared / "teacher", sft_steps=60, sft_max_len=6, seed=1, spec=task.TEACHER_SPEC, lr=2e-3)
+    common = dict(steps=steps, devices=args.devices, prompts=args.prompts, deterministic=True, workload="shift",
+                  slots=args.slots, slot_weight=args.weight, guards=GUARDS)
+    runs = [one_run(base, "policy", {**common, "policy": "hysteresis", "initial_train": args.initial_train}, shared)]
+    splits = [args.initial_train] + [t for t in range(1, args.devices) if t != args.initial_train]
+    for t in splits:
+        runs.append(one_run(base, f"static-{t}", {**common, "policy": "static", "initial_train": t}, shared))
+    policy, statics = runs[0], runs[1:]
+    initial = statics[0]
+    best = min(statics, key=lambda r: r["loop_s"])
+    wl = task.ShiftingWorkload(steps=steps)
+    phases: dict[str, Any] = {}
+    for phase in (1, 2):
+        idx = [s for s in range(1, steps) if wl.phase(s) == phase]  # step 0: warm-up, in no phase
+        means = {r["initial_split"]: statistics.fmean(r["step_periods_s"][i] for i in idx) for r in statics}
+        split = min(means, key=means.__getitem__)
+        phases[str(phase)] = {"steps": [idx[0], idx[-1]], "mean_step_s": {k: round(v, 3) for k, v in means.items()},
+                              "best_split": split}
+    result: dict[str, Any] = {
+        "benchmark": "grpo_slots", "steps": steps, "prompts": args.prompts, "devices": args.devices,
+        "slots_cores": args.slots, "slot_weight": args.weight, "cpu_count": os.cpu_count(),
+        "speedup_vs_initial_split": round(initial["loop_s"] / policy["loop_s"], 3),
+        "speedup_vs_best_static": round(best["loop_s"] / policy["loop_s"], 3),
+        "best_static_split": best["initial_split"], "per_phase_best_split": phases,
+    }
+    try:
+        trace = write_trace(policy["_detail"], base / "policy-trace.jsonl")
+        profile = fit_profile(statics, args.devices, args.initial_train, args.prompts * 8,
+                              resize_seconds(policy["events"]), base / "tiny-llama-cpu-slots.toml")
+        sim = simulate(trace, profile, GUARDS)
+        measured = policy["loop_s"]
+        result["sim_vs_measured_total_time_error"] = round((sim["total_time_s"] - measured) / measured, 3)
+        result["sim"] = {"profile": str(profile), "trace": str(trace), "total_time_s": round(sim["total_time_s"], 2),
+                         "resizes": sim["resizes"], "best_static": sim["best_static"],
+                         "initial_split_total_time_s": round(sim["initial_split_total_time_s"], 2),
+                         "measured_total_s": measured}
+    except Exception as exc:  # noqa: BLE001 - the measured runs are still worth printing
+        result["sim_vs_measured_total_time_error"] = None
+        result["sim_error"] = repr(exc)
+    result["runs"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs]
+    os.write(out_fd, (json.dumps(result) + "\n").encode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
