@@ -93,29 +93,28 @@ def fit_profile(static_runs: list[dict[str, Any]], devices: int, initial_train: 
     Rollout: the simulator's decode cost `iter_base_s * iterations + iter_per_seq_s * tokens` per
     engine is fitted by least squares on (engine iterations, tokens per engine) of every step of
     every static run (iterations = the step's longest response: every request runs at once;
-    tokens split evenly over the pool). Training: `tokens / rate + step_overhead_s` on one rank,
-    divided over the pool with the fitted efficiency; the workload's first phase (the teacher's
-    forward pass) costs more per token than the second, so the fit is per phase and the profile
-    takes the token-weighted rate (a profile has one rate: `dynaresized simulate` cannot change
-    it mid-run; the resulting error is part of what this benchmark reports)."""
+    tokens split evenly over the pool). Training: device-seconds per trained token (prompt and
+    answer), one rate for the whole run: measured device-seconds over trained tokens of every
+    step but the first two of each run (step 1's training time includes the ranks' warm-up). The
+    workload's first phase (the teacher's forward pass) costs more per token than the second,
+    but a profile has one rate (`dynaresized simulate` cannot change it mid-run): that error is
+    part of what this benchmark reports."""
     import numpy as np
 
     rows, ys = [], []
-    trows, tys = [], []
+    device_s = tokens_total = 0.0
     for run in static_runs:
         for d in run["_detail"][1:]:  # step 0 has no training time and the engines' first step
             engines = d["rollout"]
             rows.append([max(d["response_tokens"]), sum(d["response_tokens"]) / engines])
             ys.append(d["rollout_s"])
-            if d["train_s"] > 0:
-                tokens = sum(p + min(r, p) for p, r in zip(d["prompt_tokens"], d["response_tokens"], strict=True))
-                trows.append([tokens / d["train"], 1.0])
-                tys.append(d["train_s"])
+            if d["train_s"] > 0 and d["step"] > 1:
+                device_s += d["train_s"] * d["train"]
+                # the trained answer is at most the answer's room (len(prompt) tokens)
+                tokens_total += sum(p + min(r, p) for p, r in zip(d["prompt_tokens"], d["response_tokens"], strict=True))
     (base, per_seq), *_ = np.linalg.lstsq(np.array(rows, float), np.array(ys, float), rcond=None)
-    # the first training step of a run includes the ranks' warm-up: drop the slowest 10%
-    keep = np.argsort(tys)[: max(2, int(len(tys) * 0.9))]
-    (per_token, overhead), *_ = np.linalg.lstsq(np.array(trows, float)[keep], np.array(tys, float)[keep], rcond=None)
-    per_token = max(float(per_token), 1e-7)
+    per_token = max(device_s / max(tokens_total, 1.0), 1e-9)
+    overhead = 0.0
     to_train = resize_s.get("to_training", 5.0)
     to_rollout = resize_s.get("to_rollout", 15.0)
     text = f"""# Fitted by benchmarks/grpo_slots.py from measured static runs on device slots.

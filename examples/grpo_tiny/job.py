@@ -134,6 +134,8 @@ class GRPOJob:
         self.lr = lr
         self.wait_timeout_s = wait_timeout_s
         self._cache: dict[int, StepSamples] = {}
+        # seconds this rank waited for each step's file: the step's time minus this is training
+        self.waited_s: dict[int, float] = {}
 
     def build_model(self) -> nn.Module:
         from transformers import LlamaForCausalLM
@@ -148,11 +150,13 @@ class GRPOJob:
     def samples(self, step: int) -> StepSamples:
         if step not in self._cache:
             path = step_path(self.samples_dir, step)
-            deadline = time.monotonic() + self.wait_timeout_s
+            began = time.monotonic()
+            deadline = began + self.wait_timeout_s
             while not path.exists():  # the driver is still generating this step
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no samples for step {step} at {path} after {self.wait_timeout_s}s")
                 time.sleep(0.02)
+            self.waited_s = {step: time.monotonic() - began}
             self._cache = {step: msgspec.msgpack.decode(path.read_bytes(), type=StepSamples)}
         return self._cache[step]
 

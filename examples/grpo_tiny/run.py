@@ -1,7 +1,9 @@
 """GRPO on a toy task, end to end: vLLM engines, torch trainer ranks, and the daemon moving devices.
 
     python -m examples.grpo_tiny.run --steps 30                  # hysteresis policy, 3 CPU devices
-    python -m examples.grpo_tiny.run --steps 30 --compare-static # and the same run on a static split
+    python -m examples.grpo_tiny.run --steps 30 --compare-static # and the same seeds on every static split
+    python -m examples.grpo_tiny.run --steps 24 --prompts 64 --initial-train 1 --workload shift --slots 0.5
+                                                                 # a CPU slot per device: the policy moves them
     python -m examples.grpo_tiny.run --steps 12 --deterministic --force 3:grow,6:shrink
 
 What runs (all on this machine; a "device" is a CPU slot, on a GPU machine a GPU):
@@ -18,8 +20,8 @@ What runs (all on this machine; a "device" is a CPU slot, on a GPU machine a GPU
   the trainer leader publishes version k+1 to the `WeightStore` after its optimizer step and
   the engines reload it at the next step boundary.
 
-Per step it prints the mean reward, the stage times, the pool sizes, and every resize with the
-daemon's reason (read from its event log). At the end: the greedy reward on a held-out set
+Per step it prints the mean reward, the stage times, the pool sizes, and what the daemon logged
+about the step (moved, or held and why; read from its event log), and every resize. At the end: the greedy reward on a held-out set
 before and after, the ledger check (every sample produced once and trained on once), and one
 JSON summary line.
 """
@@ -733,7 +735,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true", help="per-request seeds + deterministic reduction")
     p.add_argument("--force", default="", help="comma list STEP:grow|shrink resizes asked through the control "
                                                "endpoint, e.g. 3:grow,6:shrink (grow = one more training device)")
-    p.add_argument("--compare-static", action="store_true", help="then run again on the static initial split")
+    p.add_argument("--compare-static", action="store_true",
+                   help="then run the same seeds on every static split (measured): speedups vs the initial and "
+                        "the best static split")
     p.add_argument("--work", help="work directory (kept); default a temporary one, removed")
     p.add_argument("--daemon", help="use a running daemon: its worker endpoint (then --control too)")
     p.add_argument("--control", help="the running daemon's control endpoint")
@@ -775,6 +779,37 @@ def quiet_output(work: Path) -> Path:
     return log
 
 
+def compare_static(cfg: RunConfig, summary: dict[str, Any], work: Path, keep: bool) -> dict[str, Any]:
+    """The same seeds on every static split, each measured on the same devices (slots, if
+    any): the run against the initial split and against the hindsight-best static split."""
+    static: dict[str, dict[str, Any]] = {}
+    order = [cfg.initial_train] + [t for t in range(1, cfg.devices) if t != cfg.initial_train]
+    for train in order:
+        split = f"{train}:{cfg.devices - train}"
+        print(f"\n== the same run on the static split {split} ==", flush=True)
+        static_work = work.with_name(f"{work.name}-static-{train}")
+        static_work.mkdir(parents=True, exist_ok=True)
+        for part in ("model", "teacher"):  # the same warm start (and teacher): no second build
+            if (work / part).is_dir() and not (static_work / part).exists():
+                shutil.copytree(work / part, static_work / part)
+        run = asyncio.run(run_once(RunConfig(**{**cfg.__dict__, "policy": "static", "force": (),
+                                                "initial_train": train, "work": static_work, "keep": True})))
+        static[split] = {k: run[k] for k in ("loop_s", "eval_reward_after", "train_reward_last3", "ledger_ok")}
+        if not keep and run["ledger_ok"]:
+            shutil.rmtree(static_work, ignore_errors=True)
+    initial = static[f"{cfg.initial_train}:{cfg.devices - cfg.initial_train}"]
+    best_split = min(static, key=lambda k: static[k]["loop_s"])
+    best = static[best_split]
+    print(f"\n{cfg.policy} from {cfg.initial_train}:{cfg.devices - cfg.initial_train}: {summary['loop_s']:.1f}s; "
+          + ", ".join(f"static {k}: {v['loop_s']:.1f}s" for k, v in static.items())
+          + f"\n  speedup vs the initial split {initial['loop_s'] / summary['loop_s']:.2f}x, vs the best static "
+            f"split ({best_split}) {best['loop_s'] / summary['loop_s']:.2f}x; measured, same seeds, same prompts and "
+            f"sample counts per step", flush=True)
+    return {"splits": static, "best_split": best_split,
+            "speedup_vs_initial_split": round(initial["loop_s"] / summary["loop_s"], 3),
+            "speedup_vs_best_static": round(best["loop_s"] / summary["loop_s"], 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     force = []
@@ -799,17 +834,10 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         print(f"grpo_tiny: the run failed; its work directory is kept: {work}", file=sys.stderr, flush=True)
         raise
-    result = {k: v for k, v in summary.items() if k not in ("params_sha", "sample_hashes", "versions")}
+    result = {k: v for k, v in summary.items() if k not in ("params_sha", "sample_hashes", "versions",
+                                                                    "steps_detail")}
     if args.compare_static:
-        print("\n== the same run on the static split ==", flush=True)
-        static_cfg = RunConfig(**{**cfg.__dict__, "policy": "static", "force": (),
-                                  "work": Path(args.work + "-static") if args.work else None,
-                                  "keep": bool(args.work)})
-        static = asyncio.run(run_once(static_cfg))
-        result["static"] = {k: static[k] for k in ("loop_s", "eval_reward_after", "train_reward_last3", "ledger_ok")}
-        print(f"\ndynamic ({cfg.policy}): {summary['loop_s']:.1f}s, static {cfg.initial_train}:"
-              f"{cfg.devices - cfg.initial_train}: {static['loop_s']:.1f}s "
-              f"({static['loop_s'] / summary['loop_s']:.2f}x); same prompts and sample counts per step", flush=True)
+        result["static"] = compare_static(cfg, summary, work, keep=bool(args.work))
     if args.json:
         print(json.dumps(result))
     if not summary["ledger_ok"]:

@@ -93,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
             return
         model = rank.state.model
         weights.publish(record.step, {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
+        # The rank's step time counts its wait for the step's samples (rollout still running):
+        # reported as training time, that wait would make a rollout-bound step look train-bound.
+        seconds = max(record.seconds - job.waited_s.get(step, 0.0), 0.0)
         write_json(trained / f"step-{step:05d}.json",
-                   {"step": step, "version": record.step, "seconds": record.seconds,
+                   {"step": step, "version": record.step, "seconds": seconds, "step_seconds": record.seconds,
                     "members": [devices[m] for m in record.members], "loss": record.loss,
                     "params_sha": record.params_sha})
 
