@@ -117,6 +117,10 @@ def fit_profile(static_runs: list[dict[str, Any]], devices: int, initial_train: 
     overhead = 0.0
     to_train = resize_s.get("to_training", 5.0)
     to_rollout = resize_s.get("to_rollout", 15.0)
+    # The daemon's measured seconds per move, all on the join (a move's ops are serial)
+    resize = "\n".join(f"[resize.{name}]\ndrain_s = 0.0\nrelease_s = 0.0\njoin_s = {seconds:.3f}\nrestore_s = 0.0\n"
+                        f"commit_s = 0.0\nfirst_step_s = 0.0\n"
+                        for name, seconds in (("to_training", to_train), ("to_rollout", to_rollout)))
     text = f"""# Fitted by benchmarks/grpo_slots.py from measured static runs on device slots.
 name = "tiny-llama-cpu-slots"
 description = "the grpo_tiny example's tiny Llama on CPU device slots (fitted)"
@@ -147,22 +151,7 @@ weight_sync_s = 0.0
 colocated_switch_s = 0.0
 
 [resize]
-[resize.to_training]
-drain_s = 0.0
-release_s = 0.0
-join_s = {to_train:.3f}
-restore_s = 0.0
-commit_s = 0.0
-first_step_s = 0.0
-
-[resize.to_rollout]
-drain_s = 0.0
-release_s = 0.0
-join_s = {to_rollout:.3f}
-restore_s = 0.0
-commit_s = 0.0
-first_step_s = 0.0
-
+{resize}
 [resize.naive]
 drain_s = 0.0
 teardown_s = 0.0

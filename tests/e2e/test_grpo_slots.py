@@ -31,6 +31,7 @@ pytest.importorskip("vllm", reason="the end-to-end run needs the vllm extra (vll
 
 from dynaresized.backends.cpu import DeviceSlots, SlotsUnavailable  # noqa: E402
 from examples.grpo_tiny.run import RunConfig, run_once  # noqa: E402
+from tests.e2e.checks import assert_every_sample_once, assert_same_rl  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.vllm, pytest.mark.slow]
 
@@ -74,19 +75,11 @@ def test_the_policy_moved_devices_both_ways_by_itself(runs: dict[str, dict[str, 
 
 
 def test_every_sample_is_produced_once_and_trained_on_once(runs: dict[str, dict[str, Any]]) -> None:
-    for name, summary in runs.items():
-        assert summary["ledger_ok"], (name, summary["ledger_problems"])
-        assert summary["phase"] == "steady", (name, summary["events"])
-        assert len(summary["sample_hashes"]) == STEPS
-        assert all(len(h) == PROMPTS * 8 for h in summary["sample_hashes"])
+    assert_every_sample_once(runs, STEPS, PROMPTS * 8)
 
 
 def test_moves_change_nothing_the_rl_loop_sees(runs: dict[str, dict[str, Any]]) -> None:
-    a, b = runs["moved"], runs["static"]
-    assert a["versions"] == b["versions"] == [max(s - 1, 0) for s in range(STEPS)]
-    for step, (ha, hb) in enumerate(zip(a["sample_hashes"], b["sample_hashes"], strict=True)):
-        assert ha == hb, f"step {step}: samples differ between the run with moves and the static run"
-    assert all(a["params_sha"]) and a["params_sha"] == b["params_sha"]
+    assert_same_rl(runs["moved"], runs["static"], STEPS)
 
 
 def test_reward_improves(runs: dict[str, dict[str, Any]]) -> None:
