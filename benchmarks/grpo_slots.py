@@ -13,8 +13,8 @@ run).
 * `per_phase_best_split`: per phase of the workload, which static run's steps were fastest and
   by how much (mean step period), i.e. how far the best split per phase is from the best static;
 * `sim_vs_measured_total_time_error`: the simulator (`dynaresized simulate`, the same core and
-  policy) replays the policy run's trace (per-sample prompt and decoded lengths) on a profile
-  fitted from the STATIC runs' step times (benchmarks/grpo_slots.py `fit_profile`), with the
+  policy) replays the policy run's trace (per-sample prompt and decoded lengths) on profiles
+  fitted from the STATIC runs' step times (`fit`, one per phase: `simulate_by_phase`), with the
   resize costs the daemon measured; (predicted − measured) / measured total loop time.
 
 Usage: python benchmarks/grpo_slots.py [--steps 24] [--prompts 64] [--slots 0.5] [--weight N]
@@ -69,7 +69,8 @@ def one_run(base: Path, name: str, cfg: dict[str, Any], shared: Path) -> dict[st
     return {"name": name, "policy": cfg["policy"], "initial_split": f"{cfg['initial_train']}:"
             f"{cfg['devices'] - cfg['initial_train']}", "loop_s": summary["loop_s"],
             "setup_s": summary["setup_s"], "wall_s": round(time.monotonic() - started, 1),
-            "resizes": summary["resizes"], "ledger_ok": summary["ledger_ok"], "events": summary["events"],
+            "resizes": summary["resizes"], "ledger_ok": summary["ledger_ok"],
+            "ledger_problems": summary["ledger_problems"], "events": summary["events"],
             "decisions": summary["decisions"], "pools": summary["pools"],
             "step_periods_s": [round(p, 3) for p in periods(summary["steps_detail"])],
             "eval_reward": [summary["eval_reward_before"], summary["eval_reward_after"]],
@@ -86,42 +87,43 @@ def write_trace(detail: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def fit_profile(static_runs: list[dict[str, Any]], devices: int, initial_train: int, samples: int,
-                resize_s: dict[str, float], path: Path) -> Path:
-    """A profile of the slots fitted from the static runs' measured stage times.
+def fit(static_runs: list[dict[str, Any]], phase_of: Any) -> dict[str, Any]:
+    """Stage-time parameters of the slots, fitted from the static runs' measured step times.
 
     Rollout: the simulator's decode cost `iter_base_s * iterations + iter_per_seq_s * tokens` per
-    engine is fitted by least squares on (engine iterations, tokens per engine) of every step of
-    every static run (iterations = the step's longest response: every request runs at once;
-    tokens split evenly over the pool). Training: device-seconds per trained token (prompt and
-    answer), one rate for the whole run: measured device-seconds over trained tokens of every
-    step but the first two of each run (step 1's training time includes the ranks' warm-up). The
-    workload's first phase (the teacher's forward pass) costs more per token than the second,
-    but a profile has one rate (`dynaresized simulate` cannot change it mid-run): that error is
-    part of what this benchmark reports."""
+    engine, by least squares over every step of every static run (iterations = the step's
+    longest response: every request runs at once; tokens split evenly over the pool).
+    Training: device-seconds per trained token (prompt and answer), per phase of the workload
+    (the first phase runs the teacher's forward pass too): measured device-seconds over trained
+    tokens of every step but the first two of each run (the ranks' warm-up)."""
     import numpy as np
 
     rows, ys = [], []
-    device_s = tokens_total = 0.0
+    device_s: dict[int, float] = {}
+    tokens: dict[int, float] = {}
     for run in static_runs:
-        for d in run["_detail"][1:]:  # step 0 has no training time and the engines' first step
-            engines = d["rollout"]
-            rows.append([max(d["response_tokens"]), sum(d["response_tokens"]) / engines])
+        for d in run["_detail"][1:]:  # step 0: the engines' first step, and no training time
+            rows.append([max(d["response_tokens"]), sum(d["response_tokens"]) / d["rollout"]])
             ys.append(d["rollout_s"])
             if d["train_s"] > 0 and d["step"] > 1:
-                device_s += d["train_s"] * d["train"]
+                phase = phase_of(d["step"] - 1)  # the training time reported at step k is step k-1's
+                device_s[phase] = device_s.get(phase, 0.0) + d["train_s"] * d["train"]
                 # the trained answer is at most the answer's room (len(prompt) tokens)
-                tokens_total += sum(p + min(r, p) for p, r in zip(d["prompt_tokens"], d["response_tokens"], strict=True))
+                tokens[phase] = tokens.get(phase, 0.0) + sum(
+                    p + min(r, p) for p, r in zip(d["prompt_tokens"], d["response_tokens"], strict=True))
     (base, per_seq), *_ = np.linalg.lstsq(np.array(rows, float), np.array(ys, float), rcond=None)
-    per_token = max(device_s / max(tokens_total, 1.0), 1e-9)
-    overhead = 0.0
-    to_train = resize_s.get("to_training", 5.0)
-    to_rollout = resize_s.get("to_rollout", 15.0)
+    return {"iter_base_s": max(float(base), 1e-6), "iter_per_seq_s": max(float(per_seq), 1e-9),
+            "train_s_per_token": {ph: device_s[ph] / tokens[ph] for ph in sorted(device_s)}}
+
+
+def profile_text(params: dict[str, Any], s_per_token: float, devices: int, initial_train: int, samples: int,
+                 resize_s: dict[str, float]) -> str:
+    """A `dynaresized simulate` profile of the slots: fitted stage times, measured move costs."""
     # The daemon's measured seconds per move, all on the join (a move's ops are serial)
-    resize = "\n".join(f"[resize.{name}]\ndrain_s = 0.0\nrelease_s = 0.0\njoin_s = {seconds:.3f}\nrestore_s = 0.0\n"
-                        f"commit_s = 0.0\nfirst_step_s = 0.0\n"
-                        for name, seconds in (("to_training", to_train), ("to_rollout", to_rollout)))
-    text = f"""# Fitted by benchmarks/grpo_slots.py from measured static runs on device slots.
+    resize = "\n".join(f"[resize.{name}]\ndrain_s = 0.0\nrelease_s = 0.0\njoin_s = {resize_s.get(name, default):.3f}\n"
+                        f"restore_s = 0.0\ncommit_s = 0.0\nfirst_step_s = 0.0\n"
+                        for name, default in (("to_training", 5.0), ("to_rollout", 15.0)))
+    return f"""# Fitted by benchmarks/grpo_slots.py from measured static runs on device slots.
 name = "tiny-llama-cpu-slots"
 description = "the grpo_tiny example's tiny Llama on CPU device slots (fitted)"
 
@@ -134,17 +136,17 @@ gpus_per_node = {devices}
 gpus_per_engine = 1
 max_num_seqs = 1024
 kv_cache_tokens = 100000000
-iter_base_s = {max(float(base), 1e-6):.6g}
-iter_per_seq_s = {max(float(per_seq), 1e-9):.6g}
+iter_base_s = {params["iter_base_s"]:.6g}
+iter_per_seq_s = {params["iter_per_seq_s"]:.6g}
 iter_per_ctx_token_s = 0.0
 prefill_per_token_s = 0.0
 
 [training]
-update_tokens_per_s = {1.0 / per_token:.6g}
+update_tokens_per_s = {1.0 / s_per_token:.6g}
 logprob_tokens_per_s = 1e12
 attention_tokens = 0.0
 dp_efficiency_per_doubling = 1.0
-step_overhead_s = {max(float(overhead), 0.0):.6g}
+step_overhead_s = 0.0
 
 [sync]
 weight_sync_s = 0.0
@@ -165,8 +167,32 @@ samples_per_prompt = 8
 max_response_tokens = 64
 prompt_median_tokens = 6.0
 """
-    path.write_text(text)
-    return path
+
+
+def simulate_by_phase(detail: list[dict[str, Any]], params: dict[str, Any], switch: int, devices: int,
+                      initial_train: int, samples: int, resize_s: dict[str, float], base: Path) -> dict[str, Any]:
+    """The policy run through `dynaresized simulate`: a profile has one training rate, so each
+    phase is simulated on its own profile, phase 2 starting from the split phase 1 ended on.
+    What the two halves cannot carry over: a resize in flight at the switch, and the guards'
+    history (cooldown, signal run) across it."""
+    out: dict[str, Any] = {"phases": []}
+    train = initial_train
+    total = 0.0
+    for phase, steps in ((1, detail[:switch]), (2, detail[switch:])):
+        rows = [{**d, "step": i} for i, d in enumerate(steps)]
+        trace = write_trace(rows, base / f"policy-trace-phase{phase}.jsonl")
+        profile = base / f"tiny-llama-cpu-slots-phase{phase}.toml"
+        profile.write_text(profile_text(params, params["train_s_per_token"][phase], devices, train, samples, resize_s))
+        sim = simulate(trace, profile, GUARDS)
+        out["phases"].append({"phase": phase, "initial_split": sim["initial_split"], "final_split": sim["final_split"],
+                              "total_time_s": round(sim["total_time_s"], 2), "resizes": sim["resizes"],
+                              "best_static": sim["best_static"],
+                              "initial_split_total_time_s": round(sim["initial_split_total_time_s"], 2),
+                              "profile": str(profile), "trace": str(trace)})
+        total += sim["total_time_s"]
+        train = int(sim["final_split"].split(":")[0])
+    out["total_time_s"] = round(total, 2)
+    return out
 
 
 def resize_seconds(events: list[str]) -> dict[str, float]:
@@ -243,16 +269,15 @@ def main() -> int:
         "best_static_split": best["initial_split"], "per_phase_best_split": phases,
     }
     try:
-        trace = write_trace(policy["_detail"], base / "policy-trace.jsonl")
-        profile = fit_profile(statics, args.devices, args.initial_train, args.prompts * 8,
-                              resize_seconds(policy["events"]), base / "tiny-llama-cpu-slots.toml")
-        sim = simulate(trace, profile, GUARDS)
+        params = fit(statics, wl.phase)
+        sim = simulate_by_phase(policy["_detail"], params, wl.switch_step, args.devices, args.initial_train,
+                                args.prompts * 8, resize_seconds(policy["events"]), base)
         measured = policy["loop_s"]
         result["sim_vs_measured_total_time_error"] = round((sim["total_time_s"] - measured) / measured, 3)
-        result["sim"] = {"profile": str(profile), "trace": str(trace), "total_time_s": round(sim["total_time_s"], 2),
-                         "resizes": sim["resizes"], "best_static": sim["best_static"],
-                         "initial_split_total_time_s": round(sim["initial_split_total_time_s"], 2),
-                         "measured_total_s": measured}
+        measured_phase = [sum(policy["step_periods_s"][:wl.switch_step]), sum(policy["step_periods_s"][wl.switch_step:])]
+        for ph, m in zip(sim["phases"], measured_phase, strict=True):
+            ph["measured_s"] = round(m, 2)
+        result["sim"] = {**sim, "fit": params, "measured_total_s": measured}
     except Exception as exc:  # noqa: BLE001 - the measured runs are still worth printing
         result["sim_vs_measured_total_time_error"] = None
         result["sim_error"] = repr(exc)
