@@ -19,8 +19,9 @@ run).
 
 Usage: python benchmarks/grpo_slots.py [--steps 24] [--prompts 64] [--slots 0.5] [--weight N]
                                        [--initial-train 1] [--work DIR] [--quick]
-Needs root (or a delegated cgroup), the torch and vllm extras. About 2-3 minutes per run on 2
-cores (4 runs by default: the policy run and the 2 static splits of 3 devices... see `--quick`).
+       python benchmarks/grpo_slots.py --work DIR --resimulate RESULT.json   # the sim side again
+Needs root (or a delegated cgroup), the torch and vllm extras. Runs the policy run and one
+static run per split (3 runs for 3 devices), each 1.5-2 minutes at 24-32 steps on 2 cores.
 """
 
 from __future__ import annotations
@@ -222,6 +223,46 @@ def simulate(trace: Path, profile: Path, guards: dict[str, Any]) -> dict[str, An
     return json.loads(out.stdout)  # type: ignore[no-any-return]
 
 
+def detail_from_log(work: Path, tokens: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A finished run's per-step detail read back from its work directory: stage times and pool
+    sizes from the daemon's event log (`step_observed`), token counts from the policy run's
+    trace (the same seeds give the same samples in every run)."""
+    from dynaresized.core import facts as f
+    from dynaresized.core.facts import decode_fact
+    from dynaresized.store import open_recorder
+
+    recorder = open_recorder(work / "state" / "events.sqlite", read_only=True)
+    try:
+        seen = {x.timing.step: x.timing for x in (decode_fact(r.data) for r in recorder.read_all(after_position=0))
+                if isinstance(x, f.StepObserved)}
+    finally:
+        recorder.close()
+    return [{"step": t["step"], "prompt_tokens": t["prompt_tokens"], "response_tokens": t["response_tokens"],
+             "rollout_s": seen[t["step"]].rollout_s if t["step"] in seen else 0.0,
+             "train_s": seen[t["step"]].train_s if t["step"] in seen else 0.0,
+             "rollout": seen[t["step"]].rollout_devices if t["step"] in seen else 1,
+             "train": seen[t["step"]].train_devices if t["step"] in seen else 1} for t in tokens]
+
+
+def resimulate(base: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """The simulator's side again, on the runs a benchmark left in `base` (its JSON in `result`)."""
+    tokens = [json.loads(line) for line in (base / "policy-trace.jsonl").read_text().splitlines()]
+    runs = {r["name"]: r for r in result["runs"]}
+    statics = [{"_detail": detail_from_log(base / name, tokens)} for name in runs if name.startswith("static")]
+    wl = task.ShiftingWorkload(steps=result["steps"])
+    params = fit(statics, wl.phase)
+    policy = runs["policy"]
+    sim = simulate_by_phase(detail_from_log(base / "policy", tokens), params, wl.switch_step, result["devices"],
+                            int(policy["initial_split"].split(":")[0]), result["prompts"] * 8,
+                            resize_seconds(policy["events"]), base)
+    measured = policy["loop_s"]
+    per = policy["step_periods_s"]
+    for ph, m in zip(sim["phases"], (sum(per[:wl.switch_step]), sum(per[wl.switch_step:])), strict=True):
+        ph["measured_s"] = round(m, 2)
+    return {"sim_vs_measured_total_time_error": round((sim["total_time_s"] - measured) / measured, 3),
+            "sim": {**sim, "fit": params, "measured_total_s": measured}}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=24)
@@ -232,7 +273,17 @@ def main() -> int:
     p.add_argument("--initial-train", type=int, default=1)
     p.add_argument("--work", help="keep every run's work directory here")
     p.add_argument("--quick", action="store_true", help="12 steps")
+    p.add_argument("--resimulate", metavar="JSON",
+                   help="only redo the simulator's side on the runs a benchmark with --work DIR left there "
+                        "(JSON: the object it printed); prints the object with the new sim fields")
     args = p.parse_args()
+    if args.resimulate:
+        if not args.work:
+            p.error("--resimulate needs --work (the directory the runs are in)")
+        result = json.loads(Path(args.resimulate).read_text())
+        result.update(resimulate(Path(args.work), result))
+        print(json.dumps(result))
+        return 0
     steps = 12 if args.quick else args.steps
     base = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="grpo-slots-bench-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -268,20 +319,13 @@ def main() -> int:
         "speedup_vs_best_static": round(best["loop_s"] / policy["loop_s"], 3),
         "best_static_split": best["initial_split"], "per_phase_best_split": phases,
     }
+    write_trace(policy["_detail"], base / "policy-trace.jsonl")
+    result["runs"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs]
     try:
-        params = fit(statics, wl.phase)
-        sim = simulate_by_phase(policy["_detail"], params, wl.switch_step, args.devices, args.initial_train,
-                                args.prompts * 8, resize_seconds(policy["events"]), base)
-        measured = policy["loop_s"]
-        result["sim_vs_measured_total_time_error"] = round((sim["total_time_s"] - measured) / measured, 3)
-        measured_phase = [sum(policy["step_periods_s"][:wl.switch_step]), sum(policy["step_periods_s"][wl.switch_step:])]
-        for ph, m in zip(sim["phases"], measured_phase, strict=True):
-            ph["measured_s"] = round(m, 2)
-        result["sim"] = {**sim, "fit": params, "measured_total_s": measured}
+        result.update(resimulate(base, result))
     except Exception as exc:  # noqa: BLE001 - the measured runs are still worth printing
         result["sim_vs_measured_total_time_error"] = None
         result["sim_error"] = repr(exc)
-    result["runs"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs]
     os.write(out_fd, (json.dumps(result) + "\n").encode())
     return 0
 
