@@ -51,7 +51,7 @@ def config(work: Path, **kw: Any) -> RunConfig:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     try:
-        DeviceSlots.cgroups(["probe"], 0.5, parent="dynaresized-test-probe").close()
+        DeviceSlots.cgroups(["probe"], 0.5).close()  # under the parent the runs use: nothing left behind
     except SlotsUnavailable as exc:
         pytest.skip(f"device slots unavailable here: {exc}")
     moved = asyncio.run(run_once(config(tmp_path_factory.mktemp("moved"))))
