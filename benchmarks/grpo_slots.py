@@ -1,0 +1,334 @@
+"""Benchmark: does the daemon, deciding by itself on device slots, finish the GRPO example sooner
+than a static split? Prints ONE JSON object; asserts nothing.
+
+Runs `examples/grpo_tiny --workload shift --slots CORES` (real vLLM engines, real torch trainer
+ranks, the real daemon; every device a cgroup slot) once with the hysteresis policy from the
+initial split, and once on every static split with the same seeds. Every time is MEASURED on the
+same slots: `loop_s` is the RL loop's wall time (set-up, i.e. engine and trainer starts before
+step 0, is reported apart as `setup_s` and left out of the speedups: it is the same for every
+run).
+
+* `speedup_vs_initial_split` = static run on the initial split / the run with the policy;
+* `speedup_vs_best_static` = the fastest static run (hindsight-best) / the run with the policy;
+* `per_phase_best_split`: per phase of the workload, which static run's steps were fastest and
+  by how much (mean step period), i.e. how far the best split per phase is from the best static;
+* `sim_vs_measured_total_time_error`: the simulator (`dynaresized simulate`, the same core and
+  policy) replays the policy run's trace (per-sample prompt and decoded lengths) on profiles
+  fitted from the STATIC runs' step times (`fit`, one per phase: `simulate_by_phase`), with the
+  resize costs the daemon measured; (predicted − measured) / measured total loop time.
+
+Usage: python benchmarks/grpo_slots.py [--steps 24] [--prompts 64] [--slots 0.5] [--weight N]
+                                       [--initial-train 1] [--work DIR] [--quick]
+       python benchmarks/grpo_slots.py --work DIR --resimulate RESULT.json   # the sim side again
+Needs root (or a delegated cgroup), the torch and vllm extras. Runs the policy run and one
+static run per split (3 runs for 3 devices), each 1.5-2 minutes at 24-32 steps on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from examples.grpo_tiny import task  # noqa: E402
+from examples.grpo_tiny.run import RunConfig, quiet_output, run_once  # noqa: E402
+
+GUARDS = {"signal_run": 1, "min_dwell_s": 0.0, "cooldown_steps": 1, "payback_safety": 0.0,
+          "imbalance_threshold": 0.2}
+
+
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def periods(detail: list[dict[str, Any]]) -> list[float]:
+    """Per step: seconds from the previous step's end (the loop's start for step 0)."""
+    ends = [d["ended_s"] for d in detail]
+    return [e - (ends[i - 1] if i else 0.0) for i, e in enumerate(ends)]
+
+
+def one_run(base: Path, name: str, cfg: dict[str, Any], shared: Path) -> dict[str, Any]:
+    work = base / name
+    work.mkdir(parents=True, exist_ok=True)
+    for part in ("model", "teacher"):  # built once: every run starts from the same warm start
+        if not (work / part).exists():
+            shutil.copytree(shared / part, work / part)
+    before = load()
+    started = time.monotonic()
+    summary = asyncio.run(run_once(RunConfig(**cfg, work=work, keep=True, quiet=True)))
+    return {"name": name, "policy": cfg["policy"], "initial_split": f"{cfg['initial_train']}:"
+            f"{cfg['devices'] - cfg['initial_train']}", "loop_s": summary["loop_s"],
+            "setup_s": summary["setup_s"], "wall_s": round(time.monotonic() - started, 1),
+            "resizes": summary["resizes"], "ledger_ok": summary["ledger_ok"],
+            "ledger_problems": summary["ledger_problems"], "events": summary["events"],
+            "decisions": summary["decisions"], "pools": summary["pools"],
+            "step_periods_s": [round(p, 3) for p in periods(summary["steps_detail"])],
+            "eval_reward": [summary["eval_reward_before"], summary["eval_reward_after"]],
+            "params_sha_last": summary["params_sha"][-1], "load_before": before, "load_after": load(),
+            "_detail": summary["steps_detail"]}
+
+
+# -- the simulator's side ----------------------------------------------------------------------
+def write_trace(detail: list[dict[str, Any]], path: Path) -> Path:
+    with path.open("w") as fh:
+        for d in detail:
+            fh.write(json.dumps({"step": d["step"], "prompt_tokens": d["prompt_tokens"],
+                                 "response_tokens": d["response_tokens"]}) + "\n")
+    return path
+
+
+def fit(static_runs: list[dict[str, Any]], phase_of: Any) -> dict[str, Any]:
+    """Stage-time parameters of the slots, fitted from the static runs' measured step times.
+
+    Rollout: the simulator's decode cost `iter_base_s * iterations + iter_per_seq_s * tokens` per
+    engine, by least squares over every step of every static run (iterations = the step's
+    longest response: every request runs at once; tokens split evenly over the pool).
+    Training: device-seconds per trained token (prompt and answer), per phase of the workload
+    (the first phase runs the teacher's forward pass too): measured device-seconds over trained
+    tokens of every step but the first two of each run (the ranks' warm-up)."""
+    import numpy as np
+
+    rows, ys = [], []
+    device_s: dict[int, float] = {}
+    tokens: dict[int, float] = {}
+    for run in static_runs:
+        for d in run["_detail"][1:]:  # step 0: the engines' first step, and no training time
+            rows.append([max(d["response_tokens"]), sum(d["response_tokens"]) / d["rollout"]])
+            ys.append(d["rollout_s"])
+            if d["train_s"] > 0 and d["step"] > 1:
+                phase = phase_of(d["step"] - 1)  # the training time reported at step k is step k-1's
+                device_s[phase] = device_s.get(phase, 0.0) + d["train_s"] * d["train"]
+                # the trained answer is at most the answer's room (len(prompt) tokens)
+                tokens[phase] = tokens.get(phase, 0.0) + sum(
+                    p + min(r, p) for p, r in zip(d["prompt_tokens"], d["response_tokens"], strict=True))
+    (base, per_seq), *_ = np.linalg.lstsq(np.array(rows, float), np.array(ys, float), rcond=None)
+    return {"iter_base_s": max(float(base), 1e-6), "iter_per_seq_s": max(float(per_seq), 1e-9),
+            "train_s_per_token": {ph: device_s[ph] / tokens[ph] for ph in sorted(device_s)}}
+
+
+def profile_text(params: dict[str, Any], s_per_token: float, devices: int, initial_train: int, samples: int,
+                 resize_s: dict[str, float]) -> str:
+    """A `dynaresized simulate` profile of the slots: fitted stage times, measured move costs."""
+    # The daemon's measured seconds per move, all on the join (a move's ops are serial)
+    resize = "\n".join(f"[resize.{name}]\ndrain_s = 0.0\nrelease_s = 0.0\njoin_s = {resize_s.get(name, default):.3f}\n"
+                        f"restore_s = 0.0\ncommit_s = 0.0\nfirst_step_s = 0.0\n"
+                        for name, default in (("to_training", 5.0), ("to_rollout", 15.0)))
+    return f"""# Fitted by benchmarks/grpo_slots.py from measured static runs on device slots.
+name = "tiny-llama-cpu-slots"
+description = "the grpo_tiny example's tiny Llama on CPU device slots (fitted)"
+
+[cluster]
+gpus = {devices}
+initial_train = {initial_train}
+gpus_per_node = {devices}
+
+[rollout]
+gpus_per_engine = 1
+max_num_seqs = 1024
+kv_cache_tokens = 100000000
+iter_base_s = {params["iter_base_s"]:.6g}
+iter_per_seq_s = {params["iter_per_seq_s"]:.6g}
+iter_per_ctx_token_s = 0.0
+prefill_per_token_s = 0.0
+
+[training]
+update_tokens_per_s = {1.0 / s_per_token:.6g}
+logprob_tokens_per_s = 1e12
+attention_tokens = 0.0
+dp_efficiency_per_doubling = 1.0
+step_overhead_s = 0.0
+
+[sync]
+weight_sync_s = 0.0
+colocated_switch_s = 0.0
+
+[resize]
+{resize}
+[resize.naive]
+drain_s = 0.0
+teardown_s = 0.0
+init_process_group_s = 0.0
+load_state_s = 0.0
+restart_s = 0.0
+
+[workload]
+samples_per_step = {samples}
+samples_per_prompt = 8
+max_response_tokens = 64
+prompt_median_tokens = 6.0
+"""
+
+
+def simulate_by_phase(detail: list[dict[str, Any]], params: dict[str, Any], switch: int, devices: int,
+                      initial_train: int, samples: int, resize_s: dict[str, float], base: Path) -> dict[str, Any]:
+    """The policy run through `dynaresized simulate`: a profile has one training rate, so each
+    phase is simulated on its own profile, phase 2 starting from the split phase 1 ended on.
+    What the two halves cannot carry over: a resize in flight at the switch, and the guards'
+    history (cooldown, signal run) across it."""
+    out: dict[str, Any] = {"phases": []}
+    train = initial_train
+    total = 0.0
+    for phase, steps in ((1, detail[:switch]), (2, detail[switch:])):
+        rows = [{**d, "step": i} for i, d in enumerate(steps)]
+        trace = write_trace(rows, base / f"policy-trace-phase{phase}.jsonl")
+        profile = base / f"tiny-llama-cpu-slots-phase{phase}.toml"
+        profile.write_text(profile_text(params, params["train_s_per_token"][phase], devices, train, samples, resize_s))
+        sim = simulate(trace, profile, GUARDS)
+        out["phases"].append({"phase": phase, "initial_split": sim["initial_split"], "final_split": sim["final_split"],
+                              "total_time_s": round(sim["total_time_s"], 2), "resizes": sim["resizes"],
+                              "best_static": sim["best_static"],
+                              "initial_split_total_time_s": round(sim["initial_split_total_time_s"], 2),
+                              "profile": str(profile), "trace": str(trace)})
+        total += sim["total_time_s"]
+        train = int(sim["final_split"].split(":")[0])
+    out["total_time_s"] = round(total, 2)
+    return out
+
+
+def resize_seconds(events: list[str]) -> dict[str, float]:
+    """Seconds each committed resize took, by direction, from the daemon's event lines."""
+    out: dict[str, float] = {}
+    direction = {}
+    for e in events:
+        if e.startswith("ResizeStarted"):
+            rid = e.split("resize ", 1)[1].split(" ", 1)[0]
+            direction[rid] = "to_training" if "rollout->training" in e else "to_rollout"
+        elif e.startswith("ResizeCommitted") and " committed in " in e:
+            rid = e.split("resize ", 1)[1].split(" ", 1)[0]
+            seconds = float(e.split(" committed in ", 1)[1].split("s", 1)[0])
+            if rid in direction:
+                out[direction[rid]] = seconds
+    return out
+
+
+def simulate(trace: Path, profile: Path, guards: dict[str, Any]) -> dict[str, Any]:
+    import subprocess
+
+    cmd = [sys.executable, "-m", "dynaresized.cli", "simulate", "--trace", str(trace), "--profile", str(profile),
+           "--policy", "hysteresis", "--policy-option", "lending=false", "--json"]
+    for k, v in guards.items():
+        cmd += ["--guard", f"{k}={v}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+def detail_from_log(work: Path, tokens: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A finished run's per-step detail read back from its work directory: stage times and pool
+    sizes from the daemon's event log (`step_observed`), token counts from the policy run's
+    trace (the same seeds give the same samples in every run)."""
+    from dynaresized.core import facts as f
+    from dynaresized.core.facts import decode_fact
+    from dynaresized.store import open_recorder
+
+    recorder = open_recorder(work / "state" / "events.sqlite", read_only=True)
+    try:
+        seen = {x.timing.step: x.timing for x in (decode_fact(r.data) for r in recorder.read_all(after_position=0))
+                if isinstance(x, f.StepObserved)}
+    finally:
+        recorder.close()
+    return [{"step": t["step"], "prompt_tokens": t["prompt_tokens"], "response_tokens": t["response_tokens"],
+             "rollout_s": seen[t["step"]].rollout_s if t["step"] in seen else 0.0,
+             "train_s": seen[t["step"]].train_s if t["step"] in seen else 0.0,
+             "rollout": seen[t["step"]].rollout_devices if t["step"] in seen else 1,
+             "train": seen[t["step"]].train_devices if t["step"] in seen else 1} for t in tokens]
+
+
+def resimulate(base: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """The simulator's side again, on the runs a benchmark left in `base` (its JSON in `result`)."""
+    tokens = [json.loads(line) for line in (base / "policy-trace.jsonl").read_text().splitlines()]
+    runs = {r["name"]: r for r in result["runs"]}
+    statics = [{"_detail": detail_from_log(base / name, tokens)} for name in runs if name.startswith("static")]
+    wl = task.ShiftingWorkload(steps=result["steps"])
+    params = fit(statics, wl.phase)
+    policy = runs["policy"]
+    sim = simulate_by_phase(detail_from_log(base / "policy", tokens), params, wl.switch_step, result["devices"],
+                            int(policy["initial_split"].split(":")[0]), result["prompts"] * 8,
+                            resize_seconds(policy["events"]), base)
+    measured = policy["loop_s"]
+    per = policy["step_periods_s"]
+    for ph, m in zip(sim["phases"], (sum(per[:wl.switch_step]), sum(per[wl.switch_step:])), strict=True):
+        ph["measured_s"] = round(m, 2)
+    return {"sim_vs_measured_total_time_error": round((sim["total_time_s"] - measured) / measured, 3),
+            "sim": {**sim, "fit": params, "measured_total_s": measured}}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--slots", type=float, default=0.5)
+    p.add_argument("--weight", type=int, default=8192)
+    p.add_argument("--devices", type=int, default=3)
+    p.add_argument("--initial-train", type=int, default=1)
+    p.add_argument("--work", help="keep every run's work directory here")
+    p.add_argument("--quick", action="store_true", help="12 steps")
+    p.add_argument("--resimulate", metavar="JSON",
+                   help="only redo the simulator's side on the runs a benchmark with --work DIR left there "
+                        "(JSON: the object it printed); prints the object with the new sim fields")
+    args = p.parse_args()
+    if args.resimulate:
+        if not args.work:
+            p.error("--resimulate needs --work (the directory the runs are in)")
+        result = json.loads(Path(args.resimulate).read_text())
+        result.update(resimulate(Path(args.work), result))
+        print(json.dumps(result))
+        return 0
+    steps = 12 if args.quick else args.steps
+    base = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="grpo-slots-bench-"))
+    base.mkdir(parents=True, exist_ok=True)
+    out_fd = os.dup(1)
+    quiet_output(base)  # vLLM's and the libraries' logs to base/engines.log; stdout keeps the JSON
+    os.dup2(2, 1)
+    shared = base / "shared"
+    if not (shared / "model" / "config.json").exists():
+        task.build_policy(shared / "model", sft_steps=10, seed=0)
+    if not (shared / "teacher" / "config.json").exists():
+        task.build_policy(shared / "teacher", sft_steps=60, sft_max_len=6, seed=1, spec=task.TEACHER_SPEC, lr=2e-3)
+    common = dict(steps=steps, devices=args.devices, prompts=args.prompts, deterministic=True, workload="shift",
+                  slots=args.slots, slot_weight=args.weight, guards=GUARDS)
+    runs = [one_run(base, "policy", {**common, "policy": "hysteresis", "initial_train": args.initial_train}, shared)]
+    splits = [args.initial_train] + [t for t in range(1, args.devices) if t != args.initial_train]
+    for t in splits:
+        runs.append(one_run(base, f"static-{t}", {**common, "policy": "static", "initial_train": t}, shared))
+    policy, statics = runs[0], runs[1:]
+    initial = statics[0]
+    best = min(statics, key=lambda r: r["loop_s"])
+    wl = task.ShiftingWorkload(steps=steps)
+    phases: dict[str, Any] = {}
+    for phase in (1, 2):
+        idx = [s for s in range(1, steps) if wl.phase(s) == phase]  # step 0: warm-up, in no phase
+        means = {r["initial_split"]: statistics.fmean(r["step_periods_s"][i] for i in idx) for r in statics}
+        split = min(means, key=means.__getitem__)
+        phases[str(phase)] = {"steps": [idx[0], idx[-1]], "mean_step_s": {k: round(v, 3) for k, v in means.items()},
+                              "best_split": split}
+    result: dict[str, Any] = {
+        "benchmark": "grpo_slots", "steps": steps, "prompts": args.prompts, "devices": args.devices,
+        "slots_cores": args.slots, "slot_weight": args.weight, "cpu_count": os.cpu_count(),
+        "speedup_vs_initial_split": round(initial["loop_s"] / policy["loop_s"], 3),
+        "speedup_vs_best_static": round(best["loop_s"] / policy["loop_s"], 3),
+        "best_static_split": best["initial_split"], "per_phase_best_split": phases,
+    }
+    write_trace(policy["_detail"], base / "policy-trace.jsonl")
+    result["runs"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs]
+    try:
+        result.update(resimulate(base, result))
+    except Exception as exc:  # noqa: BLE001 - the measured runs are still worth printing
+        result["sim_vs_measured_total_time_error"] = None
+        result["sim_error"] = repr(exc)
+    os.write(out_fd, (json.dumps(result) + "\n").encode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
