@@ -461,6 +461,8 @@ op_timeout_s = 240.0
                 elif isinstance(fact, f.ProposalRejected):
                     self.decisions.setdefault(fact.step if fact.step >= 0 else self._observed, []).append(
                         f"held: {explain(fact)}")
+                elif isinstance(fact, f.PolicyHeld):
+                    self.decisions.setdefault(fact.step, []).append(f"held ({fact.source}): {fact.reason}")
                 if isinstance(fact, f.ResizeStarted | f.ResizeCommitted | f.ResizeRolledBack | f.Degraded
                               | f.WorkerLost | f.PredictionChecked | f.ResizeJudged):
                     line = explain(fact)
@@ -470,11 +472,8 @@ op_timeout_s = 240.0
             recorder.close()
 
     async def decision(self, step: int, timeout_s: float = 5.0) -> str:
-        """What the daemon logged about step `step`'s report: moved, lent, or held and why.
-
-        A hold by the policy itself (it proposed nothing) leaves no fact in the event log
-        (the core records only a guard's or the capacity check's "no"), so the line says that
-        much and no more."""
+        """What the daemon logged about step `step`'s report: moved, lent, or held and why (a
+        guard's `proposal_rejected`, or the policy's own `policy_held`)."""
         deadline = time.monotonic() + timeout_s
         while step not in self.decisions and time.monotonic() < deadline:
             self.tail_events()
@@ -487,7 +486,7 @@ op_timeout_s = 240.0
             return "; ".join(said)
         if self._inflight:
             return "held: a resize is in flight (the daemon observes the step and decides nothing)"
-        return "held: the policy proposed no resize (the event log records no reason for a policy's hold)"
+        return "held: the daemon logged no decision for this step"
 
     async def settle(self) -> dict[str, Any]:
         """Wait until no resize is in flight (the daemon's phase is steady, or degraded: a
