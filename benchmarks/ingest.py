@@ -8,6 +8,7 @@ Prints one JSON object:
 * `heartbeats`: CPU share of one core the daemon spends on N workers heartbeating at 1 Hz.
 
     python benchmarks/ingest.py [--clients 4] [--messages 20000] [--idle-workers 1000] [--idle-seconds 20]
+    python benchmarks/ingest.py --only heartbeats   # the idle cost alone (what profiling it needs)
 """
 
 from __future__ import annotations
@@ -291,7 +292,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved ceiling/daemon rounds; medians are reported (other load on the "
                              "machine hits one round, not all)")
+    parser.add_argument("--only", choices=("heartbeats",), default=None,
+                        help="run only this part and print its result")
     args = parser.parse_args()
+    if args.only == "heartbeats":
+        print(json.dumps({"benchmark": "ingest", "machine": {"cpus": os.cpu_count()},
+                          "heartbeats": bench_heartbeats(args.idle_workers, args.idle_seconds),
+                          "targets": {"heartbeats_cpu_share": "<= 0.05"}}))
+        return
     ceilings, daemons = [], []
     for _ in range(args.rounds):
         ceilings.append(bench_ceiling(args.clients, args.workers_per_client, args.messages))

@@ -132,7 +132,7 @@ class Core:
         tx = _Tx(state)
         handler(self, tx, event)
         if tx.state.phase is Phase.STEADY and not tx.state.stopping and (
-                type(event) is ev.Tick or any(type(x) in _RECHECK for x in tx.facts)):
+                type(event) is ev.Tick or (tx.facts and any(type(x) in _RECHECK for x in tx.facts))):
             _reconcile_next(self, tx, event.at)
         # A Tick can declare a worker lost after an earlier loss in the same Tick sent it an undo
         # or commit op; such a command contradicts this step's own facts and nobody could answer it
@@ -358,9 +358,12 @@ def on_abort_requested(core: Core, tx: _Tx, e: ev.AbortRequested) -> None:
 def on_tick(core: Core, tx: _Tx, e: ev.Tick) -> None:
     timeout = core.config.heartbeat_timeout_s
     _credit_stall(core, tx, e.at)
-    for worker_id, seen in sorted(tx.state.last_seen.items()):
+    # Only the silent ones are sorted (into worker id order, for determinism): the rest, nearly
+    # every worker at every tick, cost one comparison each.
+    late = sorted((w, seen) for w, seen in tx.state.last_seen.items() if e.at - seen > timeout)
+    for worker_id, seen in late:
         silent = e.at - seen
-        if silent > timeout and tx.state.is_live(worker_id):
+        if tx.state.is_live(worker_id):
             tx.emit(f.WorkerLost(at=e.at, worker_id=worker_id,
                                  reason=f"no heartbeat for {silent:.1f}s (heartbeat_timeout_s={timeout:g})"))
             _after_worker_gone(core, tx, worker_id, "lost", e.at)
@@ -724,8 +727,15 @@ def divergence(state: ClusterState, worker: Worker, now: float, retry_s: float) 
 def _reconcile_next(core: Core, tx: _Tx, at: float) -> None:
     """Level-triggered: start converging the first live worker whose actual state differs from
     what the log says (one at a time, serialized with resizes)."""
-    for w in sorted(tx.state.workers.values(), key=lambda w: w.worker_id):
-        gap = divergence(tx.state, w, at, core.config.reconcile_retry_s)
+    retry_s = core.config.reconcile_retry_s
+    # This runs at every tick: only the workers that diverge (rarely any) are sorted. A fact the
+    # loop emits (WorkerUnconverged) changes its own worker's divergence only, so these are the
+    # workers a walk over all of them in id order would stop at.
+    diverging = sorted((w for w in tx.state.workers.values()
+                        if w.actual is not None and divergence(tx.state, w, at, retry_s) is not None),
+                       key=lambda w: w.worker_id)
+    for w in diverging:
+        gap = divergence(tx.state, w, at, retry_s)
         if gap is None:
             continue
         want, have = gap

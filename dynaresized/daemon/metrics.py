@@ -6,6 +6,7 @@ import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from dynaresized import wire
 from dynaresized.core import facts as f
 from dynaresized.core.state import ClusterState
 from dynaresized.domain import Pool, WorkerStatus
@@ -69,12 +70,15 @@ class Metrics:
 
     def message(self, kind: type) -> None:
         """Count one valid message of this wire type; `flush_messages` passes the counts to
-        Prometheus once per batch (each Prometheus increment takes a lock)."""
+        Prometheus once per batch (each Prometheus increment takes a lock), heartbeats to their
+        own counter too."""
         self._message_counts[kind] = self._message_counts.get(kind, 0) + 1
 
     def flush_messages(self) -> None:
         for kind, count in self._message_counts.items():
             self.messages.labels(kind.__struct_config__.tag).inc(count)
+            if kind is wire.Heartbeat:
+                self.heartbeats.inc(count)
         self._message_counts.clear()
 
     def serve(self, host: str, port: int) -> None:
