@@ -26,6 +26,12 @@ step boundary) is drain, release and join with no restore or commit, and takes t
 | reclaim (LOAN)  | undo release: resume and bring the weights up to date                          |
 | evict (RETURN)  | undo join: leave the router and pause again (the device stays lent)            |
 
+With `keep_loaded=True` (for CPU devices, which are short of CPU time, not memory) a resize
+takes the loan's cheap path too: release and evict pause the engine instead of shutting it
+down, and the way back (join or reclaim, then restore and commit as for any resize) resumes it
+and reloads the current policy version, so it never serves stale weights. A dead or stopped
+engine is released (and later started) as without the option.
+
 Every op is idempotent: a repeated op finds the work done and says so. The worker also
 reports its engine's per-sample progress and, once the step's queue holds nothing for it,
 `queue_empty` (running requests and an upper bound on their tokens left; again with running
@@ -90,6 +96,7 @@ class EngineWorker:
         heartbeat_interval_s: float = 1.0,
         missed_heartbeats: int = 3,
         drain_timeout_s: float | None = None,
+        keep_loaded: bool = False,
     ) -> None:
         if not devices:
             raise ValueError(f"engine {engine.engine_id}: a worker needs at least one device")
@@ -102,6 +109,7 @@ class EngineWorker:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.missed_heartbeats = missed_heartbeats
         self.drain_timeout_s = drain_timeout_s
+        self.keep_loaded = keep_loaded
         self.lost_reason: str | None = None
         self.progress = Progress(step=-1, done=0, total=0, tokens=0)
         self.client: Any = None  # a dynaresized.client.WorkerClient once attached
@@ -151,13 +159,18 @@ class EngineWorker:
         self._check(op, leaving=True)
         if self.engine.engine_id in self.router.admitted:
             raise RuntimeError(f"release before drain: {self.engine.engine_id} is still admitting samples")
-        if op.plan is PlanKind.LOAN:
+        if op.plan is PlanKind.LOAN or self._stays_loaded():
             return await self._lend()
         # a resize takes the device for good: a paused (lent) engine is shut down too
         if self.engine.state in (EngineState.STOPPED, EngineState.SLEEPING):
             return f"{self.engine.engine_id} already released ({self.engine.state.value})"
         seconds = await self.engine.release()
         return f"released {self.engine.engine_id} ({self.engine.state.value}) in {seconds:.3f}s"
+
+    def _stays_loaded(self) -> bool:
+        """A resize away from rollout pauses the engine instead of shutting it down
+        (`keep_loaded`), unless it is dead or already down: then there is nothing to keep."""
+        return self.keep_loaded and self.engine.state in (EngineState.RUNNING, EngineState.PAUSED)
 
     async def _lend(self) -> str:
         if self.engine.state in (EngineState.STOPPED, EngineState.SLEEPING, EngineState.PAUSED):
@@ -256,7 +269,7 @@ class EngineWorker:
         self._check(op, leaving=False)
         if self.engine.engine_id in self.router.admitted:
             await self.router.drain(self.engine.engine_id, timeout_s=0.0)
-        if op.plan is PlanKind.RETURN:
+        if op.plan is PlanKind.RETURN or self._stays_loaded():
             return await self._lend()
         if self.engine.state in (EngineState.STOPPED, EngineState.SLEEPING):
             return f"{self.engine.engine_id} already released"

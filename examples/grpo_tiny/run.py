@@ -88,6 +88,7 @@ class RunConfig:
     workload: str = "copy"  # task.WORKLOADS: "copy" (lengths grow slowly) or "shift" (training-, then rollout-heavy)
     slots: float = 0.0  # > 0: each device a cgroup slot of this many cores (docs/device-slots.md); 0: shared cores
     slot_weight: int = 8192  # the slots' cpu.shares: they get their quota before unrelated load does
+    keep_loaded: bool = True  # with slots: an engine whose device trains stays loaded, paused (no restart)
 
 
 @dataclass
@@ -211,6 +212,10 @@ class Driver:
         self._inflight = False
         self.curriculum = task.workload(cfg.workload, cfg.steps)
         self.slots: Any = None  # DeviceSlots while the run holds them
+        # On slots a device is short of CPU time, not memory: an engine whose device trains is
+        # paused (loaded, spending no CPU) rather than shut down, so a move back costs a resume
+        # and a weight reload instead of an engine start (docs/vllm-backend.md "Kept loaded").
+        self.keep_loaded = cfg.keep_loaded and cfg.slots > 0 and not cfg.gpu
         self.decisions: dict[int, list[str]] = {}  # step -> what the daemon logged about it
 
     def say(self, text: str) -> None:
@@ -319,10 +324,14 @@ op_timeout_s = 240.0
             self.router.add(engine)
             self.engines[device] = engine
             self.workers[device] = EngineWorker(engine, self.router, (device,), heartbeat_interval_s=1.0,
-                                                missed_heartbeats=5)
+                                                missed_heartbeats=5, keep_loaded=self.keep_loaded)
         for device in self.devices:
             if device not in self.training0:
                 await self.engines[device].start()
+            elif self.keep_loaded:
+                # loaded once, paused while its device trains: its first move to rollout is a resume
+                await self.engines[device].start()
+                await self.engines[device].lend()
         for device in self.devices:
             worker = self.workers[device]
             await worker.start()
@@ -750,6 +759,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="give each device a cgroup slot of CORES cores (docs/device-slots.md; needs root or a "
                         "delegated cgroup); default 0: every device shares all cores")
     p.add_argument("--slot-weight", type=int, default=8192, help="the slots' cpu.shares (default 8192)")
+    p.add_argument("--restart-engines", action="store_true",
+                   help="with --slots: shut an engine down when its device moves to training and start it on the "
+                        "way back (default: keep it loaded, paused, and resume it)")
     p.add_argument("--verbose", action="store_true",
                    help="leave vLLM's, torch's and the libraries' logs on this terminal (default: <work>/engines.log)")
     return p.parse_args(argv)
@@ -827,7 +839,8 @@ def main(argv: list[str] | None = None) -> int:
                     prompts=args.prompts, group=args.group, micro_batches=args.micro_batches, seed=args.seed,
                     deterministic=args.deterministic, force=tuple(force), work=work, keep=True,
                     daemon=args.daemon, control=args.control, gpu=args.gpu, kv_cache_bytes=args.kv_cache_mib << 20,
-                    workload=args.workload, slots=args.slots, slot_weight=args.slot_weight)
+                    workload=args.workload, slots=args.slots, slot_weight=args.slot_weight,
+                    keep_loaded=not args.restart_engines)
     try:
         summary = asyncio.run(run_once(cfg))
     except BaseException:

@@ -132,3 +132,69 @@ async def test_a_loan_rolled_back_serves_again(rollout: Rollout) -> None:
     assert engine.state is EngineState.PAUSED and "e1" not in rollout.router.admitted
     assert "e1 home (it was paused)" in await worker.join(loan_op(OpKind.JOIN, PlanKind.RETURN))
     assert engine.core_pids == [pid], "no restart anywhere in a loan or its undo"
+
+
+def resize_op(kind: OpKind, *, leaving: bool) -> OpCommand:
+    """An op of a plain resize of cpu1: to training (`leaving`, split 2:1 after) or back (1:2)."""
+    return OpCommand(op_id=f"r/{kind.value}", resize_id="r", kind=kind, devices=(CPU1,),
+                     from_pool=Pool.ROLLOUT if leaving else Pool.TRAINING,
+                     to_pool=Pool.TRAINING if leaving else Pool.ROLLOUT, timeout_s=30.0,
+                     training=(CPU1, CPU2) if leaving else (CPU2,),
+                     rollout=(CPU0,) if leaving else (CPU0, CPU1))
+
+
+async def test_a_kept_loaded_engine_moves_at_step_boundaries_without_a_restart(rollout: Rollout) -> None:
+    """`keep_loaded`: a resize to training pauses the engine (as a loan does) and the way back
+    resumes it at the current policy version; the undo paths (reclaim, evict) keep it loaded too."""
+    await ready(rollout)
+    worker, engine = rollout.workers["e1"], rollout.engines["e1"]
+    [pid] = engine.core_pids
+    worker.keep_loaded = True
+    try:
+        first = make_requests(45, 16, random.Random(45))
+        assert_exactly_once(await rollout.router.run_step(45, 1, first), first, 1)
+        assert engine.loaded_version == 1
+        # to training at the step boundary: drain, release (paused, not shut down), commit
+        await worker.drain(resize_op(OpKind.DRAIN, leaving=True))
+        detail = await worker.release(resize_op(OpKind.RELEASE, leaving=True))
+        assert detail.startswith("lent e1 (paused) in "), detail
+        assert "out of the rollout pool" in await worker.commit(resize_op(OpKind.COMMIT, leaving=True))
+        assert engine.state is EngineState.PAUSED and engine.core_pids == [pid]
+        assert worker.actual().holding.value == "released"
+        share = await cpu_share(engine, 2.0)
+        assert share < IDLE_CPU_SHARE, f"the paused engine's core used {share:.1%} of a core"
+        # the policy moves on while e1 trains: a step at version 2 on e0 alone
+        greedy = make_requests(46, 8, random.Random(46), temperature=0.0)
+        on_e0 = await rollout.router.run_step(46, 2, greedy)
+        assert on_e0.engines == ("e0",) and engine.loaded_version == 1
+
+        # back to rollout: join resumes it, restore brings version 2, commit admits it
+        detail = await worker.join(resize_op(OpKind.JOIN, leaving=False))
+        assert detail.startswith("e1 up (cpu) in ") and engine.state is EngineState.RUNNING, detail
+        assert "reloaded policy version 2" in await worker.restore(resize_op(OpKind.RESTORE, leaving=False))
+        assert engine.loaded_version == 2, "a resumed engine must not serve stale weights"
+        assert "e1 admitted at policy version 2" in await worker.commit(resize_op(OpKind.COMMIT, leaving=False))
+        both = await rollout.router.run_step(47, 2, greedy)
+        assert_exactly_once(both, greedy, 2)
+        assert both.engines == ("e0", "e1")
+        assert {s.sample_id: s.token_ids for s in both.samples} == {s.sample_id: s.token_ids for s in on_e0.samples}
+
+        # undo paths: a release rolled back (reclaim, resume), a join rolled back (evict: paused again)
+        await worker.drain(resize_op(OpKind.DRAIN, leaving=True))
+        await worker.release(resize_op(OpKind.RELEASE, leaving=True))
+        detail = await worker.reclaim(resize_op(OpKind.RECLAIM, leaving=True))
+        assert detail.startswith("e1 reclaimed in ") and engine.state is EngineState.RUNNING, detail
+        assert "e1 admitting again" in await worker.resume(resize_op(OpKind.RESUME, leaving=True))
+        await worker.drain(resize_op(OpKind.DRAIN, leaving=True))
+        await worker.release(resize_op(OpKind.RELEASE, leaving=True))
+        await worker.join(resize_op(OpKind.JOIN, leaving=False))
+        detail = await worker.evict(resize_op(OpKind.EVICT, leaving=False))
+        assert detail.startswith("lent e1 (paused)"), detail
+        assert engine.state is EngineState.PAUSED and "e1" not in rollout.router.admitted
+        assert engine.core_pids == [pid], "no restart in a kept-loaded resize or its undo"
+    finally:
+        worker.keep_loaded = False
+    # without the option a resize shuts the paused engine down, as before
+    detail = await worker.release(resize_op(OpKind.RELEASE, leaving=True))
+    assert detail.startswith("released e1 (stopped)"), detail
+    await ready(rollout)
