@@ -162,6 +162,10 @@ class Proxy:
         self._thread = threading.Thread(target=self._serve, name=f"proxy-{seed}", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def cut(self, prefixes: tuple[str, ...]) -> None:
         """A worker process died: its connections to the daemon close too (as the kernel's would)."""
         self._cuts.put(prefixes)
@@ -378,28 +382,29 @@ class Run:
         self.start_daemon()
         for i, d in enumerate(DEVICES):
             self.start_worker(d, "training" if i < 2 else "rollout")
+        recovery = None
         try:
             ready = await self.wait_status(lambda st: sum(w["status"] == "live" for w in st["workers"]) == 8,
                                            START_LIMIT_S)
             if ready is None:
                 self.violate("start", f"the workers did not all register within {START_LIMIT_S:g} s")
-                return self.result(None)
-            await self.chaos()
-            settled_from = time.monotonic()
-            st = await self.settle()
-            recovery = time.monotonic() - settled_from if st is not None else None
-            if st is not None:
-                self.check_workers(st)
-            await self.stop_and_check(st)
-            return self.result(recovery)
+            else:
+                await self.chaos()
+                settled_from = time.monotonic()
+                st = await self.settle()
+                recovery = time.monotonic() - settled_from if st is not None else None
+                if st is not None:
+                    self.check_workers(st)
+                await self.stop_and_check(st)
         finally:
             for proc in [*self.workers.values(), self.daemon]:
                 if proc is not None and proc.poll() is None:
                     proc.kill()
                     proc.wait()
             await self.proxy.close()
-            if self.proxy.error:
+            if self.proxy.error:  # the network died with it: what else failed follows from this
                 self.violate("harness", f"the proxy failed: {self.proxy.error}")
+        return self.result(recovery)
 
     async def chaos(self) -> None:
         from dynaresized import wire
@@ -492,7 +497,8 @@ class Run:
                 if not why:
                     return st
             await asyncio.sleep(0.1)
-        self.violate("settle", f"not settled within {SETTLE_LIMIT_S:g}s: {why}")
+        proxy = "alive" if self.proxy.alive else f"dead: {self.proxy.error[-300:]}"
+        self.violate("settle", f"not settled within {SETTLE_LIMIT_S:g}s: {why} (proxy {proxy})")
         return None
 
     def check_workers(self, st: dict[str, Any]) -> None:
