@@ -361,9 +361,11 @@ def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
     if outcome is not None and outcome.committed and period is not None and not ran_before:
         outcome = replace(outcome, after=outcome.after + (period,),
                           after_tokens=outcome.after_tokens + (e.timing.response_tokens,))
-    # Engines that ran dry before a step boundary did so in the step that ended: not lendable now.
+    # Engines that ran dry before a step boundary did so in the step that ended: not lendable
+    # now; nor are trainers whose mini-batches were of that step (the next one begins).
+    mb = s.mini_batch if s.mini_batch is not None and s.mini_batch.step > e.timing.step else None
     return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history,
-                   idle=s.idle.add(e.timing, s.devices), outcome=outcome, dry=())
+                   idle=s.idle.add(e.timing, s.devices), outcome=outcome, dry=(), mini_batch=mb)
 
 
 @_on(f.ProgressObserved)
@@ -537,7 +539,8 @@ def _(s: ClusterState, e: f.EngineQueueEmptyObserved) -> ClusterState:
 @_on(f.MiniBatchObserved)
 def _(s: ClusterState, e: f.MiniBatchObserved) -> ClusterState:
     old = s.mini_batch
-    last = e.at - old.at if old is not None and old.step == e.step and e.done > old.done else 0.0
+    # the pace is measured between two finished mini-batches (a step's start includes its overhead)
+    last = e.at - old.at if old is not None and old.step == e.step and e.done > old.done > 0 else 0.0
     return replace(s, mini_batch=MiniBatch(e.step, e.done, e.total, e.at, last))
 
 
