@@ -482,7 +482,8 @@ def _settled(plan: ResizePlan, pool: Pool) -> Placement:
 def _(s: ClusterState, e: f.ResizeRolledBack) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
     s = _place(s, plan.devices, _settled(plan, plan.from_pool))
-    s = replace(s, phase=Phase.STEADY, resizes_rolled_back=s.resizes_rolled_back + 1,
+    undone = 1 if plan.kind is PlanKind.RESIZE else 0  # a loan rolled back is not a resize's
+    s = replace(s, phase=Phase.STEADY, resizes_rolled_back=s.resizes_rolled_back + undone,
                 outcome=_outcome_without(s.outcome, plan.resize_id))
     return _end_resize(s, e.at, e.step)
 
