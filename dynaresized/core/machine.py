@@ -896,6 +896,11 @@ def _end_loan(core: Core, tx: _Tx, at: float) -> None:
     assert fl is not None
     if fl.plan.kind is PlanKind.LOAN:
         tx.emit(f.LoanLanded(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at))
+        s = tx.state
+        if s.last_step > fl.step and not s.paused and not s.stopping:
+            # A step was reported while the loan ran (a trainer lent to the rollout's last
+            # requests): that boundary's work, the policy's say and the way home, is done now.
+            _return_loans(core, tx, at, core.policy(core.view(s, at)), core.policy.name)
         return
     tx.emit(f.LoanReturned(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at))
     s = tx.state

@@ -86,6 +86,7 @@ class InFlight(msgspec.Struct, frozen=True):
     then_reason: str = ""
     then_predicted_step_s: float = 0.0
     then_predicted_step_s_after: float = 0.0
+    step: int = -1  # the last observed step when it started (a loan: a boundary passed if it moved)
 
     @property
     def op(self) -> OpSpec:
@@ -555,7 +556,7 @@ def _start_sequence(s: ClusterState, e: f.LoanStarted | f.LoanReturnStarted, hom
     s = _place(s, plan.devices, moving(plan.from_pool, plan.to_pool, home=home))
     inflight = InFlight(plan=plan, source=e.source if isinstance(e, f.LoanStarted) else "loan",
                         reason=e.reason, started_at=e.at, ops=plan.ops, index=0, op_started_at=e.at,
-                        op_deadline=e.op_deadline)
+                        op_deadline=e.op_deadline, step=s.last_step)
     if isinstance(e, f.LoanReturnStarted):
         inflight = replace(inflight, then=e.then, then_source=e.then_source, then_reason=e.then_reason,
                            then_predicted_step_s=e.then_predicted_step_s,

@@ -227,3 +227,16 @@ def test_no_trainer_is_lent_to_a_rollout_whose_queue_is_empty():
     idle(d, step=1)  # rollout 1's queue is empty
     facts, _ = d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=0, done=8, total=8))
     assert not any(isinstance(x, f.LoanStarted) for x in facts) and d.state.inflight is None
+
+
+def test_a_step_reported_while_a_loan_runs_sends_it_home_and_asks_the_policy_once_it_lands():
+    d = lending_cluster()
+    pace(d, upto=8)  # training step 0 done: its trainers are lent to rollout 1, still queued
+    assert d.state.inflight is not None and d.state.inflight.plan.to_pool is Pool.ROLLOUT
+    facts = report_step(d, 0, rollout_s=40.0, train_s=10.0)  # the boundary comes mid-loan
+    assert not any(isinstance(x, f.LoanReturnStarted) for x in facts)
+    d.finish()
+    landed = next(i for i, x in enumerate(d.log) if isinstance(x, f.LoanLanded))
+    assert any(isinstance(x, f.LoanReturnStarted) for x in d.log[landed:])
+    assert d.state.lent_devices() == () and d.state.inflight is None
+    assert d.replayed().durable() == d.state.durable()
