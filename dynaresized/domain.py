@@ -120,6 +120,27 @@ class StepTiming(msgspec.Struct, frozen=True):
     train_devices: int = 0
     samples: int = 0
     response_tokens: int = 0
+    rollout_device_s: float = 0.0
+    """Device-seconds that served the rollout, devices lent to it for part of the step
+    included (0: not measured, `rollout_s × rollout_devices`)."""
+    train_device_s: float = 0.0
+    """Device-seconds that served the training, devices lent to it included (0: not
+    measured, `train_s × train_devices`)."""
+
+    @property
+    def rollout_devices_served(self) -> float:
+        """Devices that served the rollout, on average over its time: more than
+        `rollout_devices` when trainers were lent to it."""
+        if self.rollout_device_s > 0 and self.rollout_s > 0:
+            return self.rollout_device_s / self.rollout_s
+        return float(self.rollout_devices)
+
+    @property
+    def train_devices_served(self) -> float:
+        """Devices that served the training, on average over its time (engines lent included)."""
+        if self.train_device_s > 0 and self.train_s > 0:
+            return self.train_device_s / self.train_s
+        return float(self.train_devices)
 
 
 class Split(msgspec.Struct, frozen=True, order=True):

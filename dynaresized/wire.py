@@ -136,7 +136,10 @@ class QueueEmpty(_Msg, frozen=True, kw_only=True, tag="queue_empty"):
 
 class MiniBatchDone(_Msg, frozen=True, kw_only=True, tag="mini_batch_done"):
     """A trainer finished mini-batch `done` of `total` (an optimizer step) of training step
-    `step`. One rank per job reports, like `step_report`."""
+    `step`. One rank per job reports, like `step_report`. `done` 0 says the step begins;
+    `done` and `total` both 0 say the trainer has nothing to train until the rollout of step
+    `step` is done (the first window of a one-step off-policy pipeline): its devices may be
+    lent to that rollout, and come home when the step begins."""
 
     worker_id: Name
     step: Count

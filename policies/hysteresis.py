@@ -4,7 +4,7 @@ cooldown, payback) decide whether the proposal goes ahead."""
 
 from __future__ import annotations
 
-from dynaresized.core.policy import ObservedView, Proposal, predicted_step_s
+from dynaresized.core.policy import ObservedView, Proposal, predicted_step_s, stage_split_estimate
 from dynaresized.domain import Split
 from dynaresized.policies.lending import Lending
 
@@ -18,14 +18,13 @@ def candidate_splits(view: ObservedView) -> tuple[Split, ...]:
 
 def mean_work(view: ObservedView, window: int) -> tuple[float, float, float]:
     """Mean device-seconds of rollout and training work per step, and mean sync time, over the
-    last `window` steps; each step's work uses the pool sizes it ran on."""
+    last `window` steps; each step's work uses the devices that served it (lent ones included)."""
     steps = view.recent[-window:]
     rollout = train = sync = 0.0
     for t in steps:
-        r_dev = t.rollout_devices or view.split.rollout
-        t_dev = t.train_devices or view.split.train
-        rollout += t.rollout_s * r_dev
-        train += t.train_s * t_dev
+        r_work, t_work = stage_split_estimate(t, view.split)
+        rollout += r_work
+        train += t_work
         sync += t.weight_sync_s
     n = max(len(steps), 1)
     return rollout / n, train / n, sync / n

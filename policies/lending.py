@@ -11,13 +11,23 @@ an idle engine lent while the rollout is the longer stage costs only its way hom
 what the loan adds to the critical path: the group change and the joiner's first mini-batch
 now (`to_training_s`), and the way home at the boundary (`return_s`, spread over the rollout
 pool). The core's `loan_payback` guard lends only when the saving exceeds the cost.
+
+The other way: trainers with nothing to train (the first window, where the training pool
+waits for the first rollout, or after the step's last mini-batch) are lent to the rollout
+while its queue still holds requests; as engines they pull the queued requests. The predicted
+saving is the rollout still ahead, less the loan's lead, times the share the lent devices
+take over. The rollout ahead is the last measured step's rollout time on the home pool (the
+devices that served it counted) less its training time (the training step just done started
+with the rollout); with nothing to train yet, the whole rollout (`unmeasured_rollout_s`
+before any step is measured). A lent engine that finds the queue empty costs only its ways
+there and back.
 """
 
 from __future__ import annotations
 
 import math
 
-from dynaresized.core.policy import LoanProposal, LoanView
+from dynaresized.core.policy import LoanProposal, LoanView, stage_split_estimate
 from dynaresized.domain import Pool
 
 
@@ -26,9 +36,16 @@ class Lending:
     and mini-batch report. `lending=False` turns it off."""
 
     lends: bool = True
+    unmeasured_rollout_s: float = 300.0
+    """The rollout ahead, in seconds, before any step is measured (a first RL rollout of long
+    responses takes minutes)."""
 
     def propose_loan(self, view: LoanView) -> LoanProposal | None:
-        if not self.lends or not view.idle_engines or view.mini_batch_total == 0:
+        if not self.lends:
+            return None
+        if view.free_trainers and not view.queue_empty:
+            return self._lend_trainers(view)
+        if not view.idle_engines or view.mini_batch_total == 0:
             return None
         left = view.mini_batch_total - view.mini_batch_done
         if left <= 0 or view.mini_batch_s <= 0:
@@ -46,3 +63,20 @@ class Lending:
                f"rollout queue empty, {k} engine(s) idle, saves ~{saves:.0f} s (cost ~{cost:.0f} s)")
         return LoanProposal(devices=idle, to_pool=Pool.TRAINING.value, reason=why, saves_s=saves,
                             cost_s=cost)
+
+    def _lend_trainers(self, view: LoanView) -> LoanProposal | None:
+        n = max(view.split.rollout, 1)
+        ahead = self.unmeasured_rollout_s
+        if view.recent:
+            rollout_work, train_work = stage_split_estimate(view.recent[-1], view.split)
+            trained = train_work / max(view.split.train, 1) if view.mini_batch_total > 0 else 0.0
+            ahead = rollout_work / n - trained
+        free = tuple(sorted(view.free_trainers))
+        k = len(free)
+        saves = max(ahead - view.costs.lead_s, 0.0) * k / (n + k)
+        cost = view.costs.to_rollout_s + view.costs.return_s / max(view.training_devices, 1) * k
+        what = ("nothing to train yet" if view.mini_batch_total == 0
+                else f"training step done ({view.mini_batch_done}/{view.mini_batch_total})")
+        why = (f"lent {', '.join(free)} to the rollout: {what}, rollout queue not empty, "
+               f"saves ~{saves:.0f} s (cost ~{cost:.0f} s)")
+        return LoanProposal(devices=free, to_pool=Pool.ROLLOUT.value, reason=why, saves_s=saves, cost_s=cost)

@@ -43,7 +43,7 @@ class StageFit(msgspec.Struct, frozen=True):
     points: int
     sizes: int
 
-    def seconds(self, devices: int, scale: float) -> float:
+    def seconds(self, devices: float, scale: float) -> float:
         if devices <= 0:
             return math.inf
         return scale * (self.a / devices + self.b)
@@ -113,9 +113,9 @@ class PlannerPolicy(Lending):
         latest = seen[-1].step
         ws = [0.5 ** ((latest - t.step) / self.half_life_steps) for t in seen]
         scales = [self._scale(t) for t in seen]
-        rollout = fit_stage([1.0 / t.rollout_devices for t in seen],
+        rollout = fit_stage([1.0 / t.rollout_devices_served for t in seen],
                             [t.rollout_s / s for t, s in zip(seen, scales, strict=True)], ws, self.ridge)
-        train = fit_stage([1.0 / t.train_devices for t in seen],
+        train = fit_stage([1.0 / t.train_devices_served for t in seen],
                           [t.train_s / s for t, s in zip(seen, scales, strict=True)], ws, self.ridge)
         return rollout, train
 
@@ -136,9 +136,9 @@ class PlannerPolicy(Lending):
         # The fit gives each stage's shape over pool sizes; its level is anchored on the last
         # few steps, so a drifting workload is tracked within a few steps.
         level_r = sum(t.rollout_s for t in last) / max(
-            sum(rollout.seconds(t.rollout_devices, self._scale(t)) for t in last), 1e-12)
+            sum(rollout.seconds(t.rollout_devices_served, self._scale(t)) for t in last), 1e-12)
         level_t = sum(t.train_s for t in last) / max(
-            sum(train.seconds(t.train_devices, self._scale(t)) for t in last), 1e-12)
+            sum(train.seconds(t.train_devices_served, self._scale(t)) for t in last), 1e-12)
 
         def predict(split: Split) -> float:
             return max(level_r * rollout.seconds(split.rollout, scale),

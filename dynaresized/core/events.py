@@ -119,7 +119,10 @@ class EngineQueueEmpty(Event, frozen=True):
 
 class MiniBatchDone(Event, frozen=True):
     """A trainer finished mini-batch `done` of `total` (an optimizer step) of training step
-    `step`: the next mini-batch boundary is where a lent device can join."""
+    `step`: the next mini-batch boundary is where a lent device can join. `done` 0 says the
+    step begins (devices its pool lent to the rollout go home); `done` and `total` both 0 say
+    the trainer has nothing to train until the rollout of step `step` is done (its devices
+    may be lent to that rollout)."""
 
     worker_id: WorkerId
     step: int

@@ -788,17 +788,31 @@ def on_mini_batch_done(core: Core, tx: _Tx, e: ev.MiniBatchDone) -> None:
     w = _require_worker(tx.state, e.worker_id)
     if w.kind is not WorkerKind.TRAINER_RANK:
         raise Refused("bad_request", f"worker {e.worker_id!r} is a {w.kind.value}; only trainers report mini-batches")
-    if e.step < 0 or not (0 < e.done <= e.total):
+    if e.step < 0 or not (0 <= e.done <= e.total):
         raise Refused("bad_value", f"mini-batch {e.done} of {e.total} in step {e.step} is impossible")
     tx.emit(f.MiniBatchObserved(at=e.at, worker_id=e.worker_id, step=e.step, done=e.done, total=e.total))
+    s = tx.state
+    lent_out = [d for d in s.lent_devices() if s.devices[d].pool is Pool.ROLLOUT]
+    if e.done < e.total and lent_out and s.phase is Phase.STEADY and s.inflight is None:
+        # The training step begins while its trainers serve the rollout (lent in the window
+        # with nothing to train, which ends without a step report): they go home first.
+        _return_loans(core, tx, e.at, None, "", why=f"training step {e.step} begins")
+        return
     _consider_loan(core, tx, e.at)
 
 
 def loan_view(core: Core, state: ClusterState, now: float) -> LoanView:
     """What the lending policy sees: idle engines of the rollout step in progress, trainers
-    whose part of the step is done, and the trainer's measured mini-batch pace."""
+    whose part of the step is done (after its last mini-batch, or with nothing to train yet),
+    and the trainer's measured mini-batch pace."""
     mb = state.mini_batch
     done = mb is not None and mb.done >= mb.total
+    # One-step off-policy: while the trainer trains step s the rollout generates s + 1; with
+    # nothing to train (0 of 0) it waits for the rollout of step s itself.
+    if mb is None:
+        rollout_step = state.last_step + 2
+    else:
+        rollout_step = mb.step if mb.total == 0 else mb.step + 1
     placed_home = {d for d, p in state.devices.items() if p.home is None and p.pool is not None}
     idle = tuple(d for d in state.dry if d in placed_home and state.devices[d].pool is Pool.ROLLOUT)
     free = tuple(d for d in state.pool_devices(Pool.TRAINING) if d in placed_home) if done else ()
@@ -811,7 +825,7 @@ def loan_view(core: Core, state: ClusterState, now: float) -> LoanView:
         mini_batch_done=mb.done if mb is not None else 0,
         mini_batch_total=mb.total if mb is not None else 0,
         mini_batch_s=mb.last_s if mb is not None else 0.0,
-        queue_empty=state.dry_step > state.last_step,
+        queue_empty=state.dry_step >= rollout_step,
         costs=core.config.loan_costs,
         recent=state.recent,
     )
@@ -861,7 +875,7 @@ def plan_loan(state: ClusterState, devices: tuple[DeviceId, ...], to_pool: Pool,
                       before=split, after=split, kind=kind)
 
 
-def _return_loans(core: Core, tx: _Tx, at: float, proposal: Proposal | None, source: str) -> None:
+def _return_loans(core: Core, tx: _Tx, at: float, proposal: Proposal | None, source: str, why: str = "") -> None:
     """Step boundary: every lent device goes home. A resize the policy proposes at the same
     boundary is checked by the guards now and starts once the devices are home."""
     s = tx.state
@@ -879,7 +893,7 @@ def _return_loans(core: Core, tx: _Tx, at: float, proposal: Proposal | None, sou
     pool = Pool.TRAINING if by_pool[Pool.TRAINING] else Pool.ROLLOUT
     plan = plan_loan(s, by_pool[pool], pool.other, PlanKind.RETURN)
     assert not isinstance(plan, str)
-    reason = f"step {s.last_step} done: {len(plan.devices)} lent device(s) go home to {pool.other.value}"
+    reason = f"{why or f'step {s.last_step} done'}: {len(plan.devices)} lent device(s) go home to {pool.other.value}"
     tx.emit(f.LoanReturnStarted(at=at, plan=plan, reason=reason, op_deadline=at + core.config.op_timeout_s,
                                 then=then, then_source=source if then is not None else "",
                                 then_reason=proposal.reason if then is not None and proposal else "",
@@ -894,6 +908,11 @@ def _end_loan(core: Core, tx: _Tx, at: float) -> None:
     assert fl is not None
     if fl.plan.kind is PlanKind.LOAN:
         tx.emit(f.LoanLanded(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at))
+        s = tx.state
+        if s.last_step > fl.step and not s.paused and not s.stopping:
+            # A step was reported while the loan ran (a trainer lent to the rollout's last
+            # requests): that boundary's work, the policy's say and the way home, is done now.
+            _return_loans(core, tx, at, core.policy(core.view(s, at)), core.policy.name)
         return
     tx.emit(f.LoanReturned(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at))
     s = tx.state

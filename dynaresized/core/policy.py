@@ -91,8 +91,11 @@ def load_policy(name: str, options: Mapping[str, Any] | None = None) -> Policy:
 
 
 def stage_split_estimate(timing: StepTiming, split: Split) -> tuple[float, float]:
-    """Device-seconds of rollout and training work in one step (time × devices)."""
-    return timing.rollout_s * max(split.rollout, 1), timing.train_s * max(split.train, 1)
+    """Device-seconds of rollout and training work in one step: time × the devices that served
+    each stage (devices lent to it included), `split`'s pool sizes where the step does not say."""
+    rollout = timing.rollout_devices_served or max(split.rollout, 1)
+    train = timing.train_devices_served or max(split.train, 1)
+    return timing.rollout_s * rollout, timing.train_s * train
 
 
 def predicted_step_s(rollout_work: float, train_work: float, split: Split, sync_s: float = 0.0) -> float:

@@ -86,6 +86,7 @@ class InFlight(msgspec.Struct, frozen=True):
     then_reason: str = ""
     then_predicted_step_s: float = 0.0
     then_predicted_step_s_after: float = 0.0
+    step: int = -1  # the last observed step when it started (a loan: a boundary passed if it moved)
 
     @property
     def op(self) -> OpSpec:
@@ -361,9 +362,11 @@ def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
     if outcome is not None and outcome.committed and period is not None and not ran_before:
         outcome = replace(outcome, after=outcome.after + (period,),
                           after_tokens=outcome.after_tokens + (e.timing.response_tokens,))
-    # Engines that ran dry before a step boundary did so in the step that ended: not lendable now.
+    # Engines that ran dry before a step boundary did so in the step that ended: not lendable
+    # now; nor are trainers whose mini-batches were of that step (the next one begins).
+    mb = s.mini_batch if s.mini_batch is not None and s.mini_batch.step > e.timing.step else None
     return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history,
-                   idle=s.idle.add(e.timing, s.devices), outcome=outcome, dry=())
+                   idle=s.idle.add(e.timing, s.devices), outcome=outcome, dry=(), mini_batch=mb)
 
 
 @_on(f.ProgressObserved)
@@ -485,7 +488,8 @@ def _settled(plan: ResizePlan, pool: Pool) -> Placement:
 def _(s: ClusterState, e: f.ResizeRolledBack) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
     s = _place(s, plan.devices, _settled(plan, plan.from_pool))
-    s = replace(s, phase=Phase.STEADY, resizes_rolled_back=s.resizes_rolled_back + 1,
+    undone = 1 if plan.kind is PlanKind.RESIZE else 0  # a loan rolled back is not a resize's
+    s = replace(s, phase=Phase.STEADY, resizes_rolled_back=s.resizes_rolled_back + undone,
                 outcome=_outcome_without(s.outcome, plan.resize_id))
     return _end_resize(s, e.at, e.step)
 
@@ -542,7 +546,8 @@ def _(s: ClusterState, e: f.EngineQueueEmptyObserved) -> ClusterState:
 @_on(f.MiniBatchObserved)
 def _(s: ClusterState, e: f.MiniBatchObserved) -> ClusterState:
     old = s.mini_batch
-    last = e.at - old.at if old is not None and old.step == e.step and e.done > old.done else 0.0
+    # the pace is measured between two finished mini-batches (a step's start includes its overhead)
+    last = e.at - old.at if old is not None and old.step == e.step and e.done > old.done > 0 else 0.0
     return replace(s, mini_batch=MiniBatch(e.step, e.done, e.total, e.at, last))
 
 
@@ -556,7 +561,7 @@ def _start_sequence(s: ClusterState, e: f.LoanStarted | f.LoanReturnStarted, hom
     s = _place(s, plan.devices, moving(plan.from_pool, plan.to_pool, home=home))
     inflight = InFlight(plan=plan, source=e.source if isinstance(e, f.LoanStarted) else "loan",
                         reason=e.reason, started_at=e.at, ops=plan.ops, index=0, op_started_at=e.at,
-                        op_deadline=e.op_deadline)
+                        op_deadline=e.op_deadline, step=s.last_step)
     if isinstance(e, f.LoanReturnStarted):
         inflight = replace(inflight, then=e.then, then_source=e.then_source, then_reason=e.then_reason,
                            then_predicted_step_s=e.then_predicted_step_s,

@@ -54,7 +54,7 @@ class Window(msgspec.Struct, frozen=True, array_like=True):
     moving: int
     rollout_s: float  # 0 in the last window (nothing left to generate)
     train_s: float  # 0 in the first window (nothing generated yet)
-    lent: int = 0  # idle engines lent to the training step during the window
+    lent: int = 0  # idle devices lent to the other pool during the window (either way)
 
 
 def static_windows(model: StageModel, split: Split) -> np.ndarray:
@@ -229,12 +229,14 @@ class DynamicPipeline:
             # and the training group shrinks back once.
             if op.op_id not in self._charged:
                 self._charged.add(op.op_id)
-                for d in op.devices:
+                if op.to_pool is Pool.TRAINING:  # trainers lent to the rollout: the step starts late
+                    self._penalty[Pool.TRAINING] += seconds
+                for d in op.devices if op.to_pool is Pool.ROLLOUT else ():
                     self._late[d] = self._late.get(d, 0.0) + seconds
                 if op.kind is OpKind.DRAIN and not self.naive:
                     self._penalty[Pool.TRAINING] += self.model.profile.loan.group_change_s
             seconds = 0.0
-        elif op.kind is OpKind.JOIN:
+        elif op.kind is OpKind.JOIN and op.to_pool is Pool.TRAINING:
             self._joins.append(msgspec.structs.replace(command, deadline=now + seconds))
             return
         self._seq += 1
@@ -264,7 +266,9 @@ class DynamicPipeline:
         return now
 
     def _reporter(self) -> str:
-        training = sorted(self.state.pool_devices(Pool.TRAINING), key=self.index.__getitem__)
+        """The trainer rank that reports: the first device whose home is the training pool."""
+        training = sorted((d for d, p in self.state.devices.items() if (p.home or p.pool) is Pool.TRAINING),
+                          key=self.index.__getitem__)
         return trainer_id(self.index[training[0]])
 
     # -- loans inside a window -----------------------------------------------------------
@@ -295,12 +299,35 @@ class DynamicPipeline:
         self._joined = []
         return end
 
-    def _window_with_loans(self, w: int, start: float, split: Split) -> tuple[float, float, int]:
-        """Window w with idle engines lent to training step w-1 at its mini-batch boundaries.
-        Engines report when they run dry, the trainer after every mini-batch; the core and the
-        policy decide; a loan's JOIN lands at the first boundary after its ops are done.
-        Returns (rollout seconds, training seconds, devices lent)."""
+    def _rollout_loan_landed(self) -> tuple[float, tuple[str, ...]] | None:
+        """A loan of trainers to the rollout just started: its ops run now (the router admits
+        an engine mid-step). Returns (when it landed, its devices), or None without one."""
+        fl = self.state.inflight
+        if fl is None or fl.plan.kind is not PlanKind.LOAN or fl.plan.to_pool is not Pool.ROLLOUT:
+            return None
+        rid, at = fl.plan.resize_id, fl.started_at
+        while self.state.inflight is not None and self.state.inflight.plan.resize_id == rid:
+            if not self._acks:
+                raise RuntimeError(f"loan {rid} waits for an op nobody runs")
+            at = max(at, self._acks[0].at)
+            self._ack_until(at)
+        return at, fl.plan.devices
+
+    def _window_with_loans(self, w: int, start: float, split: Split) -> tuple[float, float, int, float]:
+        """Window w with idle engines lent to training step w-1 at its mini-batch boundaries,
+        and trainers with nothing to train (window 0, or after the last mini-batch) lent to the
+        rollout while its queue lasts. Engines report when they run dry, the trainer when its
+        step begins and after every mini-batch; the core and the policy decide; a loan's JOIN
+        to training lands at the first boundary after its ops are done, one to the rollout
+        pulls queued requests once its ops are done. Returns (rollout seconds, training
+        seconds, devices lent, device-seconds that served the rollout)."""
         model, profile = self.model, self.model.profile
+        mbs = profile.training.mini_batches_per_step
+        # The trainer says its step begins (window 0: that it has nothing to train yet); its
+        # devices lent to the rollout in window 0 come home first, and the step pays their way.
+        self._feed(ev.MiniBatchDone(at=start, worker_id=self._reporter(), step=max(w - 1, 0), done=0,
+                                    total=0 if w == 0 else mbs))
+        self._ack_until(start)
         rollout_devs = sorted(self.state.pool_devices(Pool.ROLLOUT), key=self.index.__getitem__)
         engines = model.engines(len(rollout_devs))
         late = np.array([self._late.get(d, 0.0) for d in rollout_devs[:engines]])
@@ -310,11 +337,12 @@ class DynamicPipeline:
         else:
             finish = late.copy()  # the last window only trains: every engine is idle at once
         rollout_s = float(finish.max()) if w < model.steps else 0.0
+        served = rollout_s * len(rollout_devs)
         if w == 0:
-            return rollout_s, 0.0, 0
+            rollout_s, served, lent = self._lend_to_rollout(w, start, rollout_s, len(rollout_devs), late)
+            return rollout_s, 0.0, lent, served
         gpe = profile.rollout.gpus_per_engine
         idle_at = sorted((float(finish[e]), e) for e in range(engines))
-        mbs = profile.training.mini_batches_per_step
         per_mb = model.train_work(w - 1) / mbs
         eff = model.dp_efficiency
         loan = profile.loan
@@ -337,6 +365,9 @@ class DynamicPipeline:
                                                    running=0, tokens_left=0))
             self._ack_until(start + t_end)
             self._feed(ev.MiniBatchDone(at=start + t_end, worker_id=reporter, step=w - 1, done=j, total=mbs))
+            if j == mbs and w < model.steps:  # training done: its trainers may serve the rollout
+                rollout_s, served, more = self._lend_to_rollout(w, start, rollout_s, len(rollout_devs), late)
+                lent += more
             self._ack_until(start + t_end)
             if j < mbs:
                 self._finish_joins(start + t_end)
@@ -349,10 +380,34 @@ class DynamicPipeline:
                 t += loan.group_change_s + loan.trainer_first_step_s if not self.naive else 0.0
         for fact in self.facts[first_fact:]:
             # A device serves one pool at a time: only an engine that has run dry is lent.
-            if isinstance(fact, f.LoanStarted) and not set(fact.plan.devices) <= idle_devices:
+            if (isinstance(fact, f.LoanStarted) and fact.plan.to_pool is Pool.TRAINING
+                    and not set(fact.plan.devices) <= idle_devices):
                 raise RuntimeError(f"loan {fact.plan.resize_id} lent busy devices {fact.plan.devices}")
         train_s = t
-        return rollout_s, train_s, lent
+        return rollout_s, train_s, lent, served
+
+    def _lend_to_rollout(self, w: int, start: float, rollout_s: float, home_devices: int,
+                         late: np.ndarray) -> tuple[float, float, int]:
+        """If the core just lent trainers to rollout w, their engines pull the step's queued
+        requests from when the loan lands (only the pull router hands them any). Returns the
+        rollout's seconds, the device-seconds that served it, and the devices lent."""
+        served = rollout_s * home_devices
+        landed = self._rollout_loan_landed()
+        if landed is None:
+            return rollout_s, served, 0
+        at, devices = landed
+        model = self.model
+        ready = at - start
+        extra = model.engines(len(devices))
+        if model.router != "pull" or extra == 0 or ready >= rollout_s:
+            return rollout_s, served, len(devices)
+        home = len(late)
+        finish = model.engine_finish(w, home + extra, np.concatenate([late, np.full(extra, ready)]))
+        finish = finish + self._penalty[Pool.ROLLOUT]
+        busy = finish[home:] > ready + self._penalty[Pool.ROLLOUT]
+        rollout_s = float(max(finish[:home].max(), finish[home:][busy].max() if busy.any() else 0.0))
+        served = rollout_s * home_devices + (len(devices) * (rollout_s - ready) if busy.any() else 0.0)
+        return rollout_s, served, len(devices)
 
     def _mixed_rollout_s(self, w: int, split: Split, now: float) -> float:
         """Rollout w on `split`, plus, with the pull router, the engines of a pipelined resize to
@@ -390,19 +445,20 @@ class DynamicPipeline:
         now = 0.0
         windows: list[Window] = []
         held: list[tuple[int, str]] = []
-        last_rollout = (0.0, 0)  # (seconds, devices) of the previous window's rollout
+        last_rollout = (0.0, 0, 0.0)  # (seconds, devices, device-seconds) of the previous window's rollout
         for w in range(k + 1):
             if self.naive and self.state.inflight is not None:
                 now = self._stop_the_world(now)
             split = self.state.split
             moving = self.gpus - split.total
-            rollout_s = train_s = 0.0
+            rollout_s = train_s = served = 0.0
             lent = 0
             if self.lending and moving == 0 and self.state.inflight is None:
-                rollout_s, train_s, lent = self._window_with_loans(w, now, split)
+                rollout_s, train_s, lent, served = self._window_with_loans(w, now, split)
             else:
                 if w < k:
                     rollout_s = self._mixed_rollout_s(w, split, now) + self._penalty[Pool.ROLLOUT]
+                    served = rollout_s * split.rollout
                 if w >= 1:
                     train_s = model.train_seconds(w - 1, split.train) + self._penalty[Pool.TRAINING]
                 self._late.clear()
@@ -422,6 +478,7 @@ class DynamicPipeline:
                     train_s=train_s,
                     weight_sync_s=sync,
                     rollout_devices=last_rollout[1],
+                    rollout_device_s=last_rollout[2],
                     train_devices=split.train,
                     samples=int(model.samples[step]),
                     response_tokens=int(model.response_tokens[step]),
@@ -436,7 +493,7 @@ class DynamicPipeline:
             if not self.naive:
                 self._commit_at_boundary(now)
             self._ack_until(now)  # a loan's way home is answered at the boundary
-            last_rollout = (rollout_s, split.rollout)
+            last_rollout = (rollout_s, split.rollout, served)
             if self.progress is not None:
                 self.progress(w + 1, k + 1)
         # A resize started at the very last boundary never ran: nothing is left to run on it.

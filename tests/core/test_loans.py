@@ -7,6 +7,7 @@ import pytest
 from msgspec.structs import replace
 
 from dynaresized.core import IllegalTransition, Phase, Refused, fold
+from dynaresized.core.machine import loan_view
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.domain import OpKind, PlanKind, Pool, Split, StepTiming, placed
@@ -90,6 +91,7 @@ def test_a_failed_join_rolls_the_loan_back_home():
     assert isinstance(d.log[-1], f.ResizeRolledBack)
     assert d.state.devices[IDLE] == placed(Pool.ROLLOUT) and d.state.phase is Phase.STEADY
     assert d.state.history.last_resize_end_at is None
+    assert d.state.resizes_rolled_back == 0, "a loan rolled back is not a resize rolled back"
     assert d.replayed().durable() == d.state.durable()
 
 
@@ -160,3 +162,81 @@ def test_an_engine_idle_in_the_step_that_ended_is_not_lent_in_the_next():
     assert d.state.dry == ()
     pace(d, step=1)
     assert d.state.inflight is None, "the engine is busy with the new step's requests"
+
+
+TRAINERS = (device(0), device(1))
+
+
+def nothing_to_train(d: Driver, step: int = 0) -> tuple[list[f.Fact], list]:
+    return d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=step, done=0, total=0))
+
+
+def test_trainers_with_nothing_to_train_are_lent_to_the_rollout_and_go_home_when_their_step_begins():
+    d = lending_cluster()
+    facts, commands = nothing_to_train(d)  # the first window: the trainer waits for rollout 0
+    started = next(x for x in facts if isinstance(x, f.LoanStarted))
+    assert started.plan.kind is PlanKind.LOAN and started.plan.to_pool is Pool.ROLLOUT
+    assert started.plan.devices == TRAINERS and "nothing to train yet" in started.reason
+    assert [(c.worker_id, c.op.kind) for c in commands] == [(trainer(0), OpKind.DRAIN), (trainer(1), OpKind.DRAIN)]
+    d.finish()
+    assert isinstance(d.log[-1], f.LoanLanded)
+    assert all(d.state.devices[x] == placed(Pool.ROLLOUT, home=Pool.TRAINING) for x in TRAINERS)
+    assert d.state.split == Split(TRAIN, ROLLOUT)
+    # rollout 0 is done: training step 0 begins, and its trainers come home first
+    facts, commands = d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=0, done=0, total=8))
+    back = next(x for x in facts if isinstance(x, f.LoanReturnStarted))
+    assert back.plan.to_pool is Pool.TRAINING and back.plan.devices == TRAINERS
+    assert back.reason == "training step 0 begins: 2 lent device(s) go home to training"
+    d.finish()
+    assert isinstance(d.log[-1], f.LoanReturned) and d.state.lent_devices() == ()
+    assert all(d.state.devices[x] == placed(Pool.TRAINING) for x in TRAINERS)
+    assert d.replayed().durable() == d.state.durable()
+
+
+def test_trainers_are_free_after_their_last_mini_batch_only_until_the_step_boundary():
+    d = lending_cluster(loan_safety=1e9)  # watch the view; lend nothing
+    pace(d, upto=8)
+    view = loan_view(d.core, d.state, d.at())
+    assert view.free_trainers == TRAINERS and not view.queue_empty
+    report_step(d, 0)
+    # the next training step has begun and reported nothing yet: nobody is free (the record
+    # of step 0's last mini-batch used to say all trainers were)
+    assert d.state.mini_batch is None and loan_view(d.core, d.state, d.at()).free_trainers == ()
+
+
+def test_the_queue_is_empty_only_for_the_rollout_step_in_progress():
+    d = lending_cluster(loan_safety=1e9)
+    nothing_to_train(d)  # rollout 0 runs
+    assert not loan_view(d.core, d.state, d.at()).queue_empty
+    idle(d, step=0)
+    assert loan_view(d.core, d.state, d.at()).queue_empty
+    pace(d, step=0, upto=1)  # window 1: training 0, rollout 1
+    assert not loan_view(d.core, d.state, d.at()).queue_empty, "rollout 0's empty queue says nothing of rollout 1"
+    idle(d, step=1)
+    report_step(d, 0)
+    pace(d, step=1, upto=1)  # window 2: rollout 2
+    assert not loan_view(d.core, d.state, d.at()).queue_empty
+
+
+def test_no_trainer_is_lent_to_a_rollout_whose_queue_is_empty():
+    d = lending_cluster()
+    nothing_to_train(d, step=0)
+    d.finish()
+    d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=0, done=0, total=8))
+    d.finish()
+    idle(d, step=1)  # rollout 1's queue is empty
+    facts, _ = d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=0, done=8, total=8))
+    assert not any(isinstance(x, f.LoanStarted) for x in facts) and d.state.inflight is None
+
+
+def test_a_step_reported_while_a_loan_runs_sends_it_home_and_asks_the_policy_once_it_lands():
+    d = lending_cluster()
+    pace(d, upto=8)  # training step 0 done: its trainers are lent to rollout 1, still queued
+    assert d.state.inflight is not None and d.state.inflight.plan.to_pool is Pool.ROLLOUT
+    facts = report_step(d, 0, rollout_s=40.0, train_s=10.0)  # the boundary comes mid-loan
+    assert not any(isinstance(x, f.LoanReturnStarted) for x in facts)
+    d.finish()
+    landed = next(i for i, x in enumerate(d.log) if isinstance(x, f.LoanLanded))
+    assert any(isinstance(x, f.LoanReturnStarted) for x in d.log[landed:])
+    assert d.state.lent_devices() == () and d.state.inflight is None
+    assert d.replayed().durable() == d.state.durable()

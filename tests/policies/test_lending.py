@@ -7,7 +7,7 @@ import pytest
 
 from dynaresized.core.guards import GuardConfig, check_loan
 from dynaresized.core.policy import LoanCosts, LoanView, load_policy
-from dynaresized.domain import Split
+from dynaresized.domain import Split, StepTiming
 
 COSTS = LoanCosts(to_training_s=3.0, to_rollout_s=3.0, return_s=4.0, lead_s=6.0)
 
@@ -56,3 +56,40 @@ def test_the_guard_lends_only_idle_devices_and_only_when_it_pays():
     assert refused.reason == "saves ~4.0s, not above cost 4.0s x loan_safety 1"
     busy = check_loan(view(idle=("n0:gpu6",)), policy.propose_loan(view()), cfg)
     assert busy is not None and busy.guard == "loan_idle" and "n0:gpu7: engine has work left" in busy.reason
+
+
+def trainers_view(free: tuple[str, ...] = ("n0:gpu0", "n0:gpu1"), total: int = 0, done: int = 0,
+                  queue_empty: bool = False, recent: tuple[StepTiming, ...] = ()) -> LoanView:
+    return LoanView(now=100.0, split=Split(6, 2), idle_engines=(), free_trainers=free, training_devices=6,
+                    mini_batch_done=done, mini_batch_total=total, mini_batch_s=0.0, queue_empty=queue_empty,
+                    costs=COSTS, recent=recent)
+
+
+def test_trainers_with_nothing_to_train_are_lent_to_a_rollout_with_queued_requests():
+    policy = load_policy("hysteresis")
+    p = policy.propose_loan(trainers_view())
+    # nothing measured yet: the rollout ahead is taken to last unmeasured_rollout_s (300 s)
+    assert p is not None and p.to_pool == "rollout" and p.devices == ("n0:gpu0", "n0:gpu1")
+    assert p.saves_s == pytest.approx((300.0 - 6.0) * 2 / 4)
+    assert p.cost_s == pytest.approx(3.0 + 4.0 / 6 * 2)
+    assert "nothing to train yet, rollout queue not empty" in p.reason
+    assert check_loan(trainers_view(), p, GuardConfig()) is None
+    assert policy.propose_loan(trainers_view(queue_empty=True)) is None, "nothing queued: nothing to pull"
+    assert load_policy("hysteresis", {"lending": False}).propose_loan(trainers_view()) is None
+
+
+def test_after_the_last_mini_batch_the_saving_is_the_rollout_left_over_the_training_just_done():
+    # the last step: rollout 400 s on 2 devices, trained in 100 s on 6
+    step = StepTiming(step=0, rollout_s=400.0, train_s=100.0, rollout_devices=2, train_devices=6)
+    p = load_policy("hysteresis").propose_loan(trainers_view(total=8, done=8, recent=(step,)))
+    assert p is not None and p.saves_s == pytest.approx((400.0 - 100.0 - 6.0) * 2 / 4)
+    assert "training step done (8/8)" in p.reason
+    # the same rollout time, but 4 devices served it (trainers lent to it): twice the work ahead
+    served = StepTiming(step=0, rollout_s=400.0, train_s=100.0, rollout_devices=2, train_devices=6,
+                        rollout_device_s=1600.0)
+    q = load_policy("hysteresis").propose_loan(trainers_view(total=8, done=8, recent=(served,)))
+    assert q is not None and q.saves_s == pytest.approx((800.0 - 100.0 - 6.0) * 2 / 4)
+    # a training-bound step leaves no rollout to help with: no saving, the guard refuses
+    quick = StepTiming(step=0, rollout_s=100.0, train_s=200.0, rollout_devices=2, train_devices=6)
+    r = load_policy("hysteresis").propose_loan(trainers_view(total=8, done=8, recent=(quick,)))
+    assert r is not None and r.saves_s == 0.0 and check_loan(trainers_view(), r, GuardConfig()) is not None

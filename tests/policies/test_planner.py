@@ -95,3 +95,16 @@ def test_planner_is_a_pure_function_of_the_view():
     used = PlannerPolicy()
     used(view(Split(6, 2), before))  # a previous call must not change the next answer
     assert used(v) == PlannerPolicy()(v)
+
+
+def test_a_rollout_served_by_lent_trainers_reads_as_served_by_more_devices():
+    # Trainers lent to the rollout made it fast; measured on the devices that served it, the
+    # step asks for a bigger rollout pool, as the same rollout on 2 devices alone would.
+    from dynaresized.core.policy import stage_split_estimate
+
+    lent = StepTiming(step=0, rollout_s=300.0, train_s=100.0, rollout_devices=2, train_devices=6,
+                      rollout_device_s=300.0 * 2 + 250.0 * 6)
+    assert lent.rollout_devices_served == pytest.approx(7.0)
+    assert stage_split_estimate(lent, Split(6, 2)) == (pytest.approx(2100.0), pytest.approx(600.0))
+    plain = StepTiming(step=0, rollout_s=300.0, train_s=100.0, rollout_devices=2, train_devices=6)
+    assert plain.rollout_devices_served == 2.0 and stage_split_estimate(plain, Split(6, 2))[0] == 600.0

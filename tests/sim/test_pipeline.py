@@ -9,7 +9,7 @@ from dynaresized.core import fold
 from dynaresized.core.policy import load_policy
 from dynaresized.domain import FORWARD_ORDER, Pool, Split
 from dynaresized.sim.bounds import fluid_bound, lower_bound
-from dynaresized.sim.pipeline import DynamicPipeline, best_static, colocated_total, static_total
+from dynaresized.sim.pipeline import DynamicPipeline, best_static, colocated_total, static_total, static_windows
 from dynaresized.sim.profile import load_profile
 from dynaresized.sim.run import guards_for, scenario_shape
 from dynaresized.sim.stages import StageModel
@@ -138,3 +138,27 @@ def test_lower_bound_holds_on_every_scenario_and_other_cluster_sizes():
             assert colocated_total(m, gpus) >= bound
             assert run(m, "greedy").total_time_s >= bound
             assert run(m, "hysteresis", lending=True, cooldown_steps=0).total_time_s >= fluid_bound(m, gpus)
+
+
+def test_trainers_with_nothing_to_train_serve_the_first_rollout_and_say_so():
+    # verl-dapo starts at 6:2: in window 0 the six trainers have nothing to train. Lent to the
+    # rollout, they pull its queued requests; they come home when training step 0 begins, and
+    # step 0's timing counts the device-seconds that served its rollout.
+    m = StageModel(PROFILE, scenario_trace("verl-dapo", scenario_shape(PROFILE), seed=0))
+    initial = PROFILE.initial_split
+    alone = static_windows(m, initial)[0]
+    without = run(m, "hysteresis", lending=False)
+    result = run(m, "hysteresis", lending=True)
+    assert without.windows[0].rollout_s == pytest.approx(alone)
+    w0, w1 = result.windows[0], result.windows[1]
+    assert w0.lent == initial.train and w0.rollout_s < 0.7 * alone
+    loan = next(x for x in result.facts if isinstance(x, f.LoanStarted))
+    assert loan.at == 0.0 and loan.plan.to_pool is Pool.ROLLOUT and len(loan.plan.devices) == initial.train
+    home = next(x for x in result.facts if isinstance(x, f.LoanReturnStarted))
+    assert home.at == w1.start_s and home.reason.startswith("training step 0 begins")
+    step0 = next(x.timing for x in result.facts if isinstance(x, f.StepObserved))
+    assert step0.rollout_s == pytest.approx(w0.rollout_s) and step0.rollout_devices == initial.rollout
+    assert step0.rollout_device_s > step0.rollout_s * initial.rollout
+    assert initial.rollout < step0.rollout_devices_served < initial.total
+    assert result.total_time_s < without.total_time_s
+    assert fold(result.facts).durable() == result.state.durable()
