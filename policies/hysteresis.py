@@ -34,8 +34,10 @@ class HysteresisPolicy(Lending):
     name = "hysteresis"
     guarded = True
 
-    def __init__(self, window: int = 3, max_move: int | None = None, lending: bool = True) -> None:
+    def __init__(self, window: int = 3, max_move: int | None = None, lending: bool = True,
+                 lend_trainers: bool = True) -> None:
         self.lends = bool(lending)
+        self.lends_trainers = bool(lend_trainers)
         if window < 1:
             raise ValueError("window must be >= 1")
         self.window = window

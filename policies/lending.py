@@ -36,6 +36,10 @@ class Lending:
     and mini-batch report. `lending=False` turns it off."""
 
     lends: bool = True
+    lends_trainers: bool = True
+    """Trainers to the rollout too (`lend_trainers=false` turns that way off alone). The sim
+    workers take such loans; the torch and vLLM backends do not yet (an engine joined with plan
+    LOAN is not admitted by the router), so their daemons set `lend_trainers = false`."""
     unmeasured_rollout_s: float = 300.0
     """The rollout ahead, in seconds, before any step is measured (a first RL rollout of long
     responses takes minutes)."""
@@ -43,7 +47,7 @@ class Lending:
     def propose_loan(self, view: LoanView) -> LoanProposal | None:
         if not self.lends:
             return None
-        if view.free_trainers and not view.queue_empty:
+        if self.lends_trainers and view.free_trainers and not view.queue_empty:
             return self._lend_trainers(view)
         if not view.idle_engines or view.mini_batch_total == 0:
             return None

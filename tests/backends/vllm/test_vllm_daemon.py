@@ -152,7 +152,7 @@ async def test_an_idle_engine_is_lent_mid_step_and_comes_home_at_the_boundary(ro
     release with plan LOAN: e1 pauses) to the training step in progress and, once the step is
     reported, brings it home (join with plan RETURN), where it serves the next step."""
     workers, e1 = rollout.workers, rollout.engines["e1"]
-    async with attached(rollout, tmp_path, policy={"name": "hysteresis"},
+    async with attached(rollout, tmp_path, policy={"name": "hysteresis", "options": {"lend_trainers": False}},
                         loan_costs={"to_training_s": 0.0, "return_s": 0.0, "lead_s": 0.0}) as (daemon, trainers):
         [pid] = e1.core_pids
         trainer = trainers.clients[2]  # the training pool's rank reports its mini-batches
