@@ -78,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainerConfig(
         devices=devices, device=args.device, initial=devices[: args.initial],
         candidates=reachable_memberships(devices, devices[: args.initial], tuple(range(1, len(devices) + 1))),
-        micro_batches=args.micro_batches, mini_batches=args.mini_batches, deterministic=args.deterministic, steps_total=args.steps,
-        record_digests=args.deterministic, collective_timeout_s=args.collective_timeout, peer_timeout_s=5.0,
-        backend=args.backend, torch_device=args.torch_device)
+        micro_batches=args.micro_batches, mini_batches=args.mini_batches, deterministic=args.deterministic,
+        steps_total=args.steps, record_digests=args.deterministic, collective_timeout_s=args.collective_timeout,
+        peer_timeout_s=5.0, backend=args.backend, torch_device=args.torch_device)
     job = GRPOJob(str(work / "model"), str(work / "samples"), args.micro_batches, lr=args.lr,
                   kl_coef=task.workload(args.workload, args.steps).kl_coef,
                   reference_dir=str(work / "teacher") if args.workload == "shift" else None)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,14 @@ def config(work: Path, **kw: Any) -> RunConfig:
     return RunConfig(**base)
 
 
+def warm_started(done: Path, work: Path) -> Path:
+    """`work` with the policy's warm start and the teacher a finished run built (the same seeds
+    build the same models; copying them saves a build), as `run.compare_static` does."""
+    for part in ("model", "teacher"):
+        shutil.copytree(done / part, work / part)
+    return work
+
+
 def require_slots() -> None:
     try:
         DeviceSlots.cgroups(["probe"], 0.5).close()  # under the parent the runs use: nothing left behind
@@ -68,8 +77,10 @@ def require_slots() -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     require_slots()
-    moved = asyncio.run(run_once(config(tmp_path_factory.mktemp("moved"))))
-    static = asyncio.run(run_once(config(tmp_path_factory.mktemp("static"), policy="static")))
+    moved_work = tmp_path_factory.mktemp("moved")
+    moved = asyncio.run(run_once(config(moved_work)))
+    static = asyncio.run(run_once(config(warm_started(moved_work, tmp_path_factory.mktemp("static")),
+                                         policy="static")))
     return {"moved": moved, "static": static}
 
 
@@ -106,8 +117,8 @@ def loan_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
     require_slots()
     lent_work = tmp_path_factory.mktemp("lent")
     lent = asyncio.run(run_once(config(lent_work, steps=LOAN_STEPS, **MINI)))
-    static = asyncio.run(run_once(config(tmp_path_factory.mktemp("static-mini"), steps=LOAN_STEPS, policy="static",
-                                         **MINI)))
+    static = asyncio.run(run_once(config(warm_started(lent_work, tmp_path_factory.mktemp("static-mini")),
+                                         steps=LOAN_STEPS, policy="static", **MINI)))
     steps = [json.loads((lent_work / "trained" / f"step-{k:05d}.json").read_text()) for k in range(LOAN_STEPS)]
     return {"lent": {**lent, "step_files": steps}, "static": static}
 
