@@ -188,6 +188,31 @@ def SlottedEngine(engine_id: str, config: Any, *, slot: Any) -> Any:  # noqa: N8
     return _slotted_engine_class()(engine_id, config, slot=slot)
 
 
+def _reported_steps_router_class() -> Any:
+    from dynaresized.backends.vllm.router import RequestRouter
+
+    class ReportedStepsRouter(RequestRouter):
+        """A router whose engines tell the daemon they ran dry only in steps whose report follows.
+
+        The daemon forgets its idle engines at a step report. Step 0 (no training time yet), the
+        last step (the run ends on training) and the held-out evaluations are never reported: an
+        engine dry in one of them would still look idle, and lendable, while it serves the next
+        step's rollout."""
+
+        def __init__(self, *args: Any, reported: Callable[[int], bool], **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            self.reported = reported
+
+        def on_dry(self, listener: Any) -> None:
+            def told(engine_id: str, step: int, running: int, tokens_left: int) -> None:
+                if self.reported(step):
+                    listener(engine_id, step, running, tokens_left)
+
+            super().on_dry(told)
+
+    return ReportedStepsRouter
+
+
 class Driver:
     """The RL loop: owns the daemon subprocess (unless given one), trainers, engines, the loop."""
 
@@ -322,14 +347,14 @@ op_timeout_s = 240.0
 
     async def start_engines(self) -> None:
         from dynaresized.backends.vllm.engine import EngineConfig, RolloutEngine
-        from dynaresized.backends.vllm.router import RequestRouter
         from dynaresized.backends.vllm.weights import WeightStore
         from dynaresized.backends.vllm.worker import EngineWorker
         from dynaresized.client import WorkerClient
         from dynaresized.domain import WorkerKind
 
         self.weights = WeightStore(self.work / "weights")
-        self.router = RequestRouter(self.weights, max_inflight=64, finish_within_tokens=4)
+        self.router = _reported_steps_router_class()(self.weights, max_inflight=64, finish_within_tokens=4,
+                                                     reported=lambda step: 0 < step < self.cfg.steps - 1)
         config = EngineConfig(model=str(self.work / "model"), kv_cache_memory_bytes=self.cfg.kv_cache_bytes,
                               seed=self.cfg.seed, max_model_len=64)
         self.engines: dict[str, Any] = {}
