@@ -460,10 +460,12 @@ op_timeout_s = 240.0
             prompts)
 
     async def report(self, result: Any, train_s: float, train_devices: int) -> None:
-        for worker in self.workers.values():
-            if worker.client is not None and worker.engine.engine_id in self.router.admitted:
-                await worker.client.report_step(result.timing(train_s=train_s, train_devices=train_devices))
-                return
+        # Through an admitted engine's client if there is one; while every rollout engine is lent
+        # (drained, paused) any attached one: this report is what brings the loan home.
+        attached = [w for w in self.workers.values() if w.client is not None]
+        attached.sort(key=lambda w: w.engine.engine_id not in self.router.admitted)
+        if attached:
+            await attached[0].client.report_step(result.timing(train_s=train_s, train_devices=train_devices))
 
     async def show_attach_progress(self, started: float, every_s: float = 10.0) -> None:
         """One line whenever a trainer or engine attaches or an engine finishes starting, and
