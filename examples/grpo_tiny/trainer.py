@@ -15,8 +15,8 @@ daemon (`mini_batch_done`), which is what the daemon lends on.
 
 After each optimizer step every rank appends what it trained (RL step, mini-batch,
 micro-batches, sample ids) to `DIR/trained/rank<r>.jsonl` (the trained-once half of the
-ledger). When an RL step's last mini-batch is done, its writer (the lowest rank of the group
-that trained the step's first mini-batch: a lent rank, which joins later, never is) publishes
+ledger). When an RL step's last mini-batch is done, its writer (the lowest rank that trained
+the whole step: a lent rank, which joins inside it, never is) publishes
 the new policy version to the `WeightStore` at `DIR/weights` (atomic rename; the engines reload
 it at the next step boundary) and writes `DIR/trained/step-<k>.json` (seconds, members, loss,
 parameter digest). When training ends it stays attached until the driver creates `DIR/stop`.
@@ -90,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     trained.mkdir(exist_ok=True)
     ledger = (trained / f"rank{config.rank}.jsonl").open("a")
 
-    # Per RL step, what this rank saw of it: the group of its first mini-batch (whose lowest rank
-    # writes the step's results: it trains the whole step) and the seconds of its mini-batches.
+    # Per RL step, what this rank saw of it: the group of its first mini-batch, the ranks on loan
+    # in it, and the seconds of its mini-batches.
     first_members: dict[int, tuple[int, ...]] = {}
+    lent: dict[int, set[int]] = {}
     step_seconds: dict[int, float] = {}
     loop: asyncio.AbstractEventLoop | None = None
     client: WorkerClient | None = None
@@ -108,12 +109,16 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run_coroutine_threadsafe(
                 client.report_mini_batch(step + 1, record.mini_batch + 1, record.mini_batches), loop)
         first_members.setdefault(step, tuple(record.members))
+        lent.setdefault(step, set()).update(rank.lent)  # read on the step loop's thread, which changes it
         step_seconds[step] = step_seconds.get(step, 0.0) + record.seconds
         if not record.ends_rl_step:
             return
         seconds_all = step_seconds.pop(step)
-        home = first_members.pop(step)
-        if home[0] != config.rank:
+        on_loan = lent.pop(step)
+        # The writer: the lowest rank in the group from the step's first mini-batch to its last
+        # (every member computes the same one; a rank that joined or left inside the step sums
+        # only part of its time).
+        if min(set(first_members.pop(step)) & set(record.members)) != config.rank:
             return
         model = rank.state.model
         weights.publish(step + 1, {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
@@ -123,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         write_json(trained / f"step-{step:05d}.json",
                    {"step": step, "version": step + 1, "seconds": seconds, "step_seconds": seconds_all,
                     # the home group (the daemon's split) and the ranks lent to it for part of the step
-                    "members": [devices[m] for m in home],
-                    "lent": [devices[m] for m in record.members if m not in home], "loss": record.loss,
+                    "members": [devices[m] for m in record.members if m not in on_loan],
+                    "lent": [devices[m] for m in sorted(on_loan)], "loss": record.loss,
                     "params_sha": record.params_sha})
 
     rank.on_step = on_step
