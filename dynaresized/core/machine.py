@@ -719,9 +719,20 @@ def divergence(state: ClusterState, worker: Worker, now: float, retry_s: float) 
     if stuck is not None and (now - stuck.at < retry_s or worker.actual.holding is Holding.FAILED):
         return None  # tried lately, or it cannot act at all: wait for it to report something else
     want, have = state.desired(worker), worker.actual.holding
-    if want is None or have is Holding.DONE or have is want:
+    if want is None or have is Holding.DONE or have is want or _left_with_its_loan(state, worker):
         return None
     return want, have
+
+
+def _left_with_its_loan(state: ClusterState, worker: Worker) -> bool:
+    """A trainer on a device lent to the training step leaves the group by itself once the
+    step's last mini-batch is done; the loan's return at the step report releases the device.
+    Converging it back into the group before then would undo the step's end."""
+    mb = state.mini_batch
+    return (worker.kind is WorkerKind.TRAINER_RANK and worker.actual is not None
+            and worker.actual.holding in (Holding.DRAINED, Holding.RELEASED)
+            and all(d in state.devices and state.devices[d].home is Pool.ROLLOUT for d in worker.devices)
+            and mb is not None and mb.total > 0 and mb.done >= mb.total)
 
 
 def _reconcile_next(core: Core, tx: _Tx, at: float) -> None:
@@ -779,6 +790,10 @@ def on_engine_queue_empty(core: Core, tx: _Tx, e: ev.EngineQueueEmpty) -> None:
         raise Refused("bad_request", f"worker {e.worker_id!r} is a {w.kind.value}; only engines report their queue")
     if e.step < 0 or e.running < 0 or e.tokens_left < 0:
         raise Refused("bad_value", f"step={e.step} running={e.running} tokens_left={e.tokens_left} is impossible")
+    if e.step <= tx.state.last_step:
+        # Late: that step's report already arrived (it cleared the idle engines); recorded, the
+        # engine would look lendable while it serves the next step.
+        return
     tx.emit(f.EngineQueueEmptyObserved(at=e.at, worker_id=e.worker_id, device=w.devices[0], step=e.step,
                                        running=e.running, tokens_left=e.tokens_left))
     _consider_loan(core, tx, e.at)

@@ -267,8 +267,10 @@ class Driver:
         # Loans need a boundary inside the training step: with one mini-batch per RL step a
         # trainer joins only between RL steps, so an engine lent mid-step would idle until then.
         lends = self.cfg.mini_batches >= 2
-        policy_options = (f"options = {{ lending = {json.dumps(lends)} }}" if self.cfg.policy == "hysteresis"
-                          else "")
+        # Trainers lent to the rollout (`lend_trainers`) need engines that serve on a loan, which
+        # the vLLM backend does not yet do (docs/configuration.md).
+        policy_options = (f"options = {{ lending = {json.dumps(lends)}, lend_trainers = false }}"
+                          if self.cfg.policy == "hysteresis" else "")
         # What a loan costs here, as measured on slots (docs/e2e.md): pausing the engine ~0.02 s
         # and the rank's join ~0.1 s once it reaches the next mini-batch boundary (the wait for
         # that boundary is the lending policy's own term); the way home at the step boundary is
