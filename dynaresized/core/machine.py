@@ -214,6 +214,10 @@ def on_hello(core: Core, tx: _Tx, e: ev.WorkerHello) -> None:
             f"worker {e.worker_id!r} is live as {old.kind.value} on {', '.join(old.devices)}; "
             "use another worker id or stop the old worker",
         )
+    if (e.registered_here and old is not None and old.status is WorkerStatus.LIVE and old.process
+            and e.process == old.process):
+        _hello_again(core, tx, e, old)
+        return
     if old is not None and old.status is WorkerStatus.LIVE and old.process and e.process != old.process:
         if e.previous_connected:
             raise Refused("duplicate_worker",
@@ -230,6 +234,20 @@ def on_hello(core: Core, tx: _Tx, e: ev.WorkerHello) -> None:
     fl = tx.state.inflight
     if fl is not None and e.worker_id in fl.op.targets and e.worker_id not in fl.acked:
         _send(tx, [e.worker_id])  # reconcile: the worker answers from its record or re-runs
+
+
+def _hello_again(core: Core, tx: _Tx, e: ev.WorkerHello, old: Worker) -> None:
+    """The registered process says hello again (no heartbeat answer reached it, or its hellos
+    crossed on a slow link): its registration stands. A new one per hello would make the
+    token it holds stale, its next message would be refused, and it would say hello again."""
+    last_seen = dict(tx.state.last_seen)
+    last_seen[e.worker_id] = e.at
+    tx.state = replace(tx.state, last_seen=last_seen)
+    if e.actual is not None:
+        on_state_reported(core, tx, ev.StateReported(at=e.at, worker_id=e.worker_id, actual=e.actual))
+    fl = tx.state.inflight
+    if fl is not None and e.worker_id in fl.op.targets and e.worker_id not in fl.acked:
+        _send(tx, [e.worker_id])  # its answer may have been lost: it answers from its record
 
 
 def on_heartbeat(core: Core, tx: _Tx, e: ev.Heartbeat) -> None:
