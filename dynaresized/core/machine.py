@@ -404,6 +404,9 @@ def _credit_stall(core: Core, tx: _Tx, at: float) -> None:
     gap = at - s.last_tick
     if core.config.stall_s is not None and s.last_tick and gap > core.config.stall_s:
         tx.state = replace(s, last_tick=at, last_seen={w: min(at, seen + gap) for w, seen in s.last_seen.items()})
+        fl = tx.state.inflight
+        if fl is not None and fl.op_deadline >= s.last_tick:  # the op was still in time when the stall began
+            tx.emit(f.DaemonStalled(at=at, seconds=gap, op_deadline=fl.op_deadline + gap))
     else:
         tx.state = replace(s, last_tick=at)
 

@@ -383,3 +383,36 @@ def test_the_daemons_own_stall_is_not_held_against_the_workers() -> None:
     d.send(ev.Tick(at=d.at() + 0.05))
     facts, _ = d.send(ev.Tick(at=d.at() + 11.0))
     assert sum(isinstance(x, f.WorkerLost) for x in facts) == 8
+
+
+def test_the_daemons_own_stall_is_not_held_against_the_op_in_flight() -> None:
+    """Chaos run 363 of 1000, no fault injected: the daemon got no CPU for 5.2 s while a commit
+    was in flight; its first tick after the stall found the commit's 4 s deadline past and
+    degraded, with the four answers already waiting in its socket. The stall moves the op's
+    deadline on too, as a recorded fact (the deadline is durable state)."""
+    config = make_core().config.__class__(guards=EAGER, op_timeout_s=4.0, heartbeat_timeout_s=1.5, stall_s=0.5)
+    d = boot_reporting(Core(config, make_core().policy), 2, 2)
+    d.force(1, 3)
+    fl = d.state.inflight
+    t = fl.op_started_at
+    d.heartbeat_all(t + 0.1)
+    d.send(ev.Tick(at=t + 0.1))
+    facts, _ = d.send(ev.Tick(at=t + 5.3))  # blind for 5.2 s
+    stalled = [x for x in facts if isinstance(x, f.DaemonStalled)]
+    assert stalled and abs(stalled[0].seconds - 5.2) < 1e-9
+    assert not any(isinstance(x, (f.OpFailed, f.Degraded, f.WorkerLost)) for x in facts)
+    assert d.state.inflight.op_deadline == pytest.approx(fl.op_deadline + 5.2)
+    assert d.replayed().durable() == d.state.durable()
+    d.send(ev.OpReported(at=t + 5.31, worker_id=trainer(1), op_id=fl.op.op_id, ok=True,
+                         actual=held(Holding.DRAINED)))  # the answer that waited in the socket
+    assert d.state.inflight.op.kind is OpKind.RELEASE
+    # without stalls the next op's deadline holds as before: unanswered, the release times out
+    # at the first tick past its 4 s
+    started = d.state.inflight.op_started_at
+    for i in range(1, 60):
+        d.heartbeat_all(started + 0.1 * i)
+        facts, _ = d.send(ev.Tick(at=started + 0.1 * i))
+        if any(isinstance(x, f.OpFailed) for x in facts):
+            break
+    failed = next(x for x in facts if isinstance(x, f.OpFailed))
+    assert "release timed out" in failed.reason and failed.at == pytest.approx(started + 4.1)
