@@ -82,7 +82,8 @@ connection; ZeroMQ reconnects it. The daemon never dies of a bad message.
 2. **Stay registered.** Send `heartbeat` every `welcome.heartbeat_interval_s`. A worker silent
    for `welcome.heartbeat_timeout_s` is declared lost (a resize it takes part in is rolled
    back); only time the daemon was running counts, so a daemon that stalled (no CPU, a slow
-   disk) does not declare everyone lost when it wakes. A lost worker is refused with `not_registered`; it then, and whenever an ack shows a
+   disk) does not declare everyone lost when it wakes, nor time out the op in flight whose
+   answers wait unread in its socket (a `daemon_stalled` fact moves the op's deadline on). A lost worker is refused with `not_registered`; it then, and whenever an ack shows a
    new `boot_id`, or any message is refused with `stale_token` or `missing_token`, sends
    `hello` again. A message refused with `stale_token` whose `error.token` is not the current
    token is about an earlier registration and is ignored.
