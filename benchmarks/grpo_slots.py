@@ -23,7 +23,7 @@ trains, so a move back to rollout costs a resume and a weight reload, not an eng
   resize costs the daemon measured; (predicted − measured) / measured total loop time.
 
 Usage: python benchmarks/grpo_slots.py [--steps 24] [--prompts 64] [--slots 0.5] [--weight N]
-                                       [--initial-train 2] [--work DIR] [--quick]
+                                       [--initial-train 2] [--mini-batches M] [--work DIR] [--quick]
        python benchmarks/grpo_slots.py --work DIR --resimulate RESULT.json   # the sim side again
 Needs root (or a delegated cgroup), the torch and vllm extras. Runs the policy run and one
 static run per split (3 runs for 3 devices), each 1.5-2 minutes at 24-32 steps on 2 cores.
@@ -278,6 +278,11 @@ def main() -> int:
     p.add_argument("--initial-train", type=int, default=2,
                    help="training devices at step 0 (default 2 of 3: the split an operator would pick from a "
                         "profile of the first, training-heavy phase, without hindsight of the second)")
+    p.add_argument("--mini-batches", type=int, default=1,
+                   help="optimizer steps per RL step, in every run; 2 or more turns lending on in the policy run "
+                        "(the static runs have the same mini-batches, so the same RL)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches per RL step (default 4, or 4 per mini-batch with --mini-batches)")
     p.add_argument("--work", help="keep every run's work directory here")
     p.add_argument("--quick", action="store_true", help="12 steps")
     p.add_argument("--resimulate", metavar="JSON",
@@ -302,8 +307,10 @@ def main() -> int:
         task.build_policy(shared / "model", sft_steps=10, seed=0)
     if not (shared / "teacher" / "config.json").exists():
         task.build_policy(shared / "teacher", sft_steps=60, sft_max_len=6, seed=1, spec=task.TEACHER_SPEC, lr=2e-3)
+    micro = args.micro_batches or (4 * args.mini_batches if args.mini_batches > 1 else 4)
     common = dict(steps=steps, devices=args.devices, prompts=args.prompts, deterministic=True, workload="shift",
-                  slots=args.slots, slot_weight=args.weight, guards=GUARDS)
+                  slots=args.slots, slot_weight=args.weight, guards=GUARDS, micro_batches=micro,
+                  mini_batches=args.mini_batches)
     runs = [one_run(base, "policy", {**common, "policy": "hysteresis", "initial_train": args.initial_train}, shared)]
     splits = [args.initial_train] + [t for t in range(1, args.devices) if t != args.initial_train]
     for t in splits:
@@ -326,6 +333,8 @@ def main() -> int:
         "speedup_vs_best_static": round(best["loop_s"] / policy["loop_s"], 3),
         "best_static_split": best["initial_split"], "initial_split": initial["initial_split"],
         "engines_kept_loaded": True, "per_phase_best_split": phases,
+        "mini_batches": args.mini_batches, "micro_batches": micro,
+        "loans": sum(e.startswith("LoanStarted") for e in policy["events"]),
     }
     write_trace(policy["_detail"], base / "policy-trace.jsonl")
     result["runs"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs]

@@ -16,6 +16,9 @@ def explain(fact: f.Fact) -> str:
         case f.DaemonRestarted():
             return "daemon started on the existing log" + (
                 "; the resize in flight gets a fresh deadline" if fact.op_deadline else "")
+        case f.DaemonStalled():
+            return (f"daemon stalled for {fact.seconds:.1f}s (no CPU or a slow disk): the operation in flight "
+                    f"gets that time back")
         case f.WorkerRegistered():
             w = fact.worker
             said = f", reports {w.actual.holding.value}" if w.actual is not None else ""

@@ -67,17 +67,23 @@ connection; ZeroMQ reconnects it. The daemon never dies of a bad message.
 1. **Register.** `hello` names the worker, its kind, its devices, a `process` value unique to
    this process run, and (optionally) `actual`, what it holds now. The answer is `welcome`:
    `token` (carry it in every later message of this registration), `incarnation` (the number
-   of times this worker id has registered in this log: it grows with every re-registration,
-   after a restart of either side), `boot_id` (changes with every daemon start), the heartbeat
-   settings, and what the log says this worker should be: `pool` (where its devices are) and
-   `desired` (`serving` or `released`; null while its devices move or straddle the pools).
-   Every `hello` that reaches the daemon registers anew: hellos sent while it was down can
-   arrive together once it is up, each answered by its own `welcome`. The one with the
-   highest `incarnation` is current: take its token.
+   of times this worker id has registered in this log: it grows with every new registration,
+   after a restart of either side or a loss), `boot_id` (changes with every daemon start), the
+   heartbeat settings, and what the log says this worker should be: `pool` (where its devices
+   are) and `desired` (`serving` or `released`; null while its devices move or straddle the
+   pools). A `hello` from the process that is registered and live in this daemon start (same
+   worker id, same `process`) repeats that registration: the `welcome` carries the same
+   `incarnation` and `token`, the `actual` it carries is recorded as a `state_report` would
+   be, and a pending op it has not answered is sent again. So hellos that cross on a slow
+   link, or one sent because no heartbeat answer came, change nothing. After a daemon restart
+   or once the worker was declared lost, the same process's `hello` is a new registration
+   (new `incarnation`, new token); if several welcomes arrive, the one with the highest
+   `incarnation` is current: take its token.
 2. **Stay registered.** Send `heartbeat` every `welcome.heartbeat_interval_s`. A worker silent
    for `welcome.heartbeat_timeout_s` is declared lost (a resize it takes part in is rolled
    back); only time the daemon was running counts, so a daemon that stalled (no CPU, a slow
-   disk) does not declare everyone lost when it wakes. A lost worker is refused with `not_registered`; it then, and whenever an ack shows a
+   disk) does not declare everyone lost when it wakes, nor time out the op in flight whose
+   answers wait unread in its socket (a `daemon_stalled` fact moves the op's deadline on). A lost worker is refused with `not_registered`; it then, and whenever an ack shows a
    new `boot_id`, or any message is refused with `stale_token` or `missing_token`, sends
    `hello` again. A message refused with `stale_token` whose `error.token` is not the current
    token is about an earlier registration and is ignored.

@@ -38,6 +38,9 @@ class WorkerHello(Event, frozen=True):
     previous_connected: bool = False
     """The shell found the live registration's own connection still open: a second process
     under the same id is a duplicate, not a restart."""
+    registered_here: bool = False
+    """The shell holds this process's registration from this daemon start (its token): a
+    hello from it repeats that registration (after a restart of the daemon it is a new one)."""
 
 
 class StateReported(Event, frozen=True):

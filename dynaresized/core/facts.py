@@ -31,6 +31,15 @@ class DaemonRestarted(Fact, frozen=True, tag="daemon_restarted"):
     op_deadline: float | None = None
 
 
+class DaemonStalled(Fact, frozen=True, tag="daemon_stalled"):
+    """The daemon did not run for `seconds` (no CPU, a slow disk) while an operation was in
+    flight: its answers may be waiting in the socket, unread, so its deadline moves on by that
+    time, as the workers' heartbeat clocks do (only time the daemon was running counts)."""
+
+    seconds: float
+    op_deadline: float
+
+
 class WorkerRegistered(Fact, frozen=True, tag="worker_registered"):
     worker: Worker
 
@@ -275,6 +284,7 @@ class LoanReturned(Fact, frozen=True, tag="loan_returned"):
 AnyFact = (
     ClusterConfigured
     | DaemonRestarted
+    | DaemonStalled
     | WorkerRegistered
     | WorkerLost
     | WorkerLeft

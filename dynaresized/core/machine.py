@@ -214,6 +214,10 @@ def on_hello(core: Core, tx: _Tx, e: ev.WorkerHello) -> None:
             f"worker {e.worker_id!r} is live as {old.kind.value} on {', '.join(old.devices)}; "
             "use another worker id or stop the old worker",
         )
+    if (e.registered_here and old is not None and old.status is WorkerStatus.LIVE and old.process
+            and e.process == old.process):
+        _hello_again(core, tx, e, old)
+        return
     if old is not None and old.status is WorkerStatus.LIVE and old.process and e.process != old.process:
         if e.previous_connected:
             raise Refused("duplicate_worker",
@@ -230,6 +234,20 @@ def on_hello(core: Core, tx: _Tx, e: ev.WorkerHello) -> None:
     fl = tx.state.inflight
     if fl is not None and e.worker_id in fl.op.targets and e.worker_id not in fl.acked:
         _send(tx, [e.worker_id])  # reconcile: the worker answers from its record or re-runs
+
+
+def _hello_again(core: Core, tx: _Tx, e: ev.WorkerHello, old: Worker) -> None:
+    """The registered process says hello again (no heartbeat answer reached it, or its hellos
+    crossed on a slow link): its registration stands. A new one per hello would make the
+    token it holds stale, its next message would be refused, and it would say hello again."""
+    last_seen = dict(tx.state.last_seen)
+    last_seen[e.worker_id] = e.at
+    tx.state = replace(tx.state, last_seen=last_seen)
+    if e.actual is not None:
+        on_state_reported(core, tx, ev.StateReported(at=e.at, worker_id=e.worker_id, actual=e.actual))
+    fl = tx.state.inflight
+    if fl is not None and e.worker_id in fl.op.targets and e.worker_id not in fl.acked:
+        _send(tx, [e.worker_id])  # its answer may have been lost: it answers from its record
 
 
 def on_heartbeat(core: Core, tx: _Tx, e: ev.Heartbeat) -> None:
@@ -386,6 +404,9 @@ def _credit_stall(core: Core, tx: _Tx, at: float) -> None:
     gap = at - s.last_tick
     if core.config.stall_s is not None and s.last_tick and gap > core.config.stall_s:
         tx.state = replace(s, last_tick=at, last_seen={w: min(at, seen + gap) for w, seen in s.last_seen.items()})
+        fl = tx.state.inflight
+        if fl is not None and fl.op_deadline >= s.last_tick:  # the op was still in time when the stall began
+            tx.emit(f.DaemonStalled(at=at, seconds=gap, op_deadline=fl.op_deadline + gap))
     else:
         tx.state = replace(s, last_tick=at)
 
@@ -719,9 +740,20 @@ def divergence(state: ClusterState, worker: Worker, now: float, retry_s: float) 
     if stuck is not None and (now - stuck.at < retry_s or worker.actual.holding is Holding.FAILED):
         return None  # tried lately, or it cannot act at all: wait for it to report something else
     want, have = state.desired(worker), worker.actual.holding
-    if want is None or have is Holding.DONE or have is want:
+    if want is None or have is Holding.DONE or have is want or _left_with_its_loan(state, worker):
         return None
     return want, have
+
+
+def _left_with_its_loan(state: ClusterState, worker: Worker) -> bool:
+    """A trainer on a device lent to the training step leaves the group by itself once the
+    step's last mini-batch is done; the loan's return at the step report releases the device.
+    Converging it back into the group before then would undo the step's end."""
+    mb = state.mini_batch
+    return (worker.kind is WorkerKind.TRAINER_RANK and worker.actual is not None
+            and worker.actual.holding in (Holding.DRAINED, Holding.RELEASED)
+            and all(d in state.devices and state.devices[d].home is Pool.ROLLOUT for d in worker.devices)
+            and mb is not None and mb.total > 0 and mb.done >= mb.total)
 
 
 def _reconcile_next(core: Core, tx: _Tx, at: float) -> None:
@@ -779,6 +811,10 @@ def on_engine_queue_empty(core: Core, tx: _Tx, e: ev.EngineQueueEmpty) -> None:
         raise Refused("bad_request", f"worker {e.worker_id!r} is a {w.kind.value}; only engines report their queue")
     if e.step < 0 or e.running < 0 or e.tokens_left < 0:
         raise Refused("bad_value", f"step={e.step} running={e.running} tokens_left={e.tokens_left} is impossible")
+    if e.step <= tx.state.last_step:
+        # Late: that step's report already arrived (it cleared the idle engines); recorded, the
+        # engine would look lendable while it serves the next step.
+        return
     tx.emit(f.EngineQueueEmptyObserved(at=e.at, worker_id=e.worker_id, device=w.devices[0], step=e.step,
                                        running=e.running, tokens_left=e.tokens_left))
     _consider_loan(core, tx, e.at)

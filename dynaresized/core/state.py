@@ -288,6 +288,11 @@ def _(s: ClusterState, e: f.DaemonRestarted) -> ClusterState:
     return replace(s, inflight=inflight, stopping=False, last_seen=grace)
 
 
+@_on(f.DaemonStalled)
+def _(s: ClusterState, e: f.DaemonStalled) -> ClusterState:
+    return replace(s, inflight=replace(s.inflight, op_deadline=e.op_deadline)) if s.inflight is not None else s
+
+
 @_on(f.WorkerRegistered)
 def _(s: ClusterState, e: f.WorkerRegistered) -> ClusterState:
     workers = dict(s.workers)

@@ -611,12 +611,19 @@ class Daemon:
                         raise _Reply(wire.ErrorCode.BAD_VERSION,
                                      f"protocol {msg.protocol} not supported; this daemon speaks "
                                      f"{wire.PROTOCOL_VERSION}")
+                    before = self.state.workers.get(msg.worker_id)
+                    here = (msg.worker_id in self._tokens and before is not None and bool(msg.process)
+                            and before.process == msg.process)
                     self._step(ev.WorkerHello(at=now, worker_id=msg.worker_id, kind=msg.kind,
                                               devices=tuple(msg.devices), process=msg.process, actual=msg.actual,
-                                              previous_connected=self._still_connected(msg, item.identity)),
+                                              previous_connected=self._still_connected(msg, item.identity),
+                                              registered_here=here),
                                facts, commands)
                     worker = self.state.workers[msg.worker_id]
-                    token = self._tokens[msg.worker_id] = secrets.token_hex(16)
+                    token = self._tokens.get(msg.worker_id, "")
+                    if not token or before is None or before.incarnation != worker.incarnation:
+                        # a new registration (the same process again keeps its own and its token)
+                        token = self._tokens[msg.worker_id] = secrets.token_hex(16)
                     self._routes[msg.worker_id] = item.identity
                     outbox.append((sock, item.identity, wire.encode(wire.Welcome(
                         protocol=wire.PROTOCOL_VERSION, worker_id=msg.worker_id, incarnation=worker.incarnation,

@@ -68,6 +68,9 @@ class RunConfig:
     prompts: int = 16  # per step
     group: int = 8  # samples per prompt (GRPO group)
     micro_batches: int = 4  # fixed: the global batch never changes when the group resizes
+    # optimizer steps per RL step; >= 2 turns lending on: an idle engine's device joins the
+    # training step in progress at a boundary between two mini-batches (docs/torch-backend.md)
+    mini_batches: int = 1
     temperature: float = 0.7
     lr: float = 2e-3
     sft_steps: int = 10  # the warm start: a few supervised steps on 1-3 digit copies
@@ -89,6 +92,8 @@ class RunConfig:
     slots: float = 0.0  # > 0: each device a cgroup slot of this many cores (docs/device-slots.md); 0: shared cores
     slot_weight: int = 8192  # the slots' cpu.shares: they get their quota before unrelated load does
     keep_loaded: bool = True  # with slots: an engine whose device trains stays loaded, paused (no restart)
+    loan_costs: dict[str, float] = field(default_factory=lambda: {  # the daemon's [loan_costs], measured here
+        "to_training_s": 0.15, "to_rollout_s": 0.15, "return_s": 0.25, "lead_s": 0.1})
 
 
 @dataclass
@@ -183,6 +188,31 @@ def SlottedEngine(engine_id: str, config: Any, *, slot: Any) -> Any:  # noqa: N8
     return _slotted_engine_class()(engine_id, config, slot=slot)
 
 
+def _reported_steps_router_class() -> Any:
+    from dynaresized.backends.vllm.router import RequestRouter
+
+    class ReportedStepsRouter(RequestRouter):
+        """A router whose engines tell the daemon they ran dry only in steps whose report follows.
+
+        The daemon forgets its idle engines at a step report. Step 0 (no training time yet), the
+        last step (the run ends on training) and the held-out evaluations are never reported: an
+        engine dry in one of them would still look idle, and lendable, while it serves the next
+        step's rollout."""
+
+        def __init__(self, *args: Any, reported: Callable[[int], bool], **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            self.reported = reported
+
+        def on_dry(self, listener: Any) -> None:
+            def told(engine_id: str, step: int, running: int, tokens_left: int) -> None:
+                if self.reported(step):
+                    listener(engine_id, step, running, tokens_left)
+
+            super().on_dry(told)
+
+    return ReportedStepsRouter
+
+
 class Driver:
     """The RL loop: owns the daemon subprocess (unless given one), trainers, engines, the loop."""
 
@@ -194,6 +224,9 @@ class Driver:
         if (cfg.prompts * cfg.group) % cfg.micro_batches:
             raise ValueError(f"prompts*group = {cfg.prompts * cfg.group} samples do not split into "
                              f"{cfg.micro_batches} equal micro-batches")
+        if cfg.mini_batches < 1 or cfg.micro_batches % cfg.mini_batches:
+            raise ValueError(f"mini_batches={cfg.mini_batches} must be at least 1 and divide "
+                             f"micro_batches={cfg.micro_batches}")
         self.cfg = cfg
         self.hooks = hooks or {}
         self.temp = cfg.work is None
@@ -217,6 +250,8 @@ class Driver:
         # and a weight reload instead of an engine start (docs/vllm-backend.md "Kept loaded").
         self.keep_loaded = cfg.keep_loaded and cfg.slots > 0 and not cfg.gpu
         self.decisions: dict[int, list[str]] = {}  # step -> what the daemon logged about it
+        self._lent: list[str] = []  # loans since the last step report: filed under the next one
+        self._then: bool = False  # a resize announced with a loan's return; its ResizeStarted follows
 
     def say(self, text: str) -> None:
         if not self.cfg.quiet:
@@ -229,9 +264,18 @@ class Driver:
         n = len(self.devices)
         candidates = [f"{t}:{n - t}" for t in range(1, n)]
         guards = "\n".join(f"{k} = {json.dumps(v)}" for k, v in self.cfg.guards.items())
-        # No loans: a torch trainer here joins only at an RL-step boundary, not inside a step
-        # (docs/e2e.md), so an engine lent mid-step would idle until the step ended.
-        policy_options = "options = { lending = false }" if self.cfg.policy == "hysteresis" else ""
+        # Loans need a boundary inside the training step: with one mini-batch per RL step a
+        # trainer joins only between RL steps, so an engine lent mid-step would idle until then.
+        lends = self.cfg.mini_batches >= 2
+        # Trainers lent to the rollout (`lend_trainers`) need engines that serve on a loan, which
+        # the vLLM backend does not yet do (docs/configuration.md).
+        policy_options = (f"options = {{ lending = {json.dumps(lends)}, lend_trainers = false }}"
+                          if self.cfg.policy == "hysteresis" else "")
+        # What a loan costs here, as measured on slots (docs/e2e.md): pausing the engine ~0.02 s
+        # and the rank's join ~0.1 s once it reaches the next mini-batch boundary (the wait for
+        # that boundary is the lending policy's own term); the way home at the step boundary is
+        # the rank leaving there (~0.2 s) plus the engine's resume and weight reload (~0.03 s).
+        loan_costs = self.cfg.loan_costs
         text = f"""[daemon]
 state_dir = "{state}"
 worker_endpoint = "{worker_ep}"
@@ -251,6 +295,8 @@ name = "{self.cfg.policy}"
 {policy_options}
 [guards]
 {guards}
+[loan_costs]
+{chr(10).join(f"{k} = {json.dumps(v)}" for k, v in loan_costs.items())}
 [core]
 steps_total = {self.cfg.steps}
 heartbeat_timeout_s = 30.0
@@ -289,7 +335,8 @@ op_timeout_s = 240.0
                    "--daemon", self.worker_ep, "--store", str(self.store_host.address),
                    "--devices", ",".join(self.devices), "--initial", str(self.cfg.initial_train),
                    "--device", device, "--steps", str(self.cfg.steps),
-                   "--micro-batches", str(self.cfg.micro_batches), "--lr", str(self.cfg.lr)]
+                   "--micro-batches", str(self.cfg.micro_batches), "--mini-batches", str(self.cfg.mini_batches),
+                   "--lr", str(self.cfg.lr)]
             if self.cfg.deterministic:
                 cmd.append("--deterministic")
             if self.cfg.gpu:
@@ -302,14 +349,14 @@ op_timeout_s = 240.0
 
     async def start_engines(self) -> None:
         from dynaresized.backends.vllm.engine import EngineConfig, RolloutEngine
-        from dynaresized.backends.vllm.router import RequestRouter
         from dynaresized.backends.vllm.weights import WeightStore
         from dynaresized.backends.vllm.worker import EngineWorker
         from dynaresized.client import WorkerClient
         from dynaresized.domain import WorkerKind
 
         self.weights = WeightStore(self.work / "weights")
-        self.router = RequestRouter(self.weights, max_inflight=64, finish_within_tokens=4)
+        self.router = _reported_steps_router_class()(self.weights, max_inflight=64, finish_within_tokens=4,
+                                                     reported=lambda step: 0 < step < self.cfg.steps - 1)
         config = EngineConfig(model=str(self.work / "model"), kv_cache_memory_bytes=self.cfg.kv_cache_bytes,
                               seed=self.cfg.seed, max_model_len=64)
         self.engines: dict[str, Any] = {}
@@ -415,10 +462,12 @@ op_timeout_s = 240.0
             prompts)
 
     async def report(self, result: Any, train_s: float, train_devices: int) -> None:
-        for worker in self.workers.values():
-            if worker.client is not None and worker.engine.engine_id in self.router.admitted:
-                await worker.client.report_step(result.timing(train_s=train_s, train_devices=train_devices))
-                return
+        # Through an admitted engine's client if there is one; while every rollout engine is lent
+        # (drained, paused) any attached one: this report is what brings the loan home.
+        attached = [w for w in self.workers.values() if w.client is not None]
+        attached.sort(key=lambda w: w.engine.engine_id not in self.router.admitted)
+        if attached:
+            await attached[0].client.report_step(result.timing(train_s=train_s, train_devices=train_devices))
 
     async def show_attach_progress(self, started: float, every_s: float = 10.0) -> None:
         """One line whenever a trainer or engine attaches or an engine finishes starting, and
@@ -457,23 +506,36 @@ op_timeout_s = 240.0
                 # (one transaction of the core), so it is filed under that step.
                 if isinstance(fact, f.StepObserved):
                     self._observed = fact.timing.step
-                    self.decisions.setdefault(self._observed, [])
+                    # a loan lends to the training step this report ends: said with its report
+                    self.decisions.setdefault(self._observed, []).extend(self._lent)
+                    self._lent = []
                 elif isinstance(fact, f.ResizeStarted):
                     self._inflight = True
-                    self.decisions.setdefault(self._observed, []).append(
-                        f"moved: {fact.plan.from_pool.value}->{fact.plan.to_pool.value} ({fact.source}): "
-                        f"{fact.reason}")
+                    if self._then:  # already said with the loan's return
+                        self._then = False
+                    else:
+                        self.decisions.setdefault(self._observed, []).append(
+                            f"moved: {fact.plan.from_pool.value}->{fact.plan.to_pool.value} ({fact.source}): "
+                            f"{fact.reason}")
                 elif isinstance(fact, f.ResizeCommitted | f.ResizeRolledBack):
                     self._inflight = False
                 elif isinstance(fact, f.LoanStarted):
-                    self.decisions.setdefault(self._observed, []).append(f"lent ({fact.source}): {fact.reason}")
+                    self._lent.append(f"lent ({fact.source}): {fact.reason}")
+                elif isinstance(fact, f.LoanReturnStarted) and fact.then is not None:
+                    # the resize the policy asked for at this boundary starts once the loan is home
+                    self._then = True
+                    way = ("rollout->training" if fact.then.train > fact.plan.before.train
+                           else "training->rollout")
+                    self.decisions.setdefault(self._observed, []).append(
+                        f"moved: {way} ({fact.then_source}, once the lent devices are home): {fact.then_reason}")
                 elif isinstance(fact, f.ProposalRejected):
                     self.decisions.setdefault(fact.step if fact.step >= 0 else self._observed, []).append(
                         f"held: {explain(fact)}")
                 elif isinstance(fact, f.PolicyHeld):
                     self.decisions.setdefault(fact.step, []).append(f"held ({fact.source}): {fact.reason}")
                 if isinstance(fact, f.ResizeStarted | f.ResizeCommitted | f.ResizeRolledBack | f.Degraded
-                              | f.WorkerLost | f.PredictionChecked | f.ResizeJudged):
+                              | f.WorkerLost | f.PredictionChecked | f.ResizeJudged | f.LoanStarted
+                              | f.LoanLanded | f.LoanReturnStarted | f.LoanReturned):
                     line = explain(fact)
                     self.events.append(f"{type(fact).__name__}: {line}")
                     self.say(f"    >> {line}")
@@ -739,6 +801,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--mini-batches", type=int, default=1,
+                   help="optimizer steps per RL step (divides --micro-batches); 2 or more turns lending on: an "
+                        "idle engine's device joins the training step in progress at a mini-batch boundary")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deterministic", action="store_true", help="per-request seeds + deterministic reduction")
     p.add_argument("--force", default="", help="comma list STEP:grow|shrink resizes asked through the control "
@@ -836,7 +901,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engine and library logs: {log}" + ("" if args.work else " (kept only if the run fails; --work DIR "
                                                                         "keeps it)"), flush=True)
     cfg = RunConfig(steps=args.steps, devices=args.devices, initial_train=args.initial_train, policy=args.policy,
-                    prompts=args.prompts, group=args.group, micro_batches=args.micro_batches, seed=args.seed,
+                    prompts=args.prompts, group=args.group, micro_batches=args.micro_batches,
+                    mini_batches=args.mini_batches, seed=args.seed,
                     deterministic=args.deterministic, force=tuple(force), work=work, keep=True,
                     daemon=args.daemon, control=args.control, gpu=args.gpu, kv_cache_bytes=args.kv_cache_mib << 20,
                     workload=args.workload, slots=args.slots, slot_weight=args.slot_weight,

@@ -10,7 +10,7 @@ from dynaresized.core import IllegalTransition, Phase, Refused, fold
 from dynaresized.core.machine import loan_view
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
-from dynaresized.domain import OpKind, PlanKind, Pool, Split, StepTiming, placed
+from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, Split, StepTiming, placed
 
 from .cluster import EAGER, Driver, boot, device, engine, make_core, snapshot, trainer
 
@@ -162,6 +162,49 @@ def test_an_engine_idle_in_the_step_that_ended_is_not_lent_in_the_next():
     assert d.state.dry == ()
     pace(d, step=1)
     assert d.state.inflight is None, "the engine is busy with the new step's requests"
+
+
+def test_a_queue_empty_that_arrives_after_its_step_was_reported_is_ignored():
+    d = lending_cluster()
+    report_step(d, 1)
+    pace(d, step=2)
+    facts, commands = idle(d, step=1)  # rollout step 1 ended before the report of step 1
+    assert facts == [] and commands == [] and d.state.dry == ()
+    assert d.state.inflight is None, "the engine serves step 2: not lendable"
+    facts, _ = idle(d, step=2)
+    assert any(isinstance(x, f.LoanStarted) for x in facts)  # the step in progress still lends
+
+
+def test_a_lent_rank_that_left_at_its_steps_end_is_not_reconciled_before_the_return():
+    d = lending_cluster()
+    pace(d)
+    idle(d)
+    d.finish()
+    assert d.state.lent_devices() == (IDLE,)
+    d.send(ev.StateReported(at=d.at(), worker_id=trainer(3), actual=ActualState(holding=Holding.SERVING)))
+    # the step's last mini-batch: the lent rank leaves the group by itself
+    d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=0, done=8, total=8))
+    facts, commands = d.send(ev.StateReported(at=d.at(), worker_id=trainer(3),
+                                              actual=ActualState(holding=Holding.RELEASED)))
+    assert not any(isinstance(x, f.ReconcileStarted) for x in facts) and d.state.inflight is None
+    now = d.at()
+    d.heartbeat_all(now)
+    facts, _ = d.send(ev.Tick(at=now))
+    assert not any(isinstance(x, f.ReconcileStarted) for x in facts)
+    facts = report_step(d, 0)
+    assert any(isinstance(x, f.LoanReturnStarted) for x in facts)
+    d.finish()
+    assert d.state.devices[IDLE] == placed(Pool.ROLLOUT) and d.state.unconverged == {}
+
+
+def test_a_lent_rank_that_leaves_before_its_steps_end_is_reconciled():
+    d = lending_cluster()
+    pace(d)
+    idle(d)
+    d.finish()
+    facts, _ = d.send(ev.StateReported(at=d.at(), worker_id=trainer(3), actual=ActualState(holding=Holding.RELEASED)))
+    started = [x for x in facts if isinstance(x, f.ReconcileStarted)]
+    assert started and started[0].worker_id == trainer(3) and started[0].desired is Holding.SERVING
 
 
 TRAINERS = (device(0), device(1))

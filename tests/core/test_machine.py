@@ -740,9 +740,10 @@ def test_commands_go_only_to_workers_live_at_the_end_of_the_step() -> None:
     assert d.replayed().durable() == d.state.durable()
 
 
-def _hello(d: Driver, i: int, kind: WorkerKind, process: str) -> tuple[list[f.Fact], list]:
+def _hello(d: Driver, i: int, kind: WorkerKind, process: str, here: bool = False) -> tuple[list[f.Fact], list]:
     name = engine(i) if kind is WorkerKind.ROLLOUT_ENGINE else trainer(i)
-    return d.send(ev.WorkerHello(at=d.at(), worker_id=name, kind=kind, devices=(device(i),), process=process))
+    return d.send(ev.WorkerHello(at=d.at(), worker_id=name, kind=kind, devices=(device(i),), process=process,
+                                 registered_here=here))
 
 
 def test_a_worker_restarting_mid_resize_counts_as_lost_and_rolls_the_resize_back() -> None:
@@ -770,8 +771,8 @@ def test_the_same_process_saying_hello_again_is_a_reconnect_not_a_loss() -> None
             _hello(d, i, kind, f"{kind.value}{i}")
     d.force(3, 1)
     d.ack_current()
-    facts, commands = _hello(d, 3, WorkerKind.ROLLOUT_ENGINE, "rollout-engine3")
-    assert kinds(facts) == [f.WorkerRegistered]
+    facts, commands = _hello(d, 3, WorkerKind.ROLLOUT_ENGINE, "rollout-engine3", here=True)
+    assert facts == [] and d.state.workers[engine(3)].incarnation == 2  # its registration stands
     assert [c.op.kind for c in commands] == [OpKind.RELEASE]  # its pending op, re-sent
     assert d.state.inflight is not None
 

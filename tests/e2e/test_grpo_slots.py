@@ -14,6 +14,12 @@ sample was produced exactly once and trained on exactly once; the run with moves
 static run bitwise (per-sample hashes and parameter digests after every step); the held-out
 reward improved. Timings are not asserted here (benchmarks/grpo_slots.py measures them).
 
+Two shorter runs check loans inside steps (`--mini-batches 8`, lending on): in the first phase
+the engines run dry while the one trainer is still in its RL step, the daemon lends them, their
+ranks join that step at a mini-batch boundary and go home at its end. Against the same seeds on
+the static split, with the same mini-batches: a loan started and returned, a lent rank trained
+part of a step, every sample once, and bitwise the same RL.
+
 Needs write access to the cpu cgroup (root, as CI is); without it the test skips with the
 module's refusal (and in CI a skip fails the run, tests/conftest.py).
 """
@@ -21,6 +27,9 @@ module's refusal (and in CI a skip fails the run, tests/conftest.py).
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +46,8 @@ pytestmark = [pytest.mark.torch, pytest.mark.vllm, pytest.mark.slow]
 
 STEPS = 16
 PROMPTS = 64  # x 8 samples: steps of one to a few seconds on half-core slots
+LOAN_STEPS = 6  # the loan runs: three steps of the training-heavy first phase are enough
+MINI = dict(micro_batches=32, mini_batches=8)  # mini-batches of 4 micro-batches: room for 3 ranks
 
 
 def config(work: Path, **kw: Any) -> RunConfig:
@@ -48,14 +59,28 @@ def config(work: Path, **kw: Any) -> RunConfig:
     return RunConfig(**base)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def warm_started(done: Path, work: Path) -> Path:
+    """`work` with the policy's warm start and the teacher a finished run built (the same seeds
+    build the same models; copying them saves a build), as `run.compare_static` does."""
+    for part in ("model", "teacher"):
+        shutil.copytree(done / part, work / part)
+    return work
+
+
+def require_slots() -> None:
     try:
         DeviceSlots.cgroups(["probe"], 0.5).close()  # under the parent the runs use: nothing left behind
     except SlotsUnavailable as exc:
         pytest.skip(f"device slots unavailable here: {exc}")
-    moved = asyncio.run(run_once(config(tmp_path_factory.mktemp("moved"))))
-    static = asyncio.run(run_once(config(tmp_path_factory.mktemp("static"), policy="static")))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    require_slots()
+    moved_work = tmp_path_factory.mktemp("moved")
+    moved = asyncio.run(run_once(config(moved_work)))
+    static = asyncio.run(run_once(config(warm_started(moved_work, tmp_path_factory.mktemp("static")),
+                                         policy="static")))
     return {"moved": moved, "static": static}
 
 
@@ -85,3 +110,33 @@ def test_moves_change_nothing_the_rl_loop_sees(runs: dict[str, dict[str, Any]]) 
 def test_reward_improves(runs: dict[str, dict[str, Any]]) -> None:
     for summary in runs.values():
         assert summary["eval_reward_after"] > summary["eval_reward_before"] + 0.05, summary
+
+
+@pytest.fixture(scope="module")
+def loan_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    require_slots()
+    lent_work = tmp_path_factory.mktemp("lent")
+    lent = asyncio.run(run_once(config(lent_work, steps=LOAN_STEPS, **MINI)))
+    static = asyncio.run(run_once(config(warm_started(lent_work, tmp_path_factory.mktemp("static-mini")),
+                                         steps=LOAN_STEPS, policy="static", **MINI)))
+    steps = [json.loads((lent_work / "trained" / f"step-{k:05d}.json").read_text()) for k in range(LOAN_STEPS)]
+    return {"lent": {**lent, "step_files": steps}, "static": static}
+
+
+def test_idle_engines_are_lent_into_the_training_step_and_come_home(loan_runs: dict[str, dict[str, Any]]) -> None:
+    lent = loan_runs["lent"]
+    events = lent["events"]
+    started = [m.group(1) for e in events if (m := re.match(r"LoanStarted: loan (l\d+) started", e))]
+    assert started, events
+    for loan in started:  # each went home at the step boundary
+        assert any(e.startswith(f"LoanReturned: loan return {loan}-home") for e in events), (loan, events)
+    # a lent rank trained part of a step: the daemon's loan reached the trainer, not only the engine
+    assert any(step["lent"] for step in lent["step_files"]), lent["step_files"]
+    assert any("lent (hysteresis)" in d for d in lent["decisions"]), lent["decisions"]  # the per-step line says so
+    assert loan_runs["static"]["resizes"]["started"] == 0
+    assert not any(e.startswith("Loan") for e in loan_runs["static"]["events"])
+
+
+def test_loans_lose_no_sample_and_change_nothing_the_rl_loop_sees(loan_runs: dict[str, dict[str, Any]]) -> None:
+    assert_every_sample_once(loan_runs, LOAN_STEPS, PROMPTS * 8)
+    assert_same_rl(loan_runs["lent"], loan_runs["static"], LOAN_STEPS)
