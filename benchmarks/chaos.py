@@ -14,7 +14,10 @@ rank through the real `WorkerClient`, says what it holds, and records it in a fi
 reach the daemon through a fault-injecting proxy in this process: per message it drops,
 duplicates, delays (which reorders) or, for op results, turns success into failure. The run
 forces resizes at random moments while it SIGKILLs and restarts the daemon and SIGKILLs workers
-(restarted as fresh processes holding nothing). Then the faults stop and the run waits for the
+(restarted as fresh processes holding nothing). In half the runs (`faults.loans`) the workers
+also run a job that reports mini-batches, idle engines and steps, and the daemon's hysteresis
+policy lends idle engines to the training step and idle trainers to the rollout, so faults hit
+loans and their returns as well as resizes. Then the faults stop and the run waits for the
 cluster to settle (an operator's `resume` if it is degraded) and checks:
 
 * DESIGN.md §4: every device in exactly one pool or moving, moving only during a resize, at most
@@ -64,9 +67,10 @@ HERE = Path(__file__).resolve()
 # -- the worker process -------------------------------------------------------------------------
 
 
-def worker_main(endpoint: str, device: str, pool: str, record: Path) -> int:
+def worker_main(endpoint: str, device: str, pool: str, record: Path, loans: bool = False) -> int:
     """One device's process: its engine and its trainer, holding what `pool` says at launch
-    ("none": a restarted process, holding nothing)."""
+    ("none": a restarted process, holding nothing). With `loans`, also the job's reports that
+    make the daemon lend (`job_reports`)."""
     from dynaresized.backends.sim import HOLDING_AFTER as after
     from dynaresized.client import OpRequest, WorkerClient
     from dynaresized.domain import ActualState, Holding, OpKind, WorkerKind
@@ -103,6 +107,11 @@ def worker_main(endpoint: str, device: str, pool: str, record: Path) -> int:
                     break
                 except TimeoutError:
                     await asyncio.sleep(0.1)
+        if loans:
+            engine, trainer = (c for k in (WorkerKind.ROLLOUT_ENGINE, WorkerKind.TRAINER_RANK)
+                               for c in clients if c.kind is k)
+            await job_reports(device, engine, trainer, lambda: holding[WorkerKind.ROLLOUT_ENGINE] is Holding.SERVING,
+                              record.parent / "quiet")
         await asyncio.Event().wait()
 
     import structlog
@@ -110,6 +119,42 @@ def worker_main(endpoint: str, device: str, pool: str, record: Path) -> int:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and errors
     asyncio.run(main())
     return 0
+
+
+STEP_S = 0.8  # the job's RL step, in the runs with loans
+MINI_BATCHES = 8
+
+
+async def job_reports(device: str, engine: Any, trainer: Any, serving: Any, quiet: Path) -> None:
+    """What a job tells the daemon, so that it lends (the runs with loans): the first device's
+    trainer reports the training step's mini-batches and, at every step's end, the step; every
+    engine that serves says its queue is empty once a quarter of the step has gone. Steps are
+    numbered by the wall clock, so a restarted process (or daemon) continues the count. When the
+    run's faults stop (`quiet` exists), a last step report brings the loans home."""
+    from dynaresized.domain import StepTiming
+
+    reporter = device == DEVICES[0]
+    last_step, last_done, dry_step = -1, -1, -1
+    while True:
+        now = time.time()
+        step, into = int(now / STEP_S), (now % STEP_S) / STEP_S
+        done = min(int(into * MINI_BATCHES) + 1, MINI_BATCHES)
+        try:
+            if quiet.exists():
+                if reporter:
+                    await trainer.report_step(StepTiming(step=step, rollout_s=STEP_S / 4, train_s=STEP_S))
+                return
+            if reporter and step != last_step and last_step >= 0:
+                await trainer.report_step(StepTiming(step=last_step, rollout_s=STEP_S / 4, train_s=STEP_S))
+            if reporter and (step, done) != (last_step, last_done):
+                await trainer.report_mini_batch(step, done, MINI_BATCHES)
+            if serving() and into >= 0.25 and dry_step != step:
+                await engine.report_queue_empty(step + 1, running=0)
+                dry_step = step
+        except Exception:  # not registered just now (a restart, a loss): the next step tries again
+            pass
+        last_step, last_done = step, done
+        await asyncio.sleep(STEP_S / MINI_BATCHES / 2)
 
 
 def worker_name(kind: Any, device: str) -> str:
@@ -127,6 +172,7 @@ class Faults(msgspec.Struct):
     fail: float = 0.0
     daemon_kills: int = 0
     worker_kills: int = 0
+    loans: bool = False  # the job reports and the policy lends (hysteresis, lending on)
 
     @property
     def messages_only(self) -> bool:
@@ -269,7 +315,12 @@ class Proxy:
 # -- one run --------------------------------------------------------------------------------------
 
 
-def config_text(state_dir: Path, worker_ep: str, control_ep: str) -> str:
+def config_text(state_dir: Path, worker_ep: str, control_ep: str, loans: bool = False) -> str:
+    # With loans: the hysteresis policy, lending both ways (the sim workers take every loan),
+    # loans that cost next to nothing, so that it lends whenever an engine is idle.
+    policy = ('name = "hysteresis"\noptions = { lending = true, lend_trainers = true }\n'
+              '[loan_costs]\nto_training_s = 0.01\nreturn_s = 0.01\nlead_s = 0.0\nto_rollout_s = 0.01'
+              if loans else 'name = "static"')
     return f"""
 [daemon]
 state_dir = "{state_dir}"
@@ -287,7 +338,7 @@ devices = {json.dumps(list(DEVICES))}
 training = {json.dumps(list(DEVICES[:2]))}
 
 [policy]
-name = "static"
+{policy}
 
 [core]
 heartbeat_timeout_s = 1.5
@@ -312,7 +363,7 @@ class Run:
         self.worker_ep = f"ipc://{self.dir}/workers.sock"
         self.control_ep = f"ipc://{self.dir}/control.sock"
         self.config = self.dir / "config.toml"
-        self.config.write_text(config_text(self.dir / "state", self.worker_ep, self.control_ep))
+        self.config_written = False
         self.daemon: subprocess.Popen[bytes] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.violations: list[dict[str, Any]] = []
@@ -324,12 +375,17 @@ class Run:
             worker_kills=rng.choice((0, 0, 1, 2)))
         if not kills:
             self.faults = msgspec.structs.replace(self.faults, daemon_kills=0, worker_kills=0)
+        # drawn apart, so that a seed's other faults and its kill times are what they were
+        self.faults = msgspec.structs.replace(self.faults, loans=random.Random(seed * 31 + 7).random() < 0.5)
 
     def violate(self, invariant: str, detail: str) -> None:
         self.violations.append({"seed": self.seed, "invariant": invariant, "detail": detail[-700:]})
 
     # -- processes
     def start_daemon(self) -> None:
+        if not self.config_written:
+            self.config.write_text(config_text(self.dir / "state", self.worker_ep, self.control_ep, self.faults.loans))
+            self.config_written = True
         log = (self.dir / "daemon.log").open("ab")
         self.daemon = subprocess.Popen([sys.executable, "-m", "dynaresized.cli", "serve", "--config",
                                         str(self.config)], stdout=log, stderr=subprocess.STDOUT)
@@ -338,7 +394,8 @@ class Run:
         record = self.dir / f"{device.replace(':', '-')}.json"
         log = (self.dir / f"{device.replace(':', '-')}.log").open("ab")
         self.workers[device] = subprocess.Popen(
-            [sys.executable, str(HERE), "--worker", self.proxy.endpoint, device, pool, str(record)],
+            [sys.executable, str(HERE), "--worker", self.proxy.endpoint, device, pool, str(record)]
+            + (["--loans"] if self.faults.loans else []),
             stdout=log, stderr=subprocess.STDOUT)
 
     def kill_worker(self, device: str) -> None:
@@ -445,6 +502,7 @@ class Run:
                 next_resize = now + rng.uniform(0.2, 0.8)
             await asyncio.sleep(0.02)
         self.proxy.on = False
+        (self.dir / "quiet").touch()  # the job's last report: loans go home
         if daemon_back is not None:
             self.start_daemon()
         for device in dead:
@@ -583,6 +641,7 @@ class Run:
             "reconciles": count(fx.ReconcileStarted),
             "converged": sum(isinstance(x, fx.ReconcileFinished) and x.ok for x in facts),
             "daemon_restarts": count(fx.DaemonRestarted), "workers_lost": count(fx.WorkerLost),
+            "loans_started": count(fx.LoanStarted), "loans_returned": count(fx.LoanReturned),
         }
 
 
@@ -684,6 +743,9 @@ def summarize(results: list[dict[str, Any]], wall_s: float, jobs: int) -> dict[s
         "reconciles_converged": sum(r["converged"] for r in results),
         "daemon_restarts": sum(r["daemon_restarts"] for r in results),
         "workers_lost": sum(r["workers_lost"] for r in results),
+        "runs_with_loans": sum(1 for r in results if r["faults"].get("loans")),
+        "loans_started": sum(r.get("loans_started", 0) for r in results),
+        "loans_returned": sum(r.get("loans_returned", 0) for r in results),
         "messages_injected": injected,
         "operator_resumes": sum(len(r["degraded"]) for r in results),
         "jobs": jobs,
@@ -695,7 +757,7 @@ def summarize(results: list[dict[str, Any]], wall_s: float, jobs: int) -> dict[s
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
         endpoint, device, pool, record = sys.argv[2:6]
-        return worker_main(endpoint, device, pool, Path(record))
+        return worker_main(endpoint, device, pool, Path(record), loans="--loans" in sys.argv[6:])
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--one":
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         print(json.dumps(run_one(int(sys.argv[2]), Path(sys.argv[3]), kills="--no-kills" not in sys.argv)))

@@ -30,3 +30,5 @@ def test_a_fixed_seed_slice_of_chaos_runs_keeps_every_invariant(tmp_path: Path) 
     assert report["daemon_restarts"] > 0 and report["workers_lost"] > 0
     injected = report["messages_injected"]
     assert injected["dropped"] > 0 and injected["delayed"] > 0 and injected["duplicated"] > 0
+    # seeds 1000 and 1002 run a job that reports, and the policy lends inside its steps
+    assert report["runs_with_loans"] == 2 and report["loans_started"] > 0 and report["loans_returned"] > 0
