@@ -117,6 +117,7 @@ def worker_main(endpoint: str, device: str, pool: str, record: Path, loans: bool
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and errors
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the run asks when settling fails
     asyncio.run(main())
     return 0
 
@@ -557,6 +558,14 @@ class Run:
             await asyncio.sleep(0.1)
         proxy = "alive" if self.proxy.alive else f"dead: {self.proxy.error[-300:]}"
         self.violate("settle", f"not settled within {SETTLE_LIMIT_S:g}s: {why} (proxy {proxy})")
+        # Where everything waits: this process's threads (the proxy's among them) in stacks.txt,
+        # each worker process's in its own log.
+        with (self.dir / "stacks.txt").open("w") as out:
+            faulthandler.dump_traceback(file=out, all_threads=True)
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGUSR1)
+        await asyncio.sleep(0.5)
         return None
 
     def check_workers(self, st: dict[str, Any]) -> None:
