@@ -216,7 +216,7 @@ def on_hello(core: Core, tx: _Tx, e: ev.WorkerHello) -> None:
         )
     if (e.registered_here and old is not None and old.status is WorkerStatus.LIVE and old.process
             and e.process == old.process):
-        _hello_again(core, tx, e, old)
+        _hello_again(core, tx, e)
         return
     if old is not None and old.status is WorkerStatus.LIVE and old.process and e.process != old.process:
         if e.previous_connected:
@@ -231,23 +231,25 @@ def on_hello(core: Core, tx: _Tx, e: ev.WorkerHello) -> None:
     incarnation = 1 if old is None else old.incarnation + 1
     worker = Worker(e.worker_id, e.kind, e.devices, WorkerStatus.LIVE, e.at, incarnation, e.process, e.actual)
     tx.emit(f.WorkerRegistered(at=e.at, worker=worker))
+    _resend_pending_to(tx, e.worker_id)
+
+
+def _resend_pending_to(tx: _Tx, worker_id: str) -> None:
+    """A worker that says hello gets the op in flight again if it has not answered it: its
+    answer may have been lost, and it answers from its record (or re-runs it after a restart)."""
     fl = tx.state.inflight
-    if fl is not None and e.worker_id in fl.op.targets and e.worker_id not in fl.acked:
-        _send(tx, [e.worker_id])  # reconcile: the worker answers from its record or re-runs
+    if fl is not None and worker_id in fl.op.targets and worker_id not in fl.acked:
+        _send(tx, [worker_id])
 
 
-def _hello_again(core: Core, tx: _Tx, e: ev.WorkerHello, old: Worker) -> None:
+def _hello_again(core: Core, tx: _Tx, e: ev.WorkerHello) -> None:
     """The registered process says hello again (no heartbeat answer reached it, or its hellos
     crossed on a slow link): its registration stands. A new one per hello would make the
     token it holds stale, its next message would be refused, and it would say hello again."""
-    last_seen = dict(tx.state.last_seen)
-    last_seen[e.worker_id] = e.at
-    tx.state = replace(tx.state, last_seen=last_seen)
+    on_heartbeat(core, tx, ev.Heartbeat(at=e.at, worker_id=e.worker_id))
     if e.actual is not None:
         on_state_reported(core, tx, ev.StateReported(at=e.at, worker_id=e.worker_id, actual=e.actual))
-    fl = tx.state.inflight
-    if fl is not None and e.worker_id in fl.op.targets and e.worker_id not in fl.acked:
-        _send(tx, [e.worker_id])  # its answer may have been lost: it answers from its record
+    _resend_pending_to(tx, e.worker_id)
 
 
 def on_heartbeat(core: Core, tx: _Tx, e: ev.Heartbeat) -> None:

@@ -620,9 +620,9 @@ class Daemon:
                                               registered_here=here),
                                facts, commands)
                     worker = self.state.workers[msg.worker_id]
-                    token = self._tokens.get(msg.worker_id, "")
-                    if not token or before is None or before.incarnation != worker.incarnation:
-                        # a new registration (the same process again keeps its own and its token)
+                    if here and before is not None and before.incarnation == worker.incarnation:
+                        token = self._tokens[msg.worker_id]  # the same registration: its token stands
+                    else:
                         token = self._tokens[msg.worker_id] = secrets.token_hex(16)
                     self._routes[msg.worker_id] = item.identity
                     outbox.append((sock, item.identity, wire.encode(wire.Welcome(
