@@ -65,6 +65,17 @@ _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _PENDING_MAX = 16  # stepped batches awaiting the log before the reactor waits for it (backpressure)
 
 
+def _rearm(sock: zmq.asyncio.Socket) -> None:
+    """Call after sending on `sock`'s raw shadow from outside its ingress.
+
+    A ZeroMQ socket wakes its reader through a file descriptor that any operation on the socket
+    may clear: a send landing between a message's arrival and the event loop's next look at that
+    descriptor takes the wake-up, and the ingress waiting on `sock` never wakes (in the chaos
+    runs, the daemon stopped reading every worker for good while it went on sending). Reading
+    EVENTS through the asyncio socket makes pyzmq look again (its own sends do the same)."""
+    sock.get(zmq.EVENTS)
+
+
 def _send_to(raw: zmq.Socket, identity: bytes, data: bytes) -> None:
     """Send `data` to the ROUTER peer `identity` without blocking; raises what the first frame's
     send raises (zmq.Again over the high-water mark, EHOSTUNREACH for a routing id nobody holds).
@@ -111,6 +122,7 @@ class Daemon:
         self.ctx: zmq.asyncio.Context | None = None
         self.workers_sock: zmq.asyncio.Socket | None = None
         self.control_sock: zmq.asyncio.Socket | None = None
+        self._raw: dict[int, zmq.Socket] = {}  # id(socket) -> its shadow, for sends that must not block
         self.curve: CurveServer | None = None
         self.factlog: FactLog | None = None
         self.worker_endpoint = ""  # as bound (a tcp port 0 becomes the real port)
@@ -406,6 +418,8 @@ class Daemon:
             return True  # connected, its queue full
         except zmq.ZMQError:
             return False  # EHOSTUNREACH: nobody holds that routing id any more
+        finally:
+            _rearm(self.workers_sock)  # the reactor's send: see _rearm
         return True
 
     async def _ingress_control(self) -> None:
@@ -535,10 +549,7 @@ class Daemon:
     async def _log_writer(self) -> None:
         """Append what the reactor has stepped, durably and in order; only then send the replies
         and commands it implies. Facts are durable before anything they imply leaves."""
-        assert self.workers_sock is not None and self.control_sock is not None
         loop = asyncio.get_running_loop()
-        raw = {id(self.workers_sock): zmq.Socket.shadow(self.workers_sock.underlying),
-               id(self.control_sock): zmq.Socket.shadow(self.control_sock.underlying)}
         while True:
             if not self._pending:
                 await self._log_progress()
@@ -550,16 +561,28 @@ class Daemon:
                 # An append that fails ends this task, and so the daemon: nothing it implied was sent.
                 await loop.run_in_executor(self._writer, self._persist, facts, batches[-1][1])
             self._writing = False
-            for batch_facts, state, outbox in batches:
+            for batch_facts, state, _ in batches:
                 if batch_facts:
                     self._observe(batch_facts, state)
-                for sock, identity, data in outbox:
-                    try:  # not contextlib.suppress: one object and two calls less per reply
-                        _send_to(raw[id(sock)], identity, data)
-                    except zmq.ZMQError:  # a peer gone or over its high-water mark
-                        pass
+            self._send_replies([outbox for _, _, outbox in batches])
             self.metrics.flush_messages()
             self._pending_changed.set()
+
+    def _send_replies(self, outboxes: list[list[tuple[zmq.asyncio.Socket, bytes, bytes]]]) -> None:
+        """Send the replies and commands of stepped batches, in order, without blocking."""
+        assert self.workers_sock is not None and self.control_sock is not None
+        if not self._raw:
+            self._raw = {id(sock): zmq.Socket.shadow(sock.underlying) for sock in (self.workers_sock, self.control_sock)}
+        raw = self._raw
+        for outbox in outboxes:
+            for sock, identity, data in outbox:
+                try:  # not contextlib.suppress: one object and two calls less per reply
+                    _send_to(raw[id(sock)], identity, data)
+                except zmq.ZMQError:  # a peer gone or over its high-water mark
+                    pass
+        if any(outboxes):  # see _rearm
+            _rearm(self.workers_sock)
+            _rearm(self.control_sock)
 
     def _drained(self) -> bool:
         if self.state.inflight is None:
