@@ -111,7 +111,7 @@ def worker_main(endpoint: str, device: str, pool: str, record: Path, loans: bool
             engine, trainer = (c for k in (WorkerKind.ROLLOUT_ENGINE, WorkerKind.TRAINER_RANK)
                                for c in clients if c.kind is k)
             await job_reports(device, engine, trainer, lambda: holding[WorkerKind.ROLLOUT_ENGINE] is Holding.SERVING,
-                              record.parent / "quiet")
+                              record.parent)
         await asyncio.Event().wait()
 
     import structlog
@@ -126,15 +126,20 @@ STEP_S = 0.8  # the job's RL step, in the runs with loans
 MINI_BATCHES = 8
 
 
-async def job_reports(device: str, engine: Any, trainer: Any, serving: Any, quiet: Path) -> None:
+async def job_reports(device: str, engine: Any, trainer: Any, serving: Any, run_dir: Path) -> None:
     """What a job tells the daemon, so that it lends (the runs with loans): the first device's
     trainer reports the training step's mini-batches and, at every step's end, the step; every
     engine that serves says its queue is empty once a quarter of the step has gone. Steps are
     numbered by the wall clock, so a restarted process (or daemon) continues the count. When the
-    run's faults stop (`quiet` exists), a last step report brings the loans home."""
+    run's faults stop (`quiet` exists) the job stops lending: it reports a step every step time
+    while the daemon's status says a device is lent (a step report brings loans home; one sent
+    while the daemon was down is lost, as a running job's next step would make up for)."""
+    from dynaresized import wire
+    from dynaresized.control import control_request
     from dynaresized.domain import StepTiming
 
     reporter = device == DEVICES[0]
+    quiet, control = run_dir / "quiet", f"ipc://{run_dir}/control.sock"
     last_step, last_done, dry_step = -1, -1, -1
     while True:
         now = time.time()
@@ -142,9 +147,17 @@ async def job_reports(device: str, engine: Any, trainer: Any, serving: Any, quie
         done = min(int(into * MINI_BATCHES) + 1, MINI_BATCHES)
         try:
             if quiet.exists():
-                if reporter:
+                if not reporter:
+                    return
+                if step != last_step:
+                    last_step = step
                     await trainer.report_step(StepTiming(step=step, rollout_s=STEP_S / 4, train_s=STEP_S))
-                return
+                with contextlib.suppress(TimeoutError, RuntimeError):  # the daemon is down: try again
+                    reply = await asyncio.to_thread(control_request, control, wire.StatusRequest(), 1.0)
+                    if not reply.data["lent"]:
+                        return
+                await asyncio.sleep(STEP_S / 4)
+                continue
             if reporter and step != last_step and last_step >= 0:
                 await trainer.report_step(StepTiming(step=last_step, rollout_s=STEP_S / 4, train_s=STEP_S))
             if reporter and (step, done) != (last_step, last_done):

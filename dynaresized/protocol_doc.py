@@ -196,6 +196,7 @@ Operators send one request (`status`, `pause`, `resume`, `resize`, `drain`) and 
 | `facts` | facts in the log |
 | `resizes` | `{{"started": n, "committed": n, "rolled_back": n}}` |
 | `devices` | device id → `training`, `rollout` or `moving <from>-><to>` |
+| `lent` | device id → its home pool, for each device lent to the other pool until the step boundary |
 | `workers` | list of `{{"id", "kind", "status" (live, lost, gone), "devices", "incarnation", "actual" (its holding, or null if it never said), "desired" (what the log says, or null), "unconverged" (why, or null)}}` |
 | `in_flight` | null, or `{{"resize_id", "from", "to", "devices", "op", "rolling_back", "reason", "acked", "reconciling" (the worker being reconciled, or "")}}` |
 | `policy`, `boot_id` | the policy's name, this daemon run's id |

@@ -353,8 +353,14 @@ def on_pause(core: Core, tx: _Tx, e: ev.PauseRequested) -> None:
 
 
 def on_resume(core: Core, tx: _Tx, e: ev.ResumeRequested) -> None:
-    if tx.state.paused or tx.state.phase is Phase.DEGRADED:
+    degraded = tx.state.phase is Phase.DEGRADED
+    if tx.state.paused or degraded:
         tx.emit(f.ResizingResumed(at=e.at, requested_by=e.requested_by))
+    s = tx.state
+    if degraded and s.lent_devices() and s.inflight is None and not s.stopping:
+        # A loan that could neither land nor go back (its undo failed), or whose return failed:
+        # its step is over or it never served. Home now, not at a step report that may not come.
+        _return_loans(core, tx, e.at, None, "", why="resumed after a failed loan")
 
 
 def on_shutdown(core: Core, tx: _Tx, e: ev.ShutdownRequested) -> None:

@@ -843,6 +843,7 @@ def status_of(state: ClusterState, daemon: Daemon | None = None) -> dict[str, An
                     "rolled_back": state.resizes_rolled_back},
         "devices": {d: (p.pool.value if p.pool else f"moving {p.moving_from.value}->{p.moving_to.value}")  # type: ignore[union-attr]
                     for d, p in sorted(state.devices.items())},
+        "lent": {d: state.devices[d].home.value for d in state.lent_devices()},  # type: ignore[union-attr]
         "workers": [_worker_status(state, w) for w in sorted(state.workers.values(), key=lambda w: w.worker_id)],
         "in_flight": None if fl is None else {
             "resize_id": fl.plan.resize_id, "from": str(fl.plan.before), "to": str(fl.plan.after),

@@ -283,3 +283,27 @@ def test_a_step_reported_while_a_loan_runs_sends_it_home_and_asks_the_policy_onc
     assert any(isinstance(x, f.LoanReturnStarted) for x in d.log[landed:])
     assert d.state.lent_devices() == () and d.state.inflight is None
     assert d.replayed().durable() == d.state.durable()
+
+
+def test_a_loan_whose_return_failed_goes_home_when_the_operator_resumes():
+    d = lending_cluster()
+    pace(d)
+    idle(d)
+    d.finish()  # lent n0:gpu3 to training
+    report_step(d, 0)  # the step is over: its return starts
+    d.ack_current()  # drain
+    d.ack_current()  # release: the lent rank left the group
+    d.ack(engine(3), ok=False, detail="engine did not start")  # join fails: back to training
+    d.ack_current()  # evict
+    facts, _ = d.ack(trainer(3), ok=False, detail="NCCL timeout")  # reclaim fails: degraded
+    assert d.state.phase is Phase.DEGRADED and any(isinstance(x, f.Degraded) for x in facts)
+    assert d.state.lent_devices() == (IDLE,), "placed in training, still lent"
+    d.send(ev.StateReported(at=d.at(), worker_id=trainer(3), actual=ActualState(holding=Holding.DRAINED)))
+    facts, commands = d.send(ev.ResumeRequested(at=d.at()))
+    back = next(x for x in facts if isinstance(x, f.LoanReturnStarted))
+    assert back.plan.devices == (IDLE,) and "resumed after a failed loan" in back.reason
+    assert [(c.worker_id, c.op.kind) for c in commands] == [(trainer(3), OpKind.DRAIN)]
+    d.finish()
+    assert isinstance(d.log[-1], f.LoanReturned) and d.state.devices[IDLE] == placed(Pool.ROLLOUT)
+    assert d.state.phase is Phase.STEADY and d.state.lent_devices() == ()
+    assert d.replayed().durable() == d.state.durable()

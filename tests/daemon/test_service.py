@@ -293,12 +293,13 @@ async def test_idle_engine_is_lent_to_training_and_returns_at_the_step_boundary(
         await by_id["engine3"].report_queue_empty(step=1, running=0)
         await until(lambda: daemon.status()["phase"] == "steady" and ("trainer3", "l1/2-join") in rec.ran,
                     what="loan landed")
+        assert daemon.status()["lent"] == {"node0:cpu3": "rollout"}
         await by_id["trainer0"].report_step(StepTiming(step=0, rollout_s=10.0, train_s=10.0,
                                                        rollout_devices=2, train_devices=2))
         await until(lambda: any(n == "engine3" and "home" in op and op.endswith("join") for n, op in rec.ran),
                     what="loan returned")
         status = await until(lambda: (s := daemon.status())["phase"] == "steady" and s, what="steady")
-        assert status["split"] == {"train": 2, "rollout": 2}
+        assert status["split"] == {"train": 2, "rollout": 2} and status["lent"] == {}
     finally:
         await close_all(clients)
     facts = read_facts(daemon.state_dir)
