@@ -328,6 +328,12 @@ class WorkerClient:
             return
         log.warning("daemon error", worker=self.worker_id, code=err.code.value, reason=err.reason,
                     error=err.message)
+        if err.code is wire.ErrorCode.UNAUTHORIZED and err.reason == "wrong_identity":
+            # This client always names its connection after its worker: the daemon saw another
+            # routing id on it (something between the two lost it). A new connection, not an end.
+            self._reconnect()
+            asyncio.create_task(self._reregister(err.message))
+            return
         fatal = (err.code in (wire.ErrorCode.BAD_VERSION, wire.ErrorCode.UNAUTHORIZED)
                  or (err.ref_type == "hello" and err.reason in _PERMANENT))
         if fatal:

@@ -179,7 +179,10 @@ must have a live worker of the destination kind (and none that has not converged
 | `illegal_transition` | the message is not accepted in the daemon's phase (e.g. an `op_result` with nothing in flight) | nothing |
 
 Other codes: `malformed`, `unknown_type`, `invalid`, `oversize` (the frame), `bad_version`,
-`unauthorized` (the claimed worker id is not the CURVE key's, or not the connection's identity).
+`unauthorized` (reason `wrong_key`: the claimed worker id is not the CURVE key's, final; reason
+`wrong_identity`: the connection's ZeroMQ identity does not name the claimed worker, which for a
+client that sets it means something on the way lost it: `WorkerClient` opens a new connection and
+says hello again).
 
 ## Operator requests and `status`
 

@@ -358,28 +358,29 @@ class Daemon:
             log.warning("refused frame", peer=identity.hex()[:16], kind=exc.kind.value, error=exc.message)
             self._send_error(raw, identity, exc.kind, exc.message)
             return None
-        problem = self._authenticate(identity, payload, msg)
+        problem, reason = self._authenticate(identity, payload, msg)
         if problem:
             self._count_decode_error(wire.ErrorCode.UNAUTHORIZED)
             log.warning("unauthorized message", peer=identity.hex()[:16], worker=msg.worker_id, error=problem)
-            self._send_error(raw, identity, wire.ErrorCode.UNAUTHORIZED, problem, ref=msg)
+            self._send_error(raw, identity, wire.ErrorCode.UNAUTHORIZED, problem, reason=reason, ref=msg)
             return None
         return _WorkerIn(identity, msg)
 
     def _count_decode_error(self, kind: wire.ErrorCode) -> None:
         self.metrics.decode_errors.labels(kind.value).inc()
 
-    def _authenticate(self, identity: bytes, frame: zmq.Frame, msg: Any) -> str:
+    def _authenticate(self, identity: bytes, frame: zmq.Frame, msg: Any) -> tuple[str, str]:
         """A worker is who its CURVE key says, and its connection's routing identity names it:
-        the worker id, or the worker id, '#' and a per-process suffix (what our client sets)."""
+        the worker id, or the worker id, '#' and a per-process suffix (what our client sets).
+        Returns (the problem, its reason code), ("", "") when there is none."""
         if self.curve is not None:
             owner = self.curve.worker_of(frame)
             if owner != msg.worker_id:
-                return f"this key may act as worker {owner!r}, not {msg.worker_id!r}"
+                return f"this key may act as worker {owner!r}, not {msg.worker_id!r}", "wrong_key"
         if identity.partition(b"#")[0] != msg.worker_id.encode():
             return (f"messages for worker {msg.worker_id!r} must come from a connection whose ZeroMQ identity is "
-                    f"{msg.worker_id!r} or '{msg.worker_id}#<process>' (the client sets it)")
-        return ""
+                    f"{msg.worker_id!r} or '{msg.worker_id}#<process>' (the client sets it)", "wrong_identity")
+        return "", ""
 
     def _check_token(self, msg: Any) -> None:
         """Every message after hello carries the token of the registration it belongs to."""

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import zmq
+import zmq.asyncio
 
+from dynaresized import wire
 from dynaresized.client import CurveKeys, DaemonRejected, DaemonUnavailable, WorkerClient
 from dynaresized.daemon.security import keygen
 from dynaresized.domain import WorkerKind
 
-from .conftest import read_facts
+from .conftest import read_facts, until
 
 
 @pytest.fixture
@@ -94,10 +98,6 @@ def _squatter(endpoint: str, identity: bytes, curve: CurveKeys | None):  # type:
 @pytest.mark.parametrize("with_curve", [True, False], ids=["curve", "loopback-plaintext"])
 async def test_a_second_connection_with_a_workers_identity_neither_takes_its_slot_nor_goes_unseen(
         make_daemon, tmp_path, with_curve) -> None:
-    import asyncio
-
-    from dynaresized import wire
-
     from .conftest import DEVICES, until
     from .test_bad_input import metric
 
@@ -273,7 +273,6 @@ async def test_a_worker_whose_new_connection_is_not_routed_reconnects_until_it_i
     """The worker's connection dropped (only its side saw it, as when a host link flaps) and,
     meanwhile, another connection took its identity's free slot: the daemon parks the worker's
     new connection, so the client must open another one until the slot is free again."""
-    import asyncio
 
     from .conftest import DEVICES, until
     from .test_bad_input import metric
@@ -296,3 +295,47 @@ async def test_a_worker_whose_new_connection_is_not_routed_reconnects_until_it_i
     await until(lambda: [w["status"] for w in daemon.status()["workers"]] == ["live"] and client._registered.is_set(),
                 timeout=20, what="the worker registered again on a new connection")
     await client.close()
+
+
+async def test_a_client_told_its_connection_lost_its_identity_reconnects_and_says_hello_again() -> None:
+    """`unauthorized` with reason `wrong_identity` is not the client's doing (it always names its
+    connection): it opens a new connection and registers again instead of giving up."""
+    ctx = zmq.asyncio.Context()
+    daemon = ctx.socket(zmq.ROUTER)  # a stand-in for the daemon: the test says what it answers
+    daemon.setsockopt(zmq.LINGER, 0)
+    daemon.bind("tcp://127.0.0.1:0")
+    endpoint = daemon.getsockopt_string(zmq.LAST_ENDPOINT)
+    decoder = wire.worker_decoder()
+    client = WorkerClient(endpoint, "tr-0", WorkerKind.TRAINER_RANK, ("node0:cpu0",), hello_timeout_s=5.0)
+
+    async def next_hello() -> tuple[bytes, wire.Hello]:
+        while True:  # heartbeats may come first
+            identity, data = await asyncio.wait_for(daemon.recv_multipart(), 10)
+            msg = decoder.decode(data)
+            if isinstance(msg, wire.Hello):
+                return identity, msg
+
+    async def welcome(identity: bytes, token: str) -> None:
+        await daemon.send_multipart([identity, wire.encode(wire.Welcome(
+            protocol=wire.PROTOCOL_VERSION, worker_id="tr-0", incarnation=1, boot_id="b1",
+            heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, token=token))])
+
+    try:
+        starting = asyncio.create_task(client.start())
+        identity, hello = await next_hello()
+        await welcome(identity, "t1")
+        await asyncio.wait_for(starting, 10)
+        assert identity == f"tr-0#{client.process}".encode() and client.token == "t1"
+        await daemon.send_multipart([identity, wire.encode(wire.Error(
+            code=wire.ErrorCode.UNAUTHORIZED, reason="wrong_identity", ref_type="heartbeat", token="t1",
+            message="messages for worker 'tr-0' must come from a connection whose ZeroMQ identity is 'tr-0'"))])
+        identity, again = await next_hello()
+        assert again.process == hello.process, "the same process, registering again"
+        await welcome(identity, "t2")
+        await until(lambda: client.token == "t2", what="the new registration")
+        await client.report_state()  # not refused by the client itself: it did not give up
+        assert client._fatal is None
+    finally:
+        await client.close(say_bye=False)
+        daemon.close(0)
+        ctx.term()
