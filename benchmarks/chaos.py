@@ -132,15 +132,16 @@ async def job_reports(device: str, engine: Any, trainer: Any, serving: Any, run_
     engine that serves says its queue is empty once a quarter of the step has gone. Steps are
     numbered by the wall clock, so a restarted process (or daemon) continues the count. When the
     run's faults stop (`quiet` exists) the job stops lending: it reports a step every step time
-    while the daemon's status says a device is lent (a step report brings loans home; one sent
-    while the daemon was down is lost, as a running job's next step would make up for)."""
+    until the daemon's status shows no device lent and nothing in flight (a step report brings
+    loans home; one sent while the daemon was down is lost, and a return that rolled back leaves
+    the devices lent: a running job's next step makes up for either)."""
     from dynaresized import wire
     from dynaresized.control import control_request
     from dynaresized.domain import StepTiming
 
     reporter = device == DEVICES[0]
     quiet, control = run_dir / "quiet", f"ipc://{run_dir}/control.sock"
-    last_step, last_done, dry_step = -1, -1, -1
+    last_step, last_done, dry_step, quiet_step = -1, -1, -1, -1
     while True:
         now = time.time()
         step, into = int(now / STEP_S), (now % STEP_S) / STEP_S
@@ -149,12 +150,12 @@ async def job_reports(device: str, engine: Any, trainer: Any, serving: Any, run_
             if quiet.exists():
                 if not reporter:
                     return
-                if step != last_step:
-                    last_step = step
+                if step != quiet_step:
+                    quiet_step = step
                     await trainer.report_step(StepTiming(step=step, rollout_s=STEP_S / 4, train_s=STEP_S))
                 with contextlib.suppress(TimeoutError, RuntimeError):  # the daemon is down: try again
-                    reply = await asyncio.to_thread(control_request, control, wire.StatusRequest(), 1.0)
-                    if not reply.data["lent"]:
+                    st = (await asyncio.to_thread(control_request, control, wire.StatusRequest(), 1.0)).data
+                    if not st["lent"] and st["in_flight"] is None:
                         return
                 await asyncio.sleep(STEP_S / 4)
                 continue
