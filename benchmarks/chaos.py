@@ -538,6 +538,8 @@ class Run:
         moving = [d for d, p in st["devices"].items() if "moving" in p]
         if moving:
             return f"moving: {moving}"
+        if st["lent"]:  # the job reports steps until its loans are home (see job_reports)
+            return f"lent: {st['lent']}"
         workers = st["workers"]
         if len(workers) != 8:
             return f"{len(workers)} workers registered"
