@@ -122,7 +122,7 @@ class Daemon:
         self.ctx: zmq.asyncio.Context | None = None
         self.workers_sock: zmq.asyncio.Socket | None = None
         self.control_sock: zmq.asyncio.Socket | None = None
-        self._raw: dict[int, zmq.Socket] = {}  # id(socket) -> its shadow, for sends that must not block
+        self._raw: dict[int, zmq.Socket] = {}  # id(socket) -> its shadow, for sends that must not block (_bind)
         self.curve: CurveServer | None = None
         self.factlog: FactLog | None = None
         self.worker_endpoint = ""  # as bound (a tcp port 0 becomes the real port)
@@ -199,6 +199,7 @@ class Daemon:
             self.control_sock = self._router(control_endpoint_of(d), curve=False)  # loopback only, see config
         self.worker_endpoint = self.workers_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.control_endpoint = self.control_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._raw = {id(sock): zmq.Socket.shadow(sock.underlying) for sock in (self.workers_sock, self.control_sock)}
         try:
             restrict_ipc_socket(self.control_endpoint, sec.control_group)
         except OSError as exc:
@@ -412,9 +413,8 @@ class Daemon:
         if route is None or route == identity:
             return False  # not registered with this boot, or a client that reuses one identity
         assert self.workers_sock is not None
-        raw = zmq.Socket.shadow(self.workers_sock.underlying)
         try:
-            _send_to(raw, route, wire.encode(wire.HeartbeatAck(seq=0, boot_id=self.boot_id)))
+            _send_to(self._raw[id(self.workers_sock)], route, wire.encode(wire.HeartbeatAck(seq=0, boot_id=self.boot_id)))
         except zmq.Again:
             return True  # connected, its queue full
         except zmq.ZMQError:
@@ -572,8 +572,6 @@ class Daemon:
     def _send_replies(self, outboxes: list[list[tuple[zmq.asyncio.Socket, bytes, bytes]]]) -> None:
         """Send the replies and commands of stepped batches, in order, without blocking."""
         assert self.workers_sock is not None and self.control_sock is not None
-        if not self._raw:
-            self._raw = {id(sock): zmq.Socket.shadow(sock.underlying) for sock in (self.workers_sock, self.control_sock)}
         raw = self._raw
         for outbox in outboxes:
             for sock, identity, data in outbox:
