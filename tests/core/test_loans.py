@@ -307,3 +307,21 @@ def test_a_loan_whose_return_failed_goes_home_when_the_operator_resumes():
     assert isinstance(d.log[-1], f.LoanReturned) and d.state.devices[IDLE] == placed(Pool.ROLLOUT)
     assert d.state.phase is Phase.STEADY and d.state.lent_devices() == ()
     assert d.replayed().durable() == d.state.durable()
+
+
+def test_two_loans_in_one_step_go_home_together_named_after_the_latest():
+    d = lending_cluster()
+    pace(d)
+    idle(d, dev=3)
+    d.finish()
+    facts, _ = idle(d, dev=2)  # the second engine runs dry later in the same step: lent too
+    second = next(x for x in facts if isinstance(x, f.LoanStarted))
+    assert second.plan.resize_id == "l2" and second.plan.devices == (device(2),)
+    d.finish()
+    assert d.state.lent_devices() == (device(2), IDLE)
+    back = next(x for x in report_step(d, 0) if isinstance(x, f.LoanReturnStarted))
+    assert back.plan.resize_id.startswith("l2-home") and back.plan.devices == (device(2), IDLE)
+    d.finish()
+    assert isinstance(d.log[-1], f.LoanReturned) and d.state.lent_devices() == ()
+    assert d.state.split == Split(TRAIN, ROLLOUT)
+    assert d.replayed().durable() == d.state.durable()

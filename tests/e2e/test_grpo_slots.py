@@ -126,10 +126,15 @@ def loan_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
 def test_idle_engines_are_lent_into_the_training_step_and_come_home(loan_runs: dict[str, dict[str, Any]]) -> None:
     lent = loan_runs["lent"]
     events = lent["events"]
-    started = [m.group(1) for e in events if (m := re.match(r"LoanStarted: loan (l\d+) started", e))]
+    started = [(i, int(m.group(1))) for i, e in enumerate(events)
+               if (m := re.match(r"LoanStarted: loan l(\d+) started", e))]
     assert started, events
-    for loan in started:  # each went home at the step boundary
-        assert any(e.startswith(f"LoanReturned: loan return {loan}-home") for e in events), (loan, events)
+    returned = [(i, int(m.group(1))) for i, e in enumerate(events)
+                if (m := re.match(r"LoanReturned: loan return l(\d+)-home\d+ done", e))]
+    # each went home at a step boundary: a return brings every lent device home and is named
+    # after the latest loan, so loan k is home once a later return of loan j >= k is done
+    for at, loan in started:
+        assert any(i > at and j >= loan for i, j in returned), (loan, events)
     # a lent rank trained part of a step: the daemon's loan reached the trainer, not only the engine
     assert any(step["lent"] for step in lent["step_files"]), lent["step_files"]
     assert any("lent (hysteresis)" in d for d in lent["decisions"]), lent["decisions"]  # the per-step line says so
