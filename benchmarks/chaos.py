@@ -141,7 +141,7 @@ async def job_reports(device: str, engine: Any, trainer: Any, serving: Any, run_
 
     reporter = device == DEVICES[0]
     quiet, control = run_dir / "quiet", f"ipc://{run_dir}/control.sock"
-    last_step, last_done, dry_step, quiet_step = -1, -1, -1, -1
+    last_step, last_done, dry_step, quiet_step, checked = -1, -1, -1, -1, False
     while True:
         now = time.time()
         step, into = int(now / STEP_S), (now % STEP_S) / STEP_S
@@ -151,13 +151,15 @@ async def job_reports(device: str, engine: Any, trainer: Any, serving: Any, run_
                 if not reporter:
                     return
                 if step != quiet_step:
-                    quiet_step = step
+                    quiet_step, checked = step, False
                     await trainer.report_step(StepTiming(step=step, rollout_s=STEP_S / 4, train_s=STEP_S))
-                with contextlib.suppress(TimeoutError, RuntimeError):  # the daemon is down: try again
-                    st = (await asyncio.to_thread(control_request, control, wire.StatusRequest(), 1.0)).data
-                    if not st["lent"] and st["in_flight"] is None:
-                        return
-                await asyncio.sleep(STEP_S / 4)
+                if not checked and into >= 0.5:  # once a step, halfway: the settle check polls too
+                    checked = True
+                    with contextlib.suppress(TimeoutError, RuntimeError):  # the daemon is down: try again
+                        st = (await asyncio.to_thread(control_request, control, wire.StatusRequest(), 1.0)).data
+                        if not st["lent"] and st["in_flight"] is None:
+                            return
+                await asyncio.sleep(STEP_S / 8)
                 continue
             if reporter and step != last_step and last_step >= 0:
                 await trainer.report_step(StepTiming(step=last_step, rollout_s=STEP_S / 4, train_s=STEP_S))
