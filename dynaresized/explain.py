@@ -91,7 +91,7 @@ def explain(fact: f.Fact) -> str:
             return f"reconcile {fact.resize_id} of worker {fact.worker_id} ended unconverged: {fact.reason}"
         case f.WorkerUnconverged():
             return f"worker {fact.worker_id} cannot be converged ({fact.reason}); its devices are left out of " \
-                   "resizes until it reports a state that agrees with the log or registers again"
+                   "resizes and loans until it reports a state that agrees with the log or registers again"
         case f.EngineQueueEmptyObserved():
             state = "idle" if fact.running == 0 else f"{fact.running} running, ~{fact.tokens_left} tokens left"
             return f"{fact.worker_id} on {fact.device}: rollout step {fact.step} queue empty, {state}"

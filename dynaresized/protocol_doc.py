@@ -122,7 +122,7 @@ itself). `holding` is one of:
 | `drained` | holds them but takes no new work (after `drain`, before `release`) |
 | `released` | holds nothing: engine asleep, stopped or dead; trainer outside the group |
 | `done` | its job ended (training finished): nothing to converge |
-| `failed` | it cannot act (its loop died): reported, its devices are left out of resizes |
+| `failed` | it cannot act (its loop died): reported, its devices are left out of resizes and loans |
 
 The log says a worker should be `serving` when all its devices are in its kind's pool and
 `released` when they are all in the other pool. Whenever a live worker reports something else
@@ -137,7 +137,7 @@ converge it, serialized like a resize and from the worker's home pool (`op.from_
 | `released` | `drained` | `release` |
 
 A worker that fails a converging op, times out, or still reports the old state after them is
-recorded as `worker_unconverged`: its devices are left out of resize plans, and it is tried
+recorded as `worker_unconverged`: its devices are left out of resize and loan plans, and it is tried
 again `core.reconcile_retry_s` later or when it registers again. A worker that never sends
 `actual` is never reconciled.
 

@@ -570,7 +570,7 @@ def plan_resize(state: ClusterState, target: Split) -> ResizePlan | str:
     count = abs(delta)
     src_kind, dst_kind = WorkerKind.for_pool(from_pool), WorkerKind.for_pool(to_pool)
     # Highest device ids first: deterministic, and keeps low ids (often the launch ranks) stable.
-    held_back = {d for w in state.unconverged if w in state.workers for d in state.workers[w].devices}
+    held_back = state.held_back()
     eligible = [d for d in sorted(state.pool_devices(from_pool), reverse=True)
                 if state.live_worker(d, dst_kind) and d not in held_back]
     if len(eligible) < count:
@@ -857,7 +857,8 @@ def loan_view(core: Core, state: ClusterState, now: float) -> LoanView:
         rollout_step = state.last_step + 2
     else:
         rollout_step = mb.step if mb.total == 0 else mb.step + 1
-    placed_home = {d for d, p in state.devices.items() if p.home is None and p.pool is not None}
+    held_back = state.held_back()
+    placed_home = {d for d, p in state.devices.items() if p.home is None and p.pool is not None and d not in held_back}
     idle = tuple(d for d in state.dry if d in placed_home and state.devices[d].pool is Pool.ROLLOUT)
     free = tuple(d for d in state.pool_devices(Pool.TRAINING) if d in placed_home) if done else ()
     return LoanView(
@@ -907,6 +908,8 @@ def plan_loan(state: ClusterState, devices: tuple[DeviceId, ...], to_pool: Pool,
     dst = _unique(state.live_worker(d, WorkerKind.for_pool(to_pool)) for d in devices)
     if kind is PlanKind.LOAN and len(dst) < len(devices):
         return f"not every device of {', '.join(devices)} has a live {WorkerKind.for_pool(to_pool).value} worker"
+    if kind is PlanKind.LOAN and (stuck := sorted(state.held_back() & set(devices))):
+        return f"{', '.join(stuck)} left out: a worker on them has not converged"
     resize_id = f"l{state.loans_started + 1}" if kind is PlanKind.LOAN else f"l{state.loans_started}-home{state.version}"
     targets = {OpKind.DRAIN: src, OpKind.RELEASE: src, OpKind.JOIN: dst}
     ops = tuple(

@@ -190,6 +190,10 @@ class ClusterState(msgspec.Struct, frozen=True):
         """Devices serving the other pool until the step boundary (loan landed, not returned)."""
         return tuple(d for d, p in self.devices.items() if p.home is not None and p.pool is not None)
 
+    def held_back(self) -> set[DeviceId]:
+        """Devices left out of every plan, resize or loan: a worker on them has not converged."""
+        return {d for w in self.unconverged if w in self.workers for d in self.workers[w].devices}
+
     def live_worker(self, device: DeviceId, kind: WorkerKind) -> Worker | None:
         for w in self.workers.values():
             if w.status is WorkerStatus.LIVE and w.kind is kind and device in w.devices:

@@ -10,7 +10,7 @@ from dynaresized.core import IllegalTransition, Phase, Refused, fold
 from dynaresized.core.machine import loan_view
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
-from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, Split, StepTiming, placed
+from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, Split, StepTiming, WorkerKind, placed
 
 from .cluster import EAGER, Driver, boot, device, engine, make_core, snapshot, trainer
 
@@ -324,4 +324,22 @@ def test_two_loans_in_one_step_go_home_together_named_after_the_latest():
     d.finish()
     assert isinstance(d.log[-1], f.LoanReturned) and d.state.lent_devices() == ()
     assert d.state.split == Split(TRAIN, ROLLOUT)
+    assert d.replayed().durable() == d.state.durable()
+
+
+def test_an_engine_that_has_not_converged_is_not_lent():
+    d = lending_cluster()
+    facts, _ = d.send(ev.WorkerHello(at=d.at(), worker_id=engine(3), kind=WorkerKind.ROLLOUT_ENGINE,
+                                     devices=(IDLE,), process="p-eng3-again",
+                                     actual=ActualState(holding=Holding.FAILED, detail="reclaim raised")))
+    assert isinstance(facts[-1], f.WorkerUnconverged) and engine(3) in d.state.unconverged
+    pace(d)
+    facts, _ = idle(d, dev=3)  # idle, but what it holds is not what the log says: left out
+    assert not any(isinstance(x, f.LoanStarted) for x in facts) and d.state.inflight is None
+    assert IDLE not in loan_view(d.core, d.state, d.at()).idle_engines
+    facts, _ = idle(d, dev=2)  # the engine that agrees with the log is lent
+    started = next(x for x in facts if isinstance(x, f.LoanStarted))
+    assert started.plan.devices == (device(2),)
+    d.finish()
+    assert d.state.lent_devices() == (device(2),)
     assert d.replayed().durable() == d.state.durable()
