@@ -185,9 +185,13 @@ def run(args: argparse.Namespace) -> int:
         if args.keep else f"  wall time {summary['wall_s']:.1f}s")
     if args.json:
         print(json.dumps(result))
+    if summary["steps"] != steps:  # keep what tells why
+        say(f"dynaresized demo: the run stopped after {summary['steps']} of {steps} steps; the leader's log: "
+            f"{root / 'device0.log'}, the daemon's: {root / 'daemon.log'}")
+        return 1
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
-    return 0 if summary["steps"] == steps else 1
+    return 0
 
 
 def _follow(state: Path, leader: subprocess.Popen[bytes], say: Any,
