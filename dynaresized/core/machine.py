@@ -908,8 +908,6 @@ def plan_loan(state: ClusterState, devices: tuple[DeviceId, ...], to_pool: Pool,
     dst = _unique(state.live_worker(d, WorkerKind.for_pool(to_pool)) for d in devices)
     if kind is PlanKind.LOAN and len(dst) < len(devices):
         return f"not every device of {', '.join(devices)} has a live {WorkerKind.for_pool(to_pool).value} worker"
-    if kind is PlanKind.LOAN and (stuck := sorted(state.held_back() & set(devices))):
-        return f"{', '.join(stuck)} left out: a worker on them has not converged"
     resize_id = f"l{state.loans_started + 1}" if kind is PlanKind.LOAN else f"l{state.loans_started}-home{state.version}"
     targets = {OpKind.DRAIN: src, OpKind.RELEASE: src, OpKind.JOIN: dst}
     ops = tuple(
