@@ -257,7 +257,11 @@ class WorkerClient:
         self._last_ack = time.monotonic()
 
     async def _reregister(self, why: str) -> None:
-        """Say hello again until the daemon answers (it restarted, or forgot us)."""
+        """Say hello again until the daemon answers (it restarted, or forgot us).
+
+        The pause between hellos doubles up to `max_backoff_s`, and never beyond a quarter of
+        the heartbeat timeout the daemon announced: a restarted daemon gives each worker that
+        long to say hello again, however long it was down."""
         if not self._registered.is_set():
             return  # already re-registering
         self._registered.clear()
@@ -270,7 +274,7 @@ class WorkerClient:
             except DaemonUnavailable:
                 self._reconnect()
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.max_backoff_s)
+                backoff = min(backoff * 2, self.max_backoff_s, self.heartbeat_timeout_s / 4)
 
     def _reconnect(self) -> None:
         """Say the next hello on a new connection. The daemon does not route a connection whose

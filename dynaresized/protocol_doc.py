@@ -86,7 +86,9 @@ connection; ZeroMQ reconnects it. The daemon never dies of a bad message.
    answers wait unread in its socket (a `daemon_stalled` fact moves the op's deadline on). A lost worker is refused with `not_registered`; it then, and whenever an ack shows a
    new `boot_id`, or any message is refused with `stale_token` or `missing_token`, sends
    `hello` again. A message refused with `stale_token` whose `error.token` is not the current
-   token is about an earlier registration and is ignored.
+   token is about an earlier registration and is ignored. A restarted daemon gives every
+   worker `heartbeat_timeout_s` from its start to say `hello`: while the daemon is down, retry
+   with pauses of at most a quarter of that (our client does), however long the outage.
 3. **One process per worker id.** A `hello` from a new `process` while the registered one is
    live and its connection still open is refused (`duplicate_worker`): a duplicate started by
    mistake never takes over. When the old connection is gone (the process died), the new

@@ -312,3 +312,24 @@ async def test_idle_engine_is_lent_to_training_and_returns_at_the_step_boundary(
                                        "mini-batch 2/8: rollout queue empty")
     queue = [x for x in facts if isinstance(x, f.EngineQueueEmptyObserved)]
     assert [(x.running, x.tokens_left) for x in queue] == [(2, 900), (0, 0)]
+
+
+@pytest.mark.slow
+async def test_a_worker_that_waited_out_a_long_outage_re_registers_within_the_restart_grace(make_daemon) -> None:
+    # After a restart the daemon gives each worker heartbeat_timeout_s to say hello again. A
+    # client that has been retrying for a while must not sleep longer than that between hellos,
+    # or a live worker is declared lost because the daemon was down long.
+    daemon = make_daemon(core={"heartbeat_timeout_s": 2.0})
+    client = WorkerClient(daemon.worker_endpoint, "trainer0", WorkerKind.TRAINER_RANK, (DEVICES[0],))
+    await client.start()
+    try:
+        assert daemon.kill(signal.SIGKILL) == -signal.SIGKILL
+        await asyncio.sleep(12)  # the client's retries have backed off (up to max_backoff_s, 5 s)
+        await asyncio.to_thread(daemon.start)
+        await until(lambda: client.incarnation == 2, timeout=10, what="the hello after the restart")
+        await asyncio.sleep(3)  # past the grace: the daemon heard the worker in time, or lost it
+        status = daemon.status()
+        assert [w["status"] for w in status["workers"]] == ["live"], status["workers"]
+    finally:
+        await client.close()
+    assert not any(isinstance(x, f.WorkerLost) for x in read_facts(daemon.state_dir)), daemon.output()[-3000:]
