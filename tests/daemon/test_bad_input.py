@@ -3,6 +3,7 @@ daemon stays up and its state is unchanged."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import urllib.request
 
@@ -85,6 +86,38 @@ def gone(daemon) -> None:  # type: ignore[no-untyped-def]
     wait_for(lambda: metric(daemon, "dynaresized_worker_connections") <= 1, what="the peer's connection dropped")
 
 
+def send_bad_frames(daemon) -> int:  # type: ignore[no-untyped-def]
+    """Each bad frame from a fresh raw peer; the error replies checked; how many came back."""
+    replied = 0
+    for name, frame, code, text in CASES:
+        peer = RawPeer(daemon.worker_endpoint, b"mallory")
+        try:
+            peer.send(frame)
+            if code is None:
+                time.sleep(0.2)
+                continue
+            reply = peer.reply()
+            replied += 1
+            assert isinstance(reply, wire.Error), name
+            assert reply.code is code, f"{name}: {reply}"
+            assert text in reply.message, f"{name}: {reply.message!r}"
+        finally:
+            peer.close()
+            gone(daemon)
+    for frames in ([b"\x80", b"\x80"], [b"a", b"b", b"c"]):  # one message, several payload frames
+        peer = RawPeer(daemon.worker_endpoint, b"mallory")
+        try:
+            peer.send(*frames)
+            reply = peer.reply()
+            replied += 1
+            assert isinstance(reply, wire.Error) and reply.code is wire.ErrorCode.MALFORMED, reply
+            assert f"expected exactly one payload frame, got {len(frames)}" in reply.message, reply.message
+        finally:
+            peer.close()
+            gone(daemon)
+    return replied
+
+
 async def test_bad_input_is_refused_clearly_and_changes_nothing(make_daemon) -> None:
     daemon = make_daemon()
     owner = WorkerClient(daemon.worker_endpoint, "owner", WorkerKind.TRAINER_RANK, ("node0:cpu0",))
@@ -93,33 +126,9 @@ async def test_bad_input_is_refused_clearly_and_changes_nothing(make_daemon) -> 
         before = daemon.status()
         facts_before = len(read_facts(daemon.state_dir))
         errors_before = metric(daemon, "dynaresized_decode_errors_total") + metric(daemon, "dynaresized_refusals_total")
-        replied = 0
-        for name, frame, code, text in CASES:
-            peer = RawPeer(daemon.worker_endpoint, b"mallory")
-            try:
-                peer.send(frame)
-                if code is None:
-                    time.sleep(0.2)
-                    continue
-                reply = peer.reply()
-                replied += 1
-                assert isinstance(reply, wire.Error), name
-                assert reply.code is code, f"{name}: {reply}"
-                assert text in reply.message, f"{name}: {reply.message!r}"
-            finally:
-                peer.close()
-                gone(daemon)
-        for frames in ([b"\x80", b"\x80"], [b"a", b"b", b"c"]):  # one message, several payload frames
-            peer = RawPeer(daemon.worker_endpoint, b"mallory")
-            try:
-                peer.send(*frames)
-                reply = peer.reply()
-                replied += 1
-                assert isinstance(reply, wire.Error) and reply.code is wire.ErrorCode.MALFORMED, reply
-                assert f"expected exactly one payload frame, got {len(frames)}" in reply.message, reply.message
-            finally:
-                peer.close()
-                gone(daemon)
+        # In a thread: the owner's heartbeats go on meanwhile (a blocked event loop would get
+        # it declared lost on a slow machine, and that would change the state under test).
+        replied = await asyncio.to_thread(send_bad_frames, daemon)
         # A stale op result from the registered owner is refused by the core, not by auth.
         await owner._send(wire.OpResult(worker_id="owner", op_id="r9/0-drain", ok=True, token=owner.token))
         refused = await until(lambda: [e for e in owner.errors if e.reason == "illegal_transition"],

@@ -37,7 +37,7 @@ async def test_a_status_that_comes_late_is_skipped_not_fatal_and_not_taken_for_t
         assert await asked == set()
         # the late answer (nothing lent) arrives, then the next question's (one device lent)
         await router.send_multipart([ident, status_reply({})])
-        await asyncio.sleep(0.1)
+        assert await control.poll(5000), "the late answer reached the leader's socket"  # not taken
         asked = asyncio.ensure_future(sim._lent_to_training(control))
         ident, _ = await router.recv_multipart()
         await router.send_multipart([ident, status_reply({lent_device: "training"})])
