@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             devices.append(subprocess.Popen(cmd + leader, env=env,
                                             stdout=subprocess.DEVNULL, stderr=(root / f"device{i}.log").open("wb")))
         say(f"  {len(devices)} device processes started (engine + trainer worker each); training...\n")
-        summary = _follow(state, devices[0], say, open_recorder, decode_fact)
+        summary = _follow(state, devices[0], steps, say, open_recorder, decode_fact)
     finally:
         for p in devices:
             if p.poll() is None:
@@ -194,10 +194,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _follow(state: Path, leader: subprocess.Popen[bytes], say: Any,
-            open_recorder: Any, decode_fact: Any) -> dict[str, Any]:
-    """Tail the daemon's event log until the leader has run every step."""
+def _follow(state: Path, leader: subprocess.Popen[bytes], steps: int, say: Any,
+            open_recorder: Any, decode_fact: Any, settle_s: float = 10.0) -> dict[str, Any]:
+    """Tail the daemon's event log until the leader has run every step. The leader's last step
+    report may still be on its way into the log when the leader exits: after the exit the log
+    is read on until every step is in it, for up to `settle_s`."""
     started = time.monotonic()
+    exited_at: float | None = None
     recorder = open_recorder(state / "events.sqlite", read_only=True)
     position, seen_steps, total, resizes, loans, lent = 0, 0, 0.0, 0, 0, 0
     lent_this_step: list[str] = []
@@ -236,7 +239,9 @@ def _follow(state: Path, leader: subprocess.Popen[bytes], say: Any,
                     last_rejection = fact.guard  # one line per change of reason, not one per step
                     say(f"  .. {explain(fact)}")
             if done:
-                break
+                exited_at = exited_at or time.monotonic()
+                if seen_steps >= steps or time.monotonic() - exited_at > settle_s:
+                    break
             time.sleep(0.1)
     finally:
         recorder.close()

@@ -4,6 +4,7 @@ and a resize and loans inside steps that show up in the daemon's own event log."
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,8 @@ def test_demo_moves_devices_to_the_slow_stage_and_beats_the_static_split() -> No
         assert summary["steps"] == 30
         assert summary["resizes"] >= 1 and summary["final_split"] in ("4:4", "3:5")
         assert summary["speedup_vs_static_split"] > 1.2
-        assert "resize r1 started: 6:2 -> 4:4" in result.stderr  # shown live, with its reason
+        # shown live, with its reason; its target comes from measured steps, which loans shorten
+        assert re.search(r"resize r1 started: 6:2 -> (4:4|3:5)", result.stderr), result.stderr[-3000:]
         assert "resize r1 prediction: step" in result.stderr  # checked against what was measured
         # idle figures per pool at the end, from the daemon's own accounting (docs/idle.md)
         for pool in ("rollout", "training"):
@@ -53,3 +55,34 @@ def test_demo_moves_devices_to_the_slow_stage_and_beats_the_static_split() -> No
         assert any(isinstance(x, f.MiniBatchObserved) for x in facts)
     finally:
         shutil.rmtree(state.parent, ignore_errors=True)
+
+
+def test_the_demo_reads_the_log_on_after_the_leader_exits_until_every_step_is_in(tmp_path: Path) -> None:
+    # The leader's last step report can reach the log after the leader has exited (the daemon
+    # commits it with an fsync): the demo must not count one step short and fail the run.
+    import threading
+    import time
+
+    from dynaresized.demo import _follow
+    from dynaresized.domain import StepTiming
+    from dynaresized.store.factlog import FactLog
+
+    def step(i: int) -> f.StepObserved:
+        return f.StepObserved(at=float(i), worker_id="tr-0", timing=StepTiming(step=i, rollout_s=2.0, train_s=1.0))
+
+    writer = FactLog(open_recorder(tmp_path / "events.sqlite"))
+    writer.append([step(0), step(1)])
+    leader = subprocess.Popen([sys.executable, "-c", "pass"])
+    leader.wait()  # gone before its last step is in the log
+    late = threading.Timer(0.5, lambda: writer.append([step(2)]))
+    late.start()
+    try:
+        summary = _follow(tmp_path, leader, 3, lambda line: None, open_recorder, decode_fact)
+    finally:
+        late.join()
+        writer.recorder.close()
+    assert summary["steps"] == 3 and summary["total_time_s"] == 6.0
+    # a leader that died early is waited for no longer than settle_s
+    began = time.monotonic()
+    assert _follow(tmp_path, leader, 5, lambda line: None, open_recorder, decode_fact, settle_s=0.3)["steps"] == 3
+    assert time.monotonic() - began < 5
