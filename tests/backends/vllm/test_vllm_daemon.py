@@ -72,7 +72,8 @@ async def attached(rollout: Rollout, tmp_path: Path, **overrides: dict) -> Async
     sections = daemon_sections(
         tmp_path,
         cluster={"devices": DEVICES, "training": ["node0:cpu2"]},
-        core={"heartbeat_timeout_s": 2.0, "op_timeout_s": 90.0},
+        # nothing here is lost on purpose: a loop stalled by an engine start must not lose anyone
+        core={"heartbeat_timeout_s": 15.0, "op_timeout_s": 90.0},
         daemon={"drain_timeout_s": 10.0},
         **overrides,
     )
