@@ -161,8 +161,10 @@ class Registry:
         data = self._get(self._k("chg", cid, "state"))
         return None if data is None else msgspec.msgpack.decode(data, type=ChangeState)
 
-    def ready(self, change: Change) -> bool:
-        return self.store.check([self._k("chg", change.cid, "ready", r) for r in change.movers])
+    def ready(self, change: Change, movers: Members | None = None) -> bool:
+        """Every one of `movers` (default: all of the change's) has posted `change`."""
+        return self.store.check([self._k("chg", change.cid, "ready", r)
+                                 for r in (change.movers if movers is None else movers)])
 
     def transition(self, cid: str, expected: ChangeState, new: ChangeState) -> bool:
         return self._cas(self._k("chg", cid, "state"), _enc.encode(expected), _enc.encode(new)) == _enc.encode(new)

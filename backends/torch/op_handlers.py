@@ -193,6 +193,11 @@ class DaemonOps:
             if st is not None and st.status is ChangeStatus.DONE and self.rank not in st.members:
                 # left by another change first (a lent rank goes home at the RL-step boundary)
                 return f"not in the training group ({self._view.state.value} at step {self._view.step}): {st.detail}"
+            if self._view.state is RankState.DRAINED and not future.done():
+                # left by another change while this one waits (a lent rank goes home at the
+                # RL-step boundary by itself): out of the group is what was asked; the leader
+                # settles this change at its next boundary, with nothing left to do
+                return f"left the training group at the step-{self._view.step} boundary by another change"
             if self._view.state in (RankState.FAILED, RankState.FINISHED):
                 raise NotReady(f"rank {self.rank} stopped ({self._view.state.value}) before leaving")
 

@@ -164,3 +164,34 @@ def test_a_loan_join_rolled_back_by_evict_restores_the_previous_membership(refer
     assert assert_lockstep(histories, micro_batches=MICRO) == [(0, 1), (0, 1, 2), (0, 1)]
     got = digests(histories)
     assert all(got[step] == reference[step] for step in got), "the rolled-back loan changed the parameters"
+
+
+def test_a_return_that_reaches_one_lent_rank_before_the_boundary_and_one_after_blocks_nothing(reference):
+    # The daemon's RETURN (a drain of every lent device) races the lent ranks' own leaving at
+    # the RL-step boundary: here it reaches D2 while D2 still trains (D2 posts a drain of D2 and
+    # D3) and D3 once D3 has left. D3 never posts that drain. It must not hold back every later
+    # membership change (it did: the return timed out, and so did everything queued behind it).
+    job = start(loan_config(step_delay_s=1.0), warmup_steps=MINI)
+    try:
+        loan = lend_in_step(job, (D2, D3), 1)
+        assert loan.ok, loan.ops
+        drain = job.command(OpKind.DRAIN, (D2, D3), training=job.training, resize_id="l9-home")
+        early = job.ranks[D2].op(drain)  # D2 is still in the lent step: it posts the drain and waits
+        wait_for(lambda: job.ranks[D3].view()["state"] == "drained", what="D3 to go home by itself")
+        ok, late = job.ranks[D3].op(drain).result(30)
+        assert ok and late.startswith("already drained"), late
+        ok, detail = early.result(30)
+        assert ok and not detail.startswith("already drained"), detail  # it did race the boundary
+        release = job.command(OpKind.RELEASE, (D2, D3), training=job.training, resize_id="l9-home")
+        assert all(job.ranks[d].op(release).result(30)[0] for d in (D2, D3))
+        # the next loan is not held back behind the half-posted drain, nor is the run's end
+        again = lend_in_step(job, (D2,), 4)
+        assert again.ok, again.ops
+        wait_for(lambda: job.ranks[D2].view()["state"] == "drained", what="the second loan to go home")
+        assert job.return_loan(D2).ok
+        histories = run_to_end(job)
+    finally:
+        job.close()
+    got = digests(histories)
+    assert sorted(got) == sorted(reference)
+    assert all(got[step] == reference[step] for step in got), "the loans changed the parameters"
