@@ -232,14 +232,18 @@ class DaemonOps:
     async def resume(self, op: Any) -> str:
         """RESUME (undo DRAIN): train again; a pending drain is cancelled, a done one is
         undone by re-joining with a state transfer (the others may have stepped on)."""
-        self._movers(op)
-        if await self._cancel_if_pending(f"{op.resize_id}/drain", op):
+        movers = self._movers(op)
+        if await self._cancel_if_pending(f"{op.resize_id}/drain", op) and self._view.state is RankState.TRAINING:
             return "drain cancelled before it took effect; still training"
+        # (a cancelled drain whose rank left by another change meanwhile, a lent rank gone
+        # home at the RL-step boundary, is not training: it joins again, as below)
         if self._view.state is RankState.TRAINING:
             return f"training in epoch {self._view.epoch} {self._fmt(self._view.members)}"
         if self._view.state not in (RankState.DRAINED, RankState.IDLE):
             raise NotReady(f"resume {op.op_id}: rank {self.rank} is {self._view.state.value}")
-        change = Change(cid=f"{op.resize_id}/resume", add=(self.rank,), op_id=op.op_id)
+        # one change for every rank the op resumes (each posts the same); the leader waits only
+        # for those not training already
+        change = Change(cid=f"{op.resize_id}/resume", add=movers, op_id=op.op_id)
         return await asyncio.wrap_future(self._submit("join", change, deadline=time.time() + op.timeout_s))
 
     async def evict(self, op: Any) -> str:

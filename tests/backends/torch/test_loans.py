@@ -195,3 +195,29 @@ def test_a_return_that_reaches_one_lent_rank_before_the_boundary_and_one_after_b
     got = digests(histories)
     assert sorted(got) == sorted(reference)
     assert all(got[step] == reference[step] for step in got), "the loans changed the parameters"
+
+
+def test_a_resume_after_a_half_posted_return_rejoins_a_rank_that_went_home_meanwhile(reference):
+    # The daemon's rollback of that RETURN (RESUME) cancels the drain D2 posted, which never
+    # took effect; but D2 left by the home change meanwhile, so it must join again, not say
+    # "still training" while it is drained (the daemon's log would then differ from the rank).
+    job = start(loan_config(step_delay_s=1.0), warmup_steps=MINI)
+    try:
+        assert lend_in_step(job, (D2, D3), 1).ok
+        drain = job.command(OpKind.DRAIN, (D2, D3), training=job.training, resize_id="l9-home")
+        early = job.ranks[D2].op(drain)
+        wait_for(lambda: job.ranks[D2].view()["state"] == "drained", what="D2 to go home by itself")
+        assert early.result(30)[0]
+        resume = job.command(OpKind.RESUME, (D2, D3), training=(D0, D1, D2, D3), resize_id="l9-home")
+        answers = {d: job.ranks[d].op(resume) for d in (D2, D3)}  # D3: no drain of its own to cancel
+        for d, answer in answers.items():
+            ok, detail = answer.result(60)
+            assert ok and "still training" not in detail, (d, detail)
+            assert job.ranks[d].view()["state"] == "training", d
+        histories = run_to_end(job)
+    finally:
+        job.close()
+    memberships = assert_lockstep(histories, micro_batches=MICRO)
+    assert memberships[-1] == (0, 1, 2, 3), memberships
+    got = digests(histories)
+    assert all(got[step] == reference[step] for step in got), "the resumed ranks changed the parameters"
