@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynaresized import wire
@@ -92,7 +92,7 @@ def _decode_is_total(frame: bytes) -> None:
 DECODER = wire.worker_decoder()
 
 
-@settings(max_examples=6000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3000)
 @given(st.data())
 def test_fuzz_mutated_frames_yield_a_message_or_a_typed_error(data: st.DataObject) -> None:
     frame = _mutate(data.draw(st.sampled_from(FRAMES)), data)
@@ -107,7 +107,7 @@ _msgpack_values = st.recursive(
 )
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1200)
 @given(st.dictionaries(st.sampled_from(["type", "worker_id", "protocol", "kind", "devices", "timing", "step",
                                         "done", "total", "op_id", "ok", "seq"]), _msgpack_values, max_size=6)
        | _msgpack_values)
@@ -115,7 +115,7 @@ def test_fuzz_random_msgpack_values_yield_a_message_or_a_typed_error(value: obje
     _decode_is_total(msgspec.msgpack.encode(value))
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=2000)
 @given(st.binary(max_size=300))
 def test_fuzz_random_bytes_yield_a_message_or_a_typed_error(frame: bytes) -> None:
     _decode_is_total(frame)
