@@ -11,7 +11,7 @@ TORCH  := torch==2.13.0
 # verl integration tests, which the main venv's pytest runs as subprocesses.
 VERL_VENV ?= .venv-verl
 
-.PHONY: demo test setup setup-test bench docs clean
+.PHONY: demo test test-quick setup setup-test bench docs clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ demo: $(VENV)/.base
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
 test: $(VENV)/.test
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
+# Day to day: the core, daemon, store, simulator and wire tests, without the slow ones and
+# without real torch, vLLM or verl processes (CI runs everything: `make test`).
+QUICK := not slow and not torch and not vllm and not verl
+test-quick: $(VENV)/.test
+	$(PY) -m pytest -q -m "$(QUICK)"; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
 bench: $(VENV)/.test
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
