@@ -86,7 +86,7 @@ class StepBoundary:
             st = self.registry.state(cid)
             if st is not None and st.status is ChangeStatus.PENDING:
                 change = self.registry.change(cid)
-                if not self.registry.ready(change, self._moving(change)):
+                if not self.registry.ready(change, self.members):
                     return 0
                 members, problem = self._validate(change)
                 if problem:
@@ -107,15 +107,6 @@ class StepBoundary:
             self.cursor = i
             i += 1
         return 0
-
-    def _moving(self, change: Change) -> Members:
-        """The movers a change waits for: those it would move. A rank it removes that has left
-        already, or adds that is a member already, is not waited for: a daemon's RETURN that
-        reaches one lent rank before the RL-step boundary (it posts a drain of all of them) and
-        another after it (that one has left by itself, and posts nothing) must not hold back
-        every later change."""
-        return tuple(sorted({r for r in change.add if r not in self.members}
-                            | {r for r in change.remove if r in self.members}))
 
     def _refuse_late_loans(self) -> None:
         """Refuse every pending loan: this boundary starts a new RL step, and a loan is for the

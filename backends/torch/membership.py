@@ -53,6 +53,14 @@ class Change(msgspec.Struct, frozen=True):
     def result(self, members: Members) -> Members:
         return tuple(sorted((set(members) | set(self.add)) - set(self.remove)))
 
+    def moving(self, members: Members) -> Members:
+        """The movers that would move from `members`: a rank it removes that has left already,
+        or adds that is a member already, is not waited for. (A daemon's RETURN can reach one
+        lent rank before the RL-step boundary, which posts a drain of all of them, and another
+        after it, which has left by itself and posts nothing: that drain must not hold back
+        every later change.)"""
+        return tuple(sorted({r for r in self.add if r not in members} | {r for r in self.remove if r in members}))
+
 
 class ChangeState(msgspec.Struct, frozen=True):
     status: ChangeStatus
@@ -161,10 +169,9 @@ class Registry:
         data = self._get(self._k("chg", cid, "state"))
         return None if data is None else msgspec.msgpack.decode(data, type=ChangeState)
 
-    def ready(self, change: Change, movers: Members | None = None) -> bool:
-        """Every one of `movers` (default: all of the change's) has posted `change`."""
-        return self.store.check([self._k("chg", change.cid, "ready", r)
-                                 for r in (change.movers if movers is None else movers)])
+    def ready(self, change: Change, members: Members) -> bool:
+        """Every mover that would move from `members` has posted `change`."""
+        return self.store.check([self._k("chg", change.cid, "ready", r) for r in change.moving(members)])
 
     def transition(self, cid: str, expected: ChangeState, new: ChangeState) -> bool:
         return self._cas(self._k("chg", cid, "state"), _enc.encode(expected), _enc.encode(new)) == _enc.encode(new)

@@ -35,9 +35,9 @@ def test_a_change_is_published_once_whoever_of_its_movers_posts(host):
     b = Registry(connect_store(host.address), "job")
     change = Change(cid="r1/join", add=(2, 3), expect=(0, 1, 2, 3))
     assert a.post(change, by=2) is True
-    assert not a.ready(change)
+    assert not a.ready(change, (0, 1))
     assert b.post(change, by=3) is False
-    assert a.ready(change)
+    assert a.ready(change, (0, 1))
     assert a.seq() == 1 and a.indexed(1) == "r1/join"
     with pytest.raises(ValueError, match="already posted with different content"):
         b.post(Change(cid="r1/join", add=(2,)), by=2)
