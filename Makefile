@@ -44,14 +44,16 @@ demo: $(VENV)/.base
 	$(VENV)/bin/dynaresized demo
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
+pytest = $(PY) -m pytest -q $(1); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
 test: $(VENV)/.test
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+	$(call pytest)
 
 # Day to day: the core, daemon, store, simulator and wire tests, without the slow ones and
 # without real torch, vLLM or verl processes (CI runs everything: `make test`).
 QUICK := not slow and not torch and not vllm and not verl
 test-quick: $(VENV)/.test
-	$(PY) -m pytest -q -m "$(QUICK)"; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+	$(call pytest,-m "$(QUICK)")
 
 bench: $(VENV)/.test
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -8,11 +8,16 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from dynaresized.core import facts as f
 from dynaresized.core.facts import decode_fact
+from dynaresized.demo import _follow
+from dynaresized.domain import StepTiming
 from dynaresized.store import open_recorder
+from dynaresized.store.factlog import FactLog
 
 
 def test_demo_moves_devices_to_the_slow_stage_and_beats_the_static_split() -> None:
@@ -60,13 +65,6 @@ def test_demo_moves_devices_to_the_slow_stage_and_beats_the_static_split() -> No
 def test_the_demo_reads_the_log_on_after_the_leader_exits_until_every_step_is_in(tmp_path: Path) -> None:
     # The leader's last step report can reach the log after the leader has exited (the daemon
     # commits it with an fsync): the demo must not count one step short and fail the run.
-    import threading
-    import time
-
-    from dynaresized.demo import _follow
-    from dynaresized.domain import StepTiming
-    from dynaresized.store.factlog import FactLog
-
     def step(i: int) -> f.StepObserved:
         return f.StepObserved(at=float(i), worker_id="tr-0", timing=StepTiming(step=i, rollout_s=2.0, train_s=1.0))
 

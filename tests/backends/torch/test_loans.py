@@ -166,6 +166,16 @@ def test_a_loan_join_rolled_back_by_evict_restores_the_previous_membership(refer
     assert all(got[step] == reference[step] for step in got), "the rolled-back loan changed the parameters"
 
 
+def half_posted_return(job: LocalJob) -> tuple[Any, Any]:
+    """Lend D2 and D3 in an RL step, then send the daemon's RETURN drain to D2 while it still
+    trains: D2 posts a drain of both and waits (D3 leaves at the boundary by itself). The
+    drain, and D2's answer to come."""
+    loan = lend_in_step(job, (D2, D3), 1)
+    assert loan.ok, loan.ops
+    drain = job.command(OpKind.DRAIN, (D2, D3), training=job.training, resize_id="l9-home")
+    return drain, job.ranks[D2].op(drain)
+
+
 def test_a_return_that_reaches_one_lent_rank_before_the_boundary_and_one_after_blocks_nothing(reference):
     # The daemon's RETURN (a drain of every lent device) races the lent ranks' own leaving at
     # the RL-step boundary: here it reaches D2 while D2 still trains (D2 posts a drain of D2 and
@@ -173,10 +183,7 @@ def test_a_return_that_reaches_one_lent_rank_before_the_boundary_and_one_after_b
     # membership change (it did: the return timed out, and so did everything queued behind it).
     job = start(loan_config(step_delay_s=1.0, steps_total=6), warmup_steps=MINI)  # slow mini-batches: room to race
     try:
-        loan = lend_in_step(job, (D2, D3), 1)
-        assert loan.ok, loan.ops
-        drain = job.command(OpKind.DRAIN, (D2, D3), training=job.training, resize_id="l9-home")
-        early = job.ranks[D2].op(drain)  # D2 is still in the lent step: it posts the drain and waits
+        drain, early = half_posted_return(job)
         wait_for(lambda: job.ranks[D3].view()["state"] == "drained", what="D3 to go home by itself")
         ok, late = job.ranks[D3].op(drain).result(30)
         assert ok and late.startswith("already drained"), late
@@ -203,9 +210,7 @@ def test_a_resume_after_a_half_posted_return_rejoins_a_rank_that_went_home_meanw
     # "still training" while it is drained (the daemon's log would then differ from the rank).
     job = start(loan_config(step_delay_s=1.0, steps_total=6), warmup_steps=MINI)  # slow mini-batches: room to race
     try:
-        assert lend_in_step(job, (D2, D3), 1).ok
-        drain = job.command(OpKind.DRAIN, (D2, D3), training=job.training, resize_id="l9-home")
-        early = job.ranks[D2].op(drain)
+        _, early = half_posted_return(job)
         wait_for(lambda: job.ranks[D2].view()["state"] == "drained", what="D2 to go home by itself")
         assert early.result(30)[0]
         resume = job.command(OpKind.RESUME, (D2, D3), training=(D0, D1, D2, D3), resize_id="l9-home")
