@@ -54,6 +54,7 @@ from dynaresized import wire  # noqa: E402
 from dynaresized.control import control_request, read_control_secret  # noqa: E402
 from examples.grpo_tiny import task  # noqa: E402
 from examples.grpo_tiny.job import StepSamples, TrainSample, advantages, write_step  # noqa: E402
+from examples.grpo_tiny.ledger import done_path, wait_trained  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: trainers run `-m examples.grpo_tiny.trainer`
 EVAL_STEP = 1_000_000  # ledger step ids of the two held-out evaluations (not training steps)
@@ -330,6 +331,8 @@ op_timeout_s = 240.0
 
         self.store_host = StoreHost()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+        for rank in range(len(self.devices)):  # a reused work directory: no marker of an earlier run
+            done_path(self.work / "trained", rank).unlink(missing_ok=True)
         for device in self.devices:
             cmd = [sys.executable, "-m", "examples.grpo_tiny.trainer", "--work", str(self.work),
                    "--daemon", self.worker_ep, "--store", str(self.store_host.address),
@@ -648,16 +651,14 @@ op_timeout_s = 240.0
                 t.cancel()
                 self.say("    >> a forced resize was never asked: the run ended first (more --steps?)")
         await asyncio.gather(*self.forcing, return_exceptions=True)
-        return self.collect()
+        return await self.collect()
 
-    def collect(self) -> dict[str, Any]:
+    async def collect(self) -> dict[str, Any]:
         """The ledger check: every requested sample produced once (the router's StepLedger
-        already checked each step) and trained on exactly once (the ranks' records)."""
-        trained: dict[int, list[str]] = {}
-        for path in sorted((self.work / "trained").glob("rank*.jsonl")):
-            for row in path.read_text().splitlines():
-                rec = json.loads(row)
-                trained.setdefault(rec["step"], []).extend(rec["sample_ids"])
+        already checked each step) and trained on exactly once (the ranks' records, read once
+        every rank has finished writing: the last step's publisher may be ahead of the others)."""
+        trained = await wait_trained(self.work / "trained", len(self.devices), self.cfg.step_timeout_s,
+                                     self.check_trainers)
         problems = []
         for step, ids in self.requested.items():
             produced = [sid for sid, _ in self.produced[step]]

@@ -19,7 +19,8 @@ ledger). When an RL step's last mini-batch is done, its writer (the lowest rank 
 the whole step: a lent rank, which joins inside it, never is) publishes
 the new policy version to the `WeightStore` at `DIR/weights` (atomic rename; the engines reload
 it at the next step boundary) and writes `DIR/trained/step-<k>.json` (seconds, members, loss,
-parameter digest). When training ends it stays attached until the driver creates `DIR/stop`.
+parameter digest). When training ends it writes `DIR/trained/rank<r>.done` (its ledger is complete)
+and stays attached until the driver creates `DIR/stop`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from dynaresized.client import WorkerClient
 from dynaresized.domain import WorkerKind
 from examples.grpo_tiny import task
 from examples.grpo_tiny.job import GRPOJob
+from examples.grpo_tiny.ledger import ledger_path, mark_done
 
 log = structlog.get_logger("examples.grpo_tiny.trainer")
 
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = WeightStore(work / "weights")
     trained = work / "trained"
     trained.mkdir(exist_ok=True)
-    ledger = (trained / f"rank{config.rank}.jsonl").open("a")
+    ledger = ledger_path(trained, config.rank).open("a")
 
     # Per RL step, what this rank saw of it: the group of its first mini-batch, the ranks on loan
     # in it, and the seconds of its mini-batches.
@@ -145,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         rank.start()
         try:
             await asyncio.get_running_loop().run_in_executor(None, rank.wait)
+            # The loop has ended: no ledger line can follow. The driver reads the ledgers only
+            # once every rank says so (the step's publisher may be ahead of the others' writes).
+            ledger.flush()
+            mark_done(trained, config.rank, rank.view.state.value)
             # Stay attached until the driver says the run is over: the daemon aborts a resize
             # in flight when a training-pool worker says goodbye, and the last resize of a
             # run may still be starting an engine when training ends.
