@@ -570,11 +570,17 @@ def plan_resize(state: ClusterState, target: Split) -> ResizePlan | str:
     count = abs(delta)
     src_kind, dst_kind = WorkerKind.for_pool(from_pool), WorkerKind.for_pool(to_pool)
     # Highest device ids first: deterministic, and keeps low ids (often the launch ranks) stable.
+    # A device lent to `from_pool` is not its own (its home is the other pool, where the split
+    # counts it): it goes home at the step boundary and is left out, as held-back ones are.
     held_back = state.held_back()
+    lent = set(state.lent_devices())
     eligible = [d for d in sorted(state.pool_devices(from_pool), reverse=True)
-                if state.live_worker(d, dst_kind) and d not in held_back]
+                if state.live_worker(d, dst_kind) and d not in held_back and d not in lent]
     if len(eligible) < count:
-        note = f" ({len(held_back)} left out: a worker on them has not converged)" if held_back else ""
+        notes = [f"{len(held_back)} left out: a worker on them has not converged"] if held_back else []
+        if lent_here := [d for d in lent if state.devices[d].pool is from_pool]:
+            notes.append(f"{len(lent_here)} lent until the step boundary")
+        note = f" ({'; '.join(notes)})" if notes else ""
         return (f"only {len(eligible)} device(s) in the {from_pool.value} pool have a live "
                 f"{dst_kind.value} worker to take them over{note}; {count} needed for {before} -> {target}")
     devices = tuple(sorted(eligible[:count]))

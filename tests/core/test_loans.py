@@ -343,3 +343,29 @@ def test_an_engine_that_has_not_converged_is_not_lent():
     d.finish()
     assert d.state.lent_devices() == (device(2),)
     assert d.replayed().durable() == d.state.durable()
+
+
+
+def test_a_forced_resize_while_trainers_are_lent_plans_no_lent_device():
+    """The property test's find: trainers lent to the rollout and landed, then an operator asks
+    for 3:1. The plan moved n0:gpu1 'from the rollout', where it was only lent (its home is
+    training). Lent devices are left out of a resize's plan, as held-back ones are."""
+    d = lending_cluster()
+    nothing_to_train(d)
+    d.finish()
+    assert set(d.state.lent_devices()) == set(TRAINERS)
+    for i in (2, 3):  # the rollout's own devices lose the trainers that could take them over
+        d.send(ev.WorkerBye(at=d.at(), worker_id=trainer(i)))
+    facts, _ = d.send(ev.ResizeRequested(at=d.at(), target=Split(train=3, rollout=1)))
+    assert not any(isinstance(x, f.ResizeStarted) for x in facts)
+    rejected = next(x for x in facts if isinstance(x, f.ProposalRejected))
+    assert rejected.guard == "capacity" and "(2 lent until the step boundary)" in rejected.reason
+    assert d.state.inflight is None and set(d.state.lent_devices()) == set(TRAINERS)
+    assert all(d.state.devices[x] == placed(Pool.ROLLOUT, home=Pool.TRAINING) for x in TRAINERS)
+    d.send(ev.WorkerHello(at=d.at(), worker_id=trainer(3), kind=WorkerKind.TRAINER_RANK, devices=(device(3),)))
+    facts, _ = d.send(ev.ResizeRequested(at=d.at(), target=Split(train=3, rollout=1)))
+    started = next(x for x in facts if isinstance(x, f.ResizeStarted))
+    assert started.plan.devices == (device(3),) and started.plan.from_pool is Pool.ROLLOUT
+    d.finish()
+    assert d.state.split == Split(train=3, rollout=1)
+    assert d.replayed().durable() == d.state.durable()
