@@ -7,6 +7,7 @@ Policies never see the daemon, the clock or the network: everything they may use
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
@@ -73,6 +74,19 @@ def available_policies() -> list[str]:
     return sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
 
 
+def policy_options(cls: type) -> dict[str, Any] | None:
+    """The keyword options a policy class takes, each with its default (None for one taking
+    any keyword, whose options are its own business)."""
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):  # a signature Python cannot read: let the call decide
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name: (None if p.default is inspect.Parameter.empty else p.default) for p in params
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+
+
 def load_policy(name: str, options: Mapping[str, Any] | None = None) -> Policy:
     """Instantiate the policy registered under `name` with keyword `options`."""
     matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
@@ -81,10 +95,17 @@ def load_policy(name: str, options: Mapping[str, Any] | None = None) -> Policy:
             f"unknown policy {name!r}; installed policies: {', '.join(available_policies()) or 'none'}"
         )
     cls = matches[0].load()
+    options = dict(options or {})
+    accepted = policy_options(cls)
+    unknown = sorted(set(options) - set(accepted)) if accepted is not None else []
+    valid = "; valid options: " + (", ".join(f"{k} (default {v!r})" for k, v in accepted.items()) or "none") \
+        if accepted is not None else ""
+    if unknown:
+        raise ValueError(f"bad options for policy {name!r}: unknown option(s) {', '.join(map(repr, unknown))}{valid}")
     try:
-        policy = cls(**dict(options or {}))
+        policy = cls(**options)
     except TypeError as exc:
-        raise ValueError(f"bad options for policy {name!r}: {exc}") from None
+        raise ValueError(f"bad options for policy {name!r}: {exc}{valid}") from None
     if not isinstance(policy, Policy):
         raise TypeError(f"entry point {name!r} does not implement the Policy interface")
     return policy
