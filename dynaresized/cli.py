@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -121,12 +122,10 @@ def _outcome_lines(data: dict[str, Any]) -> list[str]:
     lines = []
     idle = data.get("idle")
     if idle:
-        parts = []
-        for pool, t in idle["pools"].items():
-            parts.append(f"{pool} {percent(t['ratio'])} (last step {percent(t['last_step_ratio'])})")
-        some = next(iter(idle["pools"].values()))
-        lines.append(f"idle        {', '.join(parts)}; {some['steps']} step(s) accounted, "
-                     f"{some['unknown_steps']} unknown")
+        # Each pool has its own count: a step one pool's reports do not cover is unknown there only.
+        parts = [f"{pool} {percent(t['ratio'])} (last step {percent(t['last_step_ratio'])}; {t['steps']} step(s) "
+                 f"accounted, {t['unknown_steps']} unknown)" for pool, t in idle["pools"].items()]
+        lines.append(f"idle        {', '.join(parts)}")
     outcome = data.get("outcome")
     if outcome:
         p = outcome["last_prediction"]
@@ -169,7 +168,9 @@ def _simple(request_of) -> Any:  # type: ignore[no-untyped-def]
 
 
 def _cmd_events(args: argparse.Namespace) -> int:
-    from dynaresized.core.facts import StepObserved, decode_fact, fact_to_json
+    from dynaresized.core.facts import FACT_TYPES, StepObserved, decode_fact, fact_to_json
+
+    FACT_TAGS = [cls.__struct_config__.tag for cls in FACT_TYPES]  # type: ignore[misc]
     from dynaresized.core.idle import idle_ratio
     from dynaresized.domain import Pool
     from dynaresized.daemon.config import ConfigError
@@ -182,6 +183,11 @@ def _cmd_events(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"dynaresized: {exc}", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
+    types = set(args.type) if args.type else None
+    if unknown := sorted((types or set()) - set(FACT_TAGS)):
+        print(f"dynaresized: unknown event type(s) {', '.join(map(repr, unknown))}; the log records: "
+              f"{', '.join(FACT_TAGS)}", file=sys.stderr)
+        return EXIT_USAGE
     path = Path(state_dir) / EVENTS_FILE
     if not path.exists():
         print(f"dynaresized: no event log at {path} (has the daemon run with this state_dir?)", file=sys.stderr)
@@ -193,7 +199,6 @@ def _cmd_events(args: argparse.Namespace) -> int:
         print(f"dynaresized: cannot read {path}: {exc}", file=sys.stderr)
         return EXIT_FAIL
     position = args.since
-    types = set(args.type) if args.type else None
     try:
         while True:
             for stored in recorder.read_all(after_position=position, types=types):
@@ -249,7 +254,8 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     try:
         check_startup(config, read_log=True)
     except StartupError as exc:
-        print(f"dynaresized: cannot start: {exc}", file=sys.stderr)
+        # The reason is serve's own words; only the lead differs: nothing tried to start here.
+        print(f"dynaresized: {args.config}: serve would refuse to start: {exc}", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
     for key, why in config_warnings(config):
         print(f"dynaresized: warning: {args.config}: {key}: {why}", file=sys.stderr)
@@ -345,10 +351,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.run(args))
+        code = int(args.run(args))
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
     except ValueError as exc:
         print(f"dynaresized: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # `dynaresized status | head -3`: the reader has what it wanted. Point stdout at
+        # /dev/null so that the interpreter's own flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -49,15 +49,47 @@ def security_problem(config: Config) -> str:
     return ""
 
 
+# Kernel filesystems: access(2) says root may write there, yet mkdir fails (/proc) or is refused
+# (/sys), and nothing written there would survive a reboot anyway.
+KERNEL_FILESYSTEMS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "securityfs", "debugfs", "tracefs",
+                                "configfs", "pstore", "bpf", "efivarfs", "fusectl", "devpts", "mqueue",
+                                "binfmt_misc", "autofs", "hugetlbfs", "rpc_pipefs", "nsfs"})
+
+
+def filesystem_of(path: Path, mounts: str = "/proc/self/mounts") -> tuple[str, str] | None:
+    """(mount point, filesystem type) of the mount holding the existing `path`, or None where
+    the mount table cannot be read (not Linux)."""
+    try:
+        table = Path(mounts).read_text()
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best: tuple[str, str] | None = None
+    for line in table.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[0])):  # later mounts hide earlier ones
+            best = (point, fields[2])
+    return best
+
+
 def state_dir_problem(config: Config) -> str:
     """Why the daemon could not create or write its state directory, or "" when it could.
-    Nothing is created here: the nearest existing ancestor must let us create the rest."""
+    Nothing is created here: the nearest existing ancestor must let us create the rest.
+    `serve` runs this before it creates the directory, so both refuse in these words."""
     state_dir = Path(config.daemon.state_dir)
     existing = state_dir
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
         return f"cannot create state_dir {state_dir}: {existing} is not a directory"
+    mount = filesystem_of(existing)
+    if mount is not None and mount[1] in KERNEL_FILESYSTEMS:
+        return (f"state_dir {state_dir} is on {mount[0]}, a {mount[1]} filesystem the kernel provides: it holds "
+                "no files of ours; put the log on a disk, e.g. /var/lib/dynaresized")
     if not os.access(existing, os.W_OK | os.X_OK):
         verb = "write to" if existing == state_dir else f"create {state_dir} in"
         return f"cannot {verb} state_dir {state_dir}: {existing} is not writable by this user (uid {os.getuid()})"
@@ -70,9 +102,13 @@ def inventory_problem(config: Config, recorded: ClusterState) -> str:
     if not recorded.configured or set(recorded.devices) == devices:
         return ""
     path = Path(config.daemon.state_dir) / EVENTS_FILE
+    added, removed = sorted(devices - set(recorded.devices)), sorted(set(recorded.devices) - devices)
+    differ = "; ".join(part for part in (
+        f"only in the configuration: {', '.join(added)}" if added else "",
+        f"only in the log: {', '.join(removed)}" if removed else "") if part)
     return (f"cluster.devices in the configuration ({len(devices)} devices) differ from the inventory in {path} "
-            f"({len(recorded.devices)} devices); restore the old list, or move the state directory aside to start "
-            "a new log")
+            f"({len(recorded.devices)} devices): {differ}; restore the old list, or move the state directory aside "
+            "to start a new log")
 
 
 def log_problem(path: Path, exc: Exception) -> str:

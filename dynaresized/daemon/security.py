@@ -158,6 +158,11 @@ def load_authorized(directory: str | Path) -> dict[bytes, str]:
 
 def load_server_keys(secret_key_file: str, authorized_keys_dir: str) -> tuple[bytes, bytes, dict[bytes, str]]:
     """The daemon's public and secret key, and the authorized worker keys (see load_authorized)."""
+    if not Path(secret_key_file).is_file():
+        # zmq.auth calls a missing file an "Invalid certificate file": say what is wrong, and the fix
+        missing = "is a directory" if Path(secret_key_file).is_dir() else "does not exist"
+        raise SecurityError(f"server_secret_key {secret_key_file} {missing}: name the daemon's .key_secret file "
+                            "(`dynaresized keygen daemon --dir DIR` writes DIR/daemon.key_secret)")
     try:
         public, secret = zmq.auth.load_certificate(secret_key_file)
     except (OSError, ValueError) as exc:

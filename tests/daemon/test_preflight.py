@@ -20,12 +20,15 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def refused_by_both(config: Path) -> str:
-    """Run check-config and serve on `config`; both must refuse with exit 6 and the same stderr."""
+    """Run check-config and serve on `config`; both must refuse with exit 6 and the same reason.
+    Only the lead differs: serve "cannot start", check-config says serve would refuse to."""
     checked = cli("check-config", "--config", str(config))
     served = cli("serve", "--config", str(config))
     assert served.returncode == 6, served.stdout + served.stderr
     assert checked.returncode == 6, checked.stdout
-    assert checked.stderr == served.stderr
+    assert served.stderr.startswith("dynaresized: cannot start: ")
+    assert checked.stderr.startswith(f"dynaresized: {config}: serve would refuse to start: ")
+    assert checked.stderr.split("refuse to start: ", 1)[1] == served.stderr.split("cannot start: ", 1)[1]
     assert "Traceback" not in served.stderr
     return served.stderr
 
@@ -37,6 +40,13 @@ TRAPS: dict[str, tuple[dict[str, dict[str, Any]], str]] = {
                               "cannot start: policy.options: bad options for policy 'hysteresis'"),
     "exposed endpoint without CURVE": ({"daemon": {"worker_endpoint": "tcp://0.0.0.0:5555"}},
                                        "cannot start: refusing to bind tcp://0.0.0.0:5555 without CurveZMQ"),
+    # zmq.auth calls a missing file "Invalid certificate file"
+    "missing key file": ({"daemon": {"worker_endpoint": "tcp://0.0.0.0:5555"},
+                          "security": {"server_secret_key": "/nonexistent/daemon.key_secret",
+                                       "authorized_keys_dir": "/nonexistent"}},
+                         "cannot start: server_secret_key /nonexistent/daemon.key_secret does not exist: name the "
+                         "daemon's .key_secret file (`dynaresized keygen daemon --dir DIR` writes "
+                         "DIR/daemon.key_secret)\n"),
 }
 
 
@@ -66,6 +76,30 @@ def test_an_unwritable_state_dir_is_refused_by_both(tmp_path: Path) -> None:
     assert f"cannot create state_dir {blocker / 'state'}: {blocker} is not a directory" in stderr
 
 
+@pytest.mark.parametrize("kernel_dir", ["/proc/dynaresized", "/sys/fs/dynaresized/state"])
+def test_a_state_dir_on_a_kernel_filesystem_is_refused_by_both(tmp_path: Path, kernel_dir: str) -> None:
+    """access(2) tells root it may write under /proc and /sys; mkdir then fails. check-config
+    accepted these and serve refused them: both refuse now, before anything is created."""
+    sections = daemon_sections(tmp_path, daemon={"state_dir": kernel_dir})
+    stderr = refused_by_both(write_config(tmp_path / "c.toml", sections))
+    fs = "proc" if kernel_dir.startswith("/proc") else "sysfs"
+    assert f"state_dir {kernel_dir} is on /{kernel_dir.split('/')[1]}, a {fs} filesystem the kernel provides" in stderr
+    assert not Path(kernel_dir).exists()
+
+
+def test_the_filesystem_of_a_path_is_the_longest_mount_holding_it(tmp_path: Path) -> None:
+    from dynaresized.daemon.preflight import filesystem_of
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("rootfs / ext4 rw 0 0\nsysfs /sys sysfs rw 0 0\ncgroup /sys/fs/cgroup/cpu cgroup rw 0 0\n"
+                      "tmpfs /srv/my\\040disk tmpfs rw 0 0\n")
+    assert filesystem_of(Path("/sys/fs"), str(mounts)) == ("/sys", "sysfs")
+    assert filesystem_of(Path("/sys/fs/cgroup/cpu"), str(mounts)) == ("/sys/fs/cgroup/cpu", "cgroup")
+    assert filesystem_of(Path("/system"), str(mounts)) == ("/", "ext4")
+    assert filesystem_of(Path("/srv/my disk"), str(mounts)) == ("/srv/my disk", "tmpfs")
+    assert filesystem_of(Path("/"), str(tmp_path / "none")) is None
+
+
 def test_a_changed_inventory_is_refused_by_both_and_the_log_is_kept(make_daemon, tmp_path: Path) -> None:
     first = make_daemon()
     first.stop()
@@ -74,7 +108,7 @@ def test_a_changed_inventory_is_refused_by_both_and_the_log_is_kept(make_daemon,
                                cluster={"devices": DEVICES[:3], "training": DEVICES[:2]})
     stderr = refused_by_both(write_config(tmp_path / "fewer.toml", sections))
     assert "cluster.devices in the configuration (3 devices) differ from the inventory in " \
-           f"{first.state_dir / 'events.sqlite'} (4 devices)" in stderr
+           f"{first.state_dir / 'events.sqlite'} (4 devices): only in the log: {DEVICES[3]}; restore" in stderr
     assert read_facts(first.state_dir) == before
 
 
