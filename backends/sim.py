@@ -101,7 +101,7 @@ class SimDevice:
         return client
 
     async def _op(self, op: OpRequest) -> str:
-        if op.plan is PlanKind.RESIZE:
+        if op.plan in (PlanKind.RESIZE, PlanKind.RECONCILE):
             seconds = self.cluster.op_seconds(op.kind, op.to_pool)
         else:
             seconds = self.cluster.loan_op_seconds(op.kind, op.to_pool)

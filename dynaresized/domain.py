@@ -103,6 +103,10 @@ class Worker(msgspec.Struct, frozen=True):
     incarnation: int = 1  # bumped on every re-registration (worker or daemon restart)
     process: str = ""  # the registering process's token (see wire.Hello.process)
     actual: ActualState | None = None  # its last report (hello, op result, state report); None: never said
+    secret_sha256: str = ""
+    """SHA-256 (hex) of the secret the registering process chose (wire.Hello.secret), "" if it
+    sent none: a later hello that names this process must carry that secret. The secret itself
+    is never recorded, so a log reader cannot speak for the worker."""
 
 
 class StepTiming(msgspec.Struct, frozen=True):
@@ -203,6 +207,7 @@ class PlanKind(str, enum.Enum):
     RESIZE = "resize"  # the split changes from the next step on
     LOAN = "loan"  # idle devices serve the other pool for the rest of the step in progress
     RETURN = "return"  # lent devices go home at the step boundary
+    RECONCILE = "reconcile"  # one worker is converged with the log; the pools do not change
 
 
 class OpSpec(msgspec.Struct, frozen=True):

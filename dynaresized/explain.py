@@ -106,6 +106,12 @@ def explain(fact: f.Fact) -> str:
             return f"loan return {fact.plan.resize_id} started: {fact.reason}{then}"
         case f.LoanReturned():
             return f"loan return {fact.resize_id} done in {fact.duration_s:.2f}s: the devices are home"
+        case f.ConfigReloaded():
+            guards = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in fact.guards_changed.items()) or "unchanged"
+            later = f"; {', '.join(fact.restart_only)} take effect at the next start" if fact.restart_only else ""
+            return f"configuration reloaded: policy {fact.policy}, guards {guards}{later}"
+        case f.ReloadRefused():
+            return f"reload refused, the running policy and guards are kept: {fact.reason}"
     return f"{type(fact).__name__}"  # pragma: no cover - every fact type is matched above
 
 

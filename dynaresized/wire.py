@@ -34,6 +34,8 @@ Text = Annotated[str, msgspec.Meta(max_length=4096)]
 Devices = Annotated[tuple[Name, ...], msgspec.Meta(max_length=256)]
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
+Token = Annotated[str, msgspec.Meta(max_length=64)]
+Secret = Annotated[str, msgspec.Meta(max_length=128)]
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -55,9 +57,9 @@ class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
     sent_at: float = 0.0
     process: Text = ""  # unique per process run: a new value means the worker restarted
     actual: ActualState | None = None  # what this process holds now (see docs/protocol.md, reconciliation)
+    secret: Secret = ""  # chosen at random by this process, the same in all its hellos, never shown to anyone
 
 
-Token = Annotated[str, msgspec.Meta(max_length=64)]
 
 
 class Heartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat"):
@@ -92,7 +94,9 @@ class Progress(_Msg, frozen=True, kw_only=True, tag="progress"):
 
 
 class OpResult(_Msg, frozen=True, kw_only=True, tag="op_result"):
-    """The outcome of an `OpCommand`; sent again, unchanged, if the same op_id is re-sent."""
+    """The outcome of an `OpCommand`. A re-sent op_id is answered from the record of the first
+    run: the same `ok`, `detail` and `duration_s`, with the current registration's `token` (and
+    `actual` as it is now)."""
 
     worker_id: Name
     op_id: Name
@@ -195,7 +199,7 @@ class ErrorCode(str, enum.Enum):
     INVALID = "invalid"  # wrong field types, missing fields, values out of range
     OVERSIZE = "oversize"
     BAD_VERSION = "bad_version"
-    UNAUTHORIZED = "unauthorized"  # the claimed worker id does not match the CURVE key
+    UNAUTHORIZED = "unauthorized"  # not who it claims: `reason` says how (wrong_key, wrong_identity, ...)
     REFUSED = "refused"  # the core refused it; `reason` has the core's code
 
 

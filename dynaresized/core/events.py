@@ -4,6 +4,8 @@ never a client's: a client's timestamps are data, not time."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from dynaresized.domain import ActualState, DeviceId, Pool, Split, StepTiming, WorkerId, WorkerKind
@@ -41,6 +43,9 @@ class WorkerHello(Event, frozen=True):
     registered_here: bool = False
     """The shell holds this process's registration from this daemon start (its token): a
     hello from it repeats that registration (after a restart of the daemon it is a new one)."""
+    secret_sha256: str = ""
+    """SHA-256 (hex) of the hello's `secret` ("" if none): a hello naming a live registration's
+    process must carry that registration's secret (the shell hashes it; the core never sees it)."""
 
 
 class StateReported(Event, frozen=True):
@@ -95,6 +100,21 @@ class PauseRequested(Event, frozen=True):
 
 class ResumeRequested(Event, frozen=True):
     requested_by: str = "operator"
+
+
+class ConfigReloaded(Event, frozen=True):
+    """SIGHUP applied: [policy] and [guards] were re-read (see facts.ConfigReloaded)."""
+
+    policy: str
+    options: dict[str, Any] = {}
+    guards_changed: dict[str, tuple[Any, Any]] = {}
+    restart_only: tuple[str, ...] = ()
+
+
+class ReloadRefused(Event, frozen=True):
+    """SIGHUP refused: the running policy and guards are kept."""
+
+    reason: str
 
 
 class ShutdownRequested(Event, frozen=True):

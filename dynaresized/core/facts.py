@@ -10,6 +10,8 @@ from collections.abc import Iterable
 
 import enum
 
+from typing import Any
+
 import msgspec
 
 from dynaresized.domain import ActualState, DeviceId, Holding, OpSpec, Pool, ResizePlan, Split, StepTiming, Worker, WorkerId
@@ -281,6 +283,25 @@ class LoanReturned(Fact, frozen=True, tag="loan_returned"):
     duration_s: float
 
 
+class ConfigReloaded(Fact, frozen=True, tag="config_reloaded"):
+    """SIGHUP: [policy] and [guards] were re-read from the configuration file and apply from the
+    next decision on (a resize in flight runs on as planned). `guards_changed` maps each guard
+    that changed to [old, new]; `restart_only` names the other sections that differ from the
+    running ones, which take effect only at the next start."""
+
+    policy: str
+    options: dict[str, Any] = {}
+    guards_changed: dict[str, tuple[Any, Any]] = {}
+    restart_only: tuple[str, ...] = ()
+
+
+class ReloadRefused(Fact, frozen=True, tag="reload_refused"):
+    """SIGHUP: the configuration file did not load, or its policy did not build; the running
+    policy and guards are kept. `reason` says why."""
+
+    reason: str
+
+
 AnyFact = (
     ClusterConfigured
     | DaemonRestarted
@@ -315,6 +336,8 @@ AnyFact = (
     | LoanLanded
     | LoanReturnStarted
     | LoanReturned
+    | ConfigReloaded
+    | ReloadRefused
 )
 
 FACT_TYPES: tuple[type[Fact], ...] = AnyFact.__args__  # type: ignore[attr-defined]

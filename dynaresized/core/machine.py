@@ -214,6 +214,13 @@ def on_hello(core: Core, tx: _Tx, e: ev.WorkerHello) -> None:
             f"worker {e.worker_id!r} is live as {old.kind.value} on {', '.join(old.devices)}; "
             "use another worker id or stop the old worker",
         )
+    if (old is not None and old.status is WorkerStatus.LIVE and old.process and e.process == old.process
+            and old.secret_sha256 and e.secret_sha256 != old.secret_sha256):
+        # The process value is in the log; the secret is not. Whoever names the live process
+        # without its secret is not that process: it gets neither the registration nor a new one.
+        raise Refused("not_the_process",
+                      f"this hello names worker {e.worker_id!r}'s live process but not its secret; a process "
+                      "sends the same secret in every hello (a new process uses a new `process` value)")
     if (e.registered_here and old is not None and old.status is WorkerStatus.LIVE and old.process
             and e.process == old.process):
         _hello_again(core, tx, e)
@@ -229,7 +236,8 @@ def on_hello(core: Core, tx: _Tx, e: ev.WorkerHello) -> None:
         _after_worker_gone(core, tx, e.worker_id, "restarted", e.at)
         old = tx.state.workers[e.worker_id]
     incarnation = 1 if old is None else old.incarnation + 1
-    worker = Worker(e.worker_id, e.kind, e.devices, WorkerStatus.LIVE, e.at, incarnation, e.process, e.actual)
+    worker = Worker(e.worker_id, e.kind, e.devices, WorkerStatus.LIVE, e.at, incarnation, e.process, e.actual,
+                    e.secret_sha256)
     tx.emit(f.WorkerRegistered(at=e.at, worker=worker))
     _resend_pending_to(tx, e.worker_id)
 
@@ -276,6 +284,12 @@ def on_state_reported(core: Core, tx: _Tx, e: ev.StateReported) -> None:
 
 def _observe_step(core: Core, tx: _Tx, e: ev.StepReported) -> None:
     _require_worker(tx.state, e.worker_id)
+    reporter = tx.state.step_reporter
+    if reporter and reporter != e.worker_id and tx.state.is_live(reporter):
+        # One worker of the job reports the steps: the first that does, for as long as it is live.
+        raise Refused("not_the_reporter",
+                      f"worker {reporter!r} reports this job's steps (it sent the first step report and is live); "
+                      f"a step report from {e.worker_id!r} would count a step twice or out of order")
     t = e.timing
     if t.step <= tx.state.last_step:
         raise Refused("stale_step", f"step {t.step} is not after the last observed step {tx.state.last_step}")
@@ -350,6 +364,15 @@ def on_resize_requested_busy(core: Core, tx: _Tx, e: ev.ResizeRequested) -> None
 def on_pause(core: Core, tx: _Tx, e: ev.PauseRequested) -> None:
     if not tx.state.paused:
         tx.emit(f.ResizingPaused(at=e.at, requested_by=e.requested_by, reason=e.reason))
+
+
+def on_config_reloaded(core: Core, tx: _Tx, e: ev.ConfigReloaded) -> None:
+    tx.emit(f.ConfigReloaded(at=e.at, policy=e.policy, options=e.options, guards_changed=e.guards_changed,
+                             restart_only=e.restart_only))
+
+
+def on_reload_refused(core: Core, tx: _Tx, e: ev.ReloadRefused) -> None:
+    tx.emit(f.ReloadRefused(at=e.at, reason=e.reason))
 
 
 def on_resume(core: Core, tx: _Tx, e: ev.ResumeRequested) -> None:
@@ -666,7 +689,8 @@ def _send(tx: _Tx, only: list[str] | None) -> None:
     rollout = tuple(sorted(d for d in s.devices if d not in training))
     for w in only if only is not None else _pending(s):
         tx.commands.append(SendOp(worker_id=w, resize_id=plan.resize_id, op=fl.op, deadline=fl.op_deadline,
-                                  training=training, rollout=rollout, plan=plan.kind))
+                                  training=training, rollout=rollout,
+                                  plan=PlanKind.RECONCILE if fl.reconciling else plan.kind))
 
 
 def _op_failed(core: Core, tx: _Tx, reason: str, at: float) -> None:
@@ -995,6 +1019,8 @@ _ALWAYS: dict[type, Handler] = {
     ev.AbortRequested: on_abort_requested,
     ev.EngineQueueEmpty: on_engine_queue_empty,
     ev.MiniBatchDone: on_mini_batch_done,
+    ev.ConfigReloaded: on_config_reloaded,
+    ev.ReloadRefused: on_reload_refused,
 }  # type: ignore[dict-item]
 
 _RESIZING: dict[type, Handler] = {

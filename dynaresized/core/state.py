@@ -155,6 +155,7 @@ class ClusterState(msgspec.Struct, frozen=True):
     resizes_started: int = 0
     resizes_committed: int = 0
     resizes_rolled_back: int = 0
+    resizes_degraded: int = 0  # resizes that could neither finish nor roll back (a loan's are not counted)
     cost_per_device_s: dict[str, float] = {}  # learned, by direction "rollout->training"
     degraded_reason: str = ""
     reconciles_started: int = 0
@@ -165,6 +166,7 @@ class ClusterState(msgspec.Struct, frozen=True):
     mini_batch: MiniBatch | None = None
     loans_started: int = 0
     loans_landed: int = 0
+    step_reporter: WorkerId = ""  # the worker whose step reports the job counts (the first to send one)
     last_sent: float = 0.0  # soft: when the pending op was last sent
     last_audit: float = 0.0  # soft: when every live worker was last asked for its state
     last_tick: float = 0.0  # soft: when the core last saw a tick (a long gap: the daemon stalled)
@@ -375,7 +377,8 @@ def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
     # now; nor are trainers whose mini-batches were of that step (the next one begins).
     mb = s.mini_batch if s.mini_batch is not None and s.mini_batch.step > e.timing.step else None
     return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history,
-                   idle=s.idle.add(e.timing, s.devices), outcome=outcome, dry=(), mini_batch=mb)
+                   idle=s.idle.add(e.timing, s.devices), outcome=outcome, dry=(), mini_batch=mb,
+                   step_reporter=e.worker_id)
 
 
 @_on(f.ProgressObserved)
@@ -383,6 +386,16 @@ def _(s: ClusterState, e: f.ProgressObserved) -> ClusterState:
     progress = dict(s.progress)
     progress[e.worker_id] = Progress(e.step, e.done, e.total, e.tokens)
     return replace(s, progress=progress)
+
+
+@_on(f.ConfigReloaded)
+def _(s: ClusterState, e: f.ConfigReloaded) -> ClusterState:
+    return s  # a record for operators: the shell holds the configuration
+
+
+@_on(f.ReloadRefused)
+def _(s: ClusterState, e: f.ReloadRefused) -> ClusterState:
+    return s  # a record for operators; changes nothing
 
 
 @_on(f.ProposalRejected)
@@ -507,7 +520,9 @@ def _(s: ClusterState, e: f.ResizeRolledBack) -> ClusterState:
 def _(s: ClusterState, e: f.Degraded) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
     s = _place(s, plan.devices, _settled(plan, e.placed_in))
-    s = replace(s, phase=Phase.DEGRADED, degraded_reason=e.reason, outcome=_outcome_without(s.outcome, plan.resize_id))
+    degraded = 1 if plan.kind is PlanKind.RESIZE else 0  # a loan that degraded is not a resize's
+    s = replace(s, phase=Phase.DEGRADED, degraded_reason=e.reason, outcome=_outcome_without(s.outcome, plan.resize_id),
+                resizes_degraded=s.resizes_degraded + degraded)
     return _end_resize(s, e.at, e.step)
 
 

@@ -114,6 +114,8 @@ SAMPLE_EVENTS: dict[type, ev.Event] = {
     ev.PauseRequested: ev.PauseRequested(at=50.0),
     ev.ResumeRequested: ev.ResumeRequested(at=50.0),
     ev.ShutdownRequested: ev.ShutdownRequested(at=50.0),
+    ev.ConfigReloaded: ev.ConfigReloaded(at=50.0, policy="static", guards_changed={"signal_run": (1, 2)}),
+    ev.ReloadRefused: ev.ReloadRefused(at=50.0, reason="the file does not parse"),
     ev.AbortRequested: ev.AbortRequested(at=50.0),
     ev.StateReported: ev.StateReported(at=50.0, worker_id="tr0", actual=ActualState(holding=Holding.SERVING)),
     ev.EngineQueueEmpty: ev.EngineQueueEmpty(at=50.0, worker_id="eng3", step=1, running=0),
@@ -676,10 +678,23 @@ def test_heartbeat_keeps_a_worker_alive_and_is_not_a_fact() -> None:
 def test_stale_step_is_refused() -> None:
     d = boot(make_core(), 3, 1)
     d.send(step_event(trainer(0), 5, 10.0, 10.0, 1.0))
-    assert_refused(d, step_event(trainer(1), 5, 10.0, 10.0, 2.0), "stale_step", "step 5")
-    assert_refused(d, step_event(trainer(1), 3, 10.0, 10.0, 2.0), "stale_step")
-    d.send(step_event(trainer(1), 6, 10.0, 10.0, 2.0))
+    assert_refused(d, step_event(trainer(0), 5, 10.0, 10.0, 2.0), "stale_step", "step 5")
+    assert_refused(d, step_event(trainer(0), 3, 10.0, 10.0, 2.0), "stale_step")
+    d.send(step_event(trainer(0), 6, 10.0, 10.0, 2.0))
     assert d.state.last_step == 6
+
+
+def test_steps_are_reported_by_one_worker_while_it_is_live() -> None:
+    """The first worker to report a step is the job's reporter: a report from any other live
+    worker is refused (an engine's report would count the step twice or out of order), and
+    changes nothing, until the reporter is gone; then the next one to report takes over."""
+    d = boot(make_core(), 3, 1)
+    d.send(step_event(trainer(0), 5, 10.0, 10.0, 1.0))
+    assert_refused(d, step_event(engine(0), 6, 10.0, 10.0, 2.0), "not_the_reporter", repr(trainer(0)))
+    assert_refused(d, step_event(trainer(1), 6, 10.0, 10.0, 2.0), "not_the_reporter")
+    d.send(ev.WorkerBye(at=3.0, worker_id=trainer(0)))
+    d.send(step_event(trainer(1), 6, 10.0, 10.0, 4.0))
+    assert d.state.step_reporter == trainer(1) and d.state.last_step == 6
 
 
 @pytest.mark.parametrize("field", ["rollout_s", "train_s", "weight_sync_s"])
