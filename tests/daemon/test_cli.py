@@ -142,3 +142,40 @@ def test_check_config_warns_when_the_metrics_listener_binds_wider_than_loopback(
     assert "warning" in out.stderr and "daemon.metrics_host" in out.stderr and "no authentication" in out.stderr
     off = write_config(tmp_path / "off.toml", {**sections, "daemon": {"metrics_host": "0.0.0.0", "metrics_port": 0}})
     assert "warning" not in cli("check-config", "--config", str(off)).stderr
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(make_daemon) -> None:
+    """`dynaresized status | head -3`: the pipe closes before the CLI writes; it exits 0 quietly."""
+    import os
+
+    daemon = make_daemon()
+    for args in (["status", "--config", str(daemon.config_path)], ["events", "--state-dir", str(daemon.state_dir)]):
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone before the first write
+        try:
+            done = subprocess.run([sys.executable, "-m", "dynaresized.cli", *args], stdout=write,
+                                  stderr=subprocess.PIPE, text=True, timeout=60)
+        finally:
+            os.close(write)
+        assert done.returncode == 0 and done.stderr == "", (args, done.stderr)
+
+
+def test_events_of_an_unknown_type_is_a_usage_error_naming_the_types(tmp_path: Path) -> None:
+    out = cli("events", "--state-dir", str(tmp_path), "--type", "resize_started", "--type", "bogus")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("dynaresized: unknown event type(s) 'bogus'; the log records: cluster_configured, ")
+    assert "resize_started" in out.stderr and "loan_returned" in out.stderr
+
+
+def test_status_counts_each_pools_unknown_steps() -> None:
+    from dynaresized.cli import render_status
+
+    pools = {"rollout": {"ratio": 0.1, "last_step_ratio": 0.2, "steps": 5, "unknown_steps": 0},
+             "training": {"ratio": 0.3, "last_step_ratio": 0.4, "steps": 2, "unknown_steps": 3}}
+    data = {"phase": "steady", "paused": False, "stopping": False, "split": {"train": 1, "rollout": 1},
+            "policy": "hysteresis", "last_step": 4, "resizes": {"committed": 0, "rolled_back": 0, "started": 0},
+            "degraded_reason": "", "in_flight": None, "workers": [], "devices": {"a:gpu0": "training"},
+            "idle": {"pools": pools, "devices": {}}}
+    text = render_status(data)
+    assert "rollout 10.0% (last step 20.0%; 5 step(s) accounted, 0 unknown)" in text
+    assert "training 30.0% (last step 40.0%; 2 step(s) accounted, 3 unknown)" in text
