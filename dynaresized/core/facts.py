@@ -18,10 +18,18 @@ from dynaresized.domain import ActualState, DeviceId, Holding, OpSpec, Pool, Res
 
 
 class Fact(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """What every fact has: `type` (its tag) and `at`, when it happened on the daemon's clock
+    (seconds since the Unix epoch; `daemon.time_scale` speeds that clock up for demos). A
+    fact's class docstring says when the daemon writes it: docs/facts.md is rendered from them."""
+
     at: float
 
 
 class ClusterConfigured(Fact, frozen=True, tag="cluster_configured"):
+    """The first fact of every log: the daemon's first start on an empty log records the device
+    inventory (`[cluster].devices`), each device's initial pool and the candidate splits. Never
+    written again: a later start with other devices is refused."""
+
     devices: tuple[DeviceId, ...]
     pools: tuple[Pool, ...]
     candidates: tuple[Split, ...] = ()
@@ -43,24 +51,38 @@ class DaemonStalled(Fact, frozen=True, tag="daemon_stalled"):
 
 
 class WorkerRegistered(Fact, frozen=True, tag="worker_registered"):
+    """A `hello` was accepted as a new registration (a first hello, a new process, or the same
+    process after a daemon restart or after it was declared lost). `worker.incarnation` counts
+    this worker id's registrations. A repeated hello of the registered process writes nothing."""
+
     worker: Worker
 
 
 class WorkerLost(Fact, frozen=True, tag="worker_lost"):
+    """A live worker was declared lost: silent for `heartbeat_timeout_s`, or a new process
+    registered under its id after its connection closed. A resize it takes part in rolls back."""
+
     worker_id: WorkerId
     reason: str
 
 
 class WorkerLeft(Fact, frozen=True, tag="worker_left"):
+    """A worker said `bye` (left on purpose); its devices stay in their pools."""
+
     worker_id: WorkerId
 
 
 class StepObserved(Fact, frozen=True, tag="step_observed"):
+    """A `step_report` was accepted: the stage timings of one RL step, as its reporter measured
+    them (one per step, in order). This is what the policy decides on."""
+
     worker_id: WorkerId
     timing: StepTiming
 
 
 class ProgressObserved(Fact, frozen=True, tag="progress_observed"):
+    """A `progress` message was accepted: per-sample completion of a step on one worker."""
+
     worker_id: WorkerId
     step: int
     done: int
@@ -89,6 +111,9 @@ class PolicyHeld(Fact, frozen=True, tag="policy_held"):
 
 
 class ResizeStarted(Fact, frozen=True, tag="resize_started"):
+    """A resize passed its guards (the policy's proposal, or an operator's `resize`) and begins:
+    `plan` holds its ops, the first of which is sent now; `op_deadline` is that op's deadline."""
+
     plan: ResizePlan
     source: str
     reason: str
@@ -104,6 +129,9 @@ class ResizeStarted(Fact, frozen=True, tag="resize_started"):
 
 
 class OpAcked(Fact, frozen=True, tag="op_acked"):
+    """One target answered the op in flight with `ok: true` (`detail` and `actual` from its
+    `op_result`). A repeated answer to the same op writes nothing."""
+
     op_id: str
     worker_id: WorkerId
     detail: str = ""
@@ -111,18 +139,29 @@ class OpAcked(Fact, frozen=True, tag="op_acked"):
 
 
 class OpCompleted(Fact, frozen=True, tag="op_completed"):
+    """Every live target of the op in flight acknowledged it; the next op of the plan (if any)
+    is sent now, due by `next_deadline`."""
+
     op_id: str
     duration_s: float
     next_deadline: float | None = None  # deadline of the next op, when there is one
 
 
 class OpFailed(Fact, frozen=True, tag="op_failed"):
+    """The op in flight failed: a target answered `ok: false` (`worker_id` is that target), or
+    it timed out, a target was lost, or an operator aborted it (`worker_id` is null). A resize
+    then rolls back (`resize_aborted`), a rollback or commit ends `degraded`, a reconcile ends."""
+
     op_id: str
     worker_id: WorkerId | None
     reason: str
 
 
 class ResizeAborted(Fact, frozen=True, tag="resize_aborted"):
+    """A resize, a loan or a loan's return gave up before its commit: `undo` lists the undo
+    ops, in order, for every op that was sent (`op_deadline` is the first one's, null when
+    there is nothing to undo)."""
+
     resize_id: str
     reason: str
     undo: tuple[OpSpec, ...]
@@ -130,12 +169,18 @@ class ResizeAborted(Fact, frozen=True, tag="resize_aborted"):
 
 
 class ResizeCommitted(Fact, frozen=True, tag="resize_committed"):
+    """Every op of a resize, its commit included, was acknowledged: the new split holds from
+    now on (`step` is the last observed RL step; `duration_s` from `resize_started`)."""
+
     resize_id: str
     duration_s: float
     step: int
 
 
 class ResizeRolledBack(Fact, frozen=True, tag="resize_rolled_back"):
+    """Every undo op of an aborted resize or loan was acknowledged: the devices are home again,
+    the split is what it was (`reason` is why it was aborted)."""
+
     resize_id: str
     reason: str
     step: int
@@ -182,16 +227,23 @@ class ResizeJudged(Fact, frozen=True, tag="resize_judged"):
 
 
 class ResizingPaused(Fact, frozen=True, tag="resizing_paused"):
+    """An operator's `pause` (while not paused): no new resize or loan starts; one in flight
+    finishes."""
+
     requested_by: str
     reason: str = ""
 
 
 class ResizingResumed(Fact, frozen=True, tag="resizing_resumed"):
+    """An operator's `resume` while paused or degraded: resizing may start again (a degraded
+    daemon leaves degraded; devices still lent go home)."""
+
     requested_by: str
 
 
 class ShutdownStarted(Fact, frozen=True, tag="shutdown_started"):
-    pass
+    """SIGTERM or an operator's `drain`: no new resize starts; the one in flight finishes or
+    rolls back within `daemon.drain_timeout_s`, then the daemon exits."""
 
 
 class WorkerReported(Fact, frozen=True, tag="worker_reported"):
@@ -240,6 +292,9 @@ class EngineQueueEmptyObserved(Fact, frozen=True, tag="engine_queue_empty"):
 
 
 class MiniBatchObserved(Fact, frozen=True, tag="mini_batch_done"):
+    """A trainer's `mini_batch_done` was accepted: mini-batch `done` of `total` of training step
+    `step` is done (the boundaries where a lent device joins)."""
+
     worker_id: WorkerId
     step: int
     done: int
@@ -279,6 +334,8 @@ class LoanReturnStarted(Fact, frozen=True, tag="loan_return_started"):
 
 
 class LoanReturned(Fact, frozen=True, tag="loan_returned"):
+    """Every op of a loan's return was acknowledged: the lent devices are home."""
+
     resize_id: str
     duration_s: float
 
