@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import socket
 import threading
 import time
@@ -40,7 +41,7 @@ from dynaresized.domain import ActualState, OpKind, Pool, StepTiming, WorkerKind
 
 log = structlog.get_logger("dynaresized.client")
 
-_PERMANENT = {"unknown_device", "device_owned", "conflict", "bad_request", "duplicate_worker"}
+_PERMANENT = {"unknown_device", "device_owned", "conflict", "bad_request", "duplicate_worker", "not_the_process"}
 
 
 OpRequest = wire.OpCommand
@@ -98,6 +99,9 @@ class WorkerClient:
         self.handlers: dict[OpKind, OpHandler] = {}
         self.incarnation = 0
         self.process = uuid.uuid4().hex  # tells the daemon a restarted worker from a reconnecting one
+        # Proves this process to the daemon: sent in every hello, never logged (the daemon keeps
+        # its SHA-256), so whoever reads `process` in the event log cannot say hello in our place.
+        self._secret = secrets.token_hex(16)
         self.boot_id = ""
         self.token = ""  # this registration's token, from the welcome; every later message carries it
         self.welcome: wire.Welcome | None = None  # the last one: what the daemon says this worker should be
@@ -241,7 +245,8 @@ class WorkerClient:
     def _hello_message(self) -> wire.Hello:
         return wire.Hello(protocol=wire.PROTOCOL_VERSION, worker_id=self.worker_id, kind=self.kind,
                           devices=self.devices, pid=os.getpid(), host=socket.gethostname(),
-                          sent_at=time.time(), process=self.process, actual=self._actual_now())
+                          sent_at=time.time(), process=self.process, actual=self._actual_now(),
+                          secret=self._secret)
 
     def _adopt(self, welcome: wire.Welcome) -> None:
         """Take a welcome's registration as this worker's own. A welcome on this connection
@@ -350,6 +355,7 @@ class WorkerClient:
     def _dispatch(self, cmd: wire.OpCommand) -> None:
         record = self._records.get(cmd.op_id)
         if record is not None:  # re-sent (a daemon restart, a lost answer): answer, do not re-run
+            # The recorded outcome under the current registration's token (docs/protocol.md).
             asyncio.create_task(self._send(msgspec.structs.replace(record, token=self.token, actual=self._actual_now())))
             return
         if cmd.op_id in self._running:

@@ -18,12 +18,17 @@ INTRO = f"""# Wire protocol (version {wire.PROTOCOL_VERSION})
 
 Workers talk to the daemon over ZeroMQ: the daemon binds a **ROUTER** socket
 (`daemon.worker_endpoint`), each worker connects a **DEALER** socket whose ZeroMQ identity
-(`ZMQ_IDENTITY`) is its worker id, or (what `dynaresized.client` sets) its worker id, `#` and
-a token unique to the process (`<worker_id>#<process>`), so that two processes under one id
-never share a routing slot; a second connection with the identity of a connected one is not
-routed (`ROUTER_HANDOVER` is off). Operators talk to a second ROUTER
-(`daemon.control_endpoint`) with a DEALER of any identity, sending two frames, the control
-secret (empty for `status`) and the request (see docs/security.md).
+(`ZMQ_IDENTITY`) is `<worker_id>#<process>`: its worker id, `#` and the `process` value of its
+`hello` (below), so that two processes under one id never share a routing slot. The daemon
+checks it: a `hello` from any other identity is refused (`unauthorized`, reason
+`wrong_identity`); only a worker whose hellos carry no `process` may use its bare worker id.
+Keep the identity for the life of the process, on every connection it opens (see
+*Reconnecting*). A second connection with the identity of a connected one is not routed
+(`ROUTER_HANDOVER` is off). Operators talk to a second ROUTER (`daemon.control_endpoint`) with
+a DEALER of any identity, sending exactly two frames, the control secret (empty for `status`)
+and the request; any other number of frames is refused `malformed` (reason `frames`), and a
+request other than `status` without the right secret `unauthorized` (reason `missing_secret`
+or `wrong_secret`). The secret's format and where to read it: docs/security.md.
 
 **Frames.** Every message is exactly one frame holding one [MessagePack](https://msgpack.org)
 map. (The ROUTER sees `[identity, payload]`; the DEALER sends and receives just `[payload]`.)
@@ -48,7 +53,8 @@ connection; ZeroMQ reconnects it. The daemon never dies of a bad message.
 ```
             hello(actual) ──► welcome(token, incarnation, boot_id, pool, desired)
                  │                   or error: bad_version, unknown_device, device_owned,
-                 │                             conflict, duplicate_worker (all final)
+                 │                             conflict, not_the_process, duplicate_worker
+                 │                             (all final); wrong_identity: fix the identity
                  ▼
    ┌──── registered ◄────────────────────────────────────────────────────┐
    │  every heartbeat_interval_s: heartbeat(token) ──► heartbeat_ack      │
@@ -65,7 +71,17 @@ connection; ZeroMQ reconnects it. The daemon never dies of a bad message.
 ```
 
 1. **Register.** `hello` names the worker, its kind, its devices, a `process` value unique to
-   this process run, and (optionally) `actual`, what it holds now. The answer is `welcome`:
+   this process run, a `secret`, and (optionally) `actual`, what it holds now. `process` is an
+   identifier, written to the event log (`worker_registered`); `secret` proves the process: 32
+   random hex characters or more (128 bits), chosen once per process run, the same in every
+   hello of the process, sent in nothing but `hello` and shown to no one. The log keeps only its
+   SHA-256. A `hello` that names the `process` of a live registration without that
+   registration's secret is refused `not_the_process`: whoever reads `process` in the log cannot
+   say hello in that process's place. (A worker that sends no secret has only its connection to
+   prove it: see docs/security.md.) Until the first `welcome` you know neither heartbeat
+   setting: if none comes, send the same `hello` again every second or so, as long as you
+   like (our client waits `hello_timeout_s`, 5 s, for its first welcome); the repeats of one
+   process on one connection are one registration. The answer is `welcome`:
    `token` (carry it in every later message of this registration), `incarnation` (the number
    of times this worker id has registered in this log: it grows with every new registration,
    after a restart of either side or a loss), `boot_id` (changes with every daemon start), the
@@ -91,14 +107,31 @@ connection; ZeroMQ reconnects it. The daemon never dies of a bad message.
    with pauses of at most a quarter of that (our client does), however long the outage.
 3. **One process per worker id.** A `hello` from a new `process` while the registered one is
    live and its connection still open is refused (`duplicate_worker`): a duplicate started by
-   mistake never takes over. When the old connection is gone (the process died), the new
-   process registers at once and the old registration counts as lost.
+   mistake never takes over. The daemon looks for that connection under the old process's
+   identity, also after a daemon restart before the old process has said hello again (its
+   DEALER has reconnected by itself). When the old connection is gone (the process died), the
+   new process registers at once and the old registration counts as lost. A connection
+   registers one process: a `hello` naming another `process` on it is refused
+   (`wrong_identity`), never made a new registration.
+
+   **Reconnecting.** A process keeps its identity `<worker_id>#<process>` on every connection it
+   opens; a new process has a new `process` and so a new identity. A new connection whose
+   identity the ROUTER still holds for an earlier one (a drop only your side saw, a link that
+   flapped) is not routed, silently: nothing sent on it arrives, nothing comes back, until
+   the daemon drops the old one (at once when its TCP connection closes, within
+   `heartbeat_timeout_s` through ZMTP heartbeats when the peer vanished). So when a `hello` on a
+   new connection goes unanswered (for `max(2 × heartbeat_interval_s, 1 s)`, say), close that
+   connection and open another, with the same identity, and say hello again; our client does.
 4. **Operations.** `op` asks for one operation of a resize, or of a reconcile (below). Perform
    it and answer `op_result` with the same `op_id`, `ok`, a `detail` for operators and your
    `actual` state after it. The daemon re-sends a pending op every `core.op_resend_s` to the
    targets that have not answered, and again after it restarts or you re-register: keep a
    record by `op_id` and answer a repeat from it, never run it twice (a repeat that arrives
-   while the first copy still runs is ignored; its answer goes out when it ends).
+   while the first copy still runs is ignored; its answer goes out when it ends). **The answer
+   to a repeat** is the recorded `ok`, `detail` and `duration_s` under the *current*
+   registration's `token` (and your `actual` as it is now), like every other message: after a
+   re-registration (a daemon restart) the old token is refused `stale_token`, and the op would
+   time out and roll back. `op.plan` says what the op belongs to (`PlanKind`, below).
    `op.timeout_s` is the time *remaining* before the daemon gives up on the op, in seconds.
    An answer that arrives after the op completed is refused with `stale_op` (or
    `illegal_transition` when nothing is in flight): it changes nothing, and can be ignored.
@@ -107,8 +140,11 @@ connection; ZeroMQ reconnects it. The daemon never dies of a bad message.
    op may or may not have taken effect. Undo from wherever you are; an undo with nothing to
    undo succeeds (e.g. `reclaim` on a device you still hold).
 6. **Report.** `step_report`: the stage timings of one RL step, sent by exactly one worker of
-   the job (trainer rank 0, or the driver's engine worker); a second report of a step is
-   refused as `stale_step`. `progress`: per-sample completion on this worker. `bye` when
+   the job (trainer rank 0, or the driver's engine worker). The daemon designates the first
+   worker whose `step_report` it accepts, for as long as that worker is live (its restarts
+   under the same worker id included): a `step_report` from any other worker is refused
+   `not_the_reporter` (the error names the reporter); once the reporter is lost or gone, the
+   next worker to report takes over. A second report of a step is refused as `stale_step`. `progress`: per-sample completion on this worker. `bye` when
    leaving on purpose (your devices stay in their pools).
 
 ## Reconciliation
@@ -170,21 +206,30 @@ must have a live worker of the destination kind (and none that has not converged
 | `stale_token` | the token is not this registration's (re-registered since, or the daemon restarted) | send `hello` again |
 | `missing_token` | a message after `hello` without the welcome's token | carry `welcome.token` |
 | `duplicate_worker` | another live process holds this worker id and is still connected | stop it, or use another id |
+| `not_the_process` | the hello names a live registration's `process` but not its `secret` | nothing: only that process can say hello as it (final) |
 | `unknown_device` | a device not in the daemon's inventory | fix the worker's device list |
 | `device_owned` | another live worker of the same kind holds that device | stop it, or fix the device list |
 | `conflict` | this worker id is live with another kind or other devices | use another worker id |
 | `bad_request` | e.g. a `hello` with no devices or repeated ones | fix the message |
 | `bad_value` | a number that cannot be (negative or infinite seconds, done > total) | fix the measurement |
 | `stale_step` | a `step_report` for a step not after the last observed one | report each step once, in order |
+| `not_the_reporter` | a `step_report` from a worker other than the job's live reporter | report steps from one worker only |
 | `stale_op` | an `op_result` for an op that is not the one in flight | nothing: a late answer to a re-sent op |
 | `not_a_target` | an `op_result` from a worker the op was not sent to | nothing: it changes nothing |
 | `illegal_transition` | the message is not accepted in the daemon's phase (e.g. an `op_result` with nothing in flight) | nothing |
 
+A `hello` that several refusals fit gets the first of: `bad_version`, `bad_request`,
+`unknown_device`, `device_owned`, `conflict`, `not_the_process`, `duplicate_worker`. So
+`device_owned` takes precedence over `conflict`: a hello whose device another live worker of its
+kind holds is `device_owned` even when its worker id is also live with other devices.
+
 Other codes: `malformed`, `unknown_type`, `invalid`, `oversize` (the frame), `bad_version`,
 `unauthorized` (reason `wrong_key`: the claimed worker id is not the CURVE key's, final; reason
-`wrong_identity`: the connection's ZeroMQ identity does not name the claimed worker, which for a
-client that sets it means something on the way lost it: `WorkerClient` opens a new connection and
-says hello again).
+`wrong_identity`: the connection's ZeroMQ identity does not name the claimed worker, or, for a
+`hello`, is not `<worker_id>#<process>`; for a client that sets it right this means something on
+the way lost it: `WorkerClient` opens a new connection and says hello again). On the control
+endpoint: `malformed` with reason `frames` (not two frames), `unauthorized` with reason
+`missing_secret` or `wrong_secret`.
 
 ## Operator requests and `status`
 
@@ -199,7 +244,7 @@ Operators send one request (`status`, `pause`, `resume`, `resize`, `drain`) and 
 | `degraded_reason` | text, empty unless degraded |
 | `last_step` | the last observed RL step, -1 before the first |
 | `facts` | facts in the log |
-| `resizes` | `{{"started": n, "committed": n, "rolled_back": n}}` |
+| `resizes` | `{{"started": n, "committed": n, "rolled_back": n, "degraded": n, "in_flight": 0 or 1}}`: every resize started is committed, rolled back, degraded (it could neither finish nor roll back) or in flight, so `started` is the sum of the other four. Loans and reconciles are not counted |
 | `devices` | device id → `training`, `rollout` or `moving <from>-><to>` |
 | `lent` | device id → its home pool, for each device lent to the other pool until the step boundary |
 | `workers` | list of `{{"id", "kind", "status" (live, lost, gone), "devices", "incarnation", "actual" (its holding, or null if it never said), "desired" (what the log says, or null), "unconverged" (why, or null)}}` |
@@ -218,6 +263,15 @@ Operators send one request (`status`, `pause`, `resume`, `resize`, `drain`) and 
 | `resume` | undo `drain`: admit work again (a drained or just reclaimed worker) |
 | `reclaim` | undo `release`: take the device back (wake, restart or reload; rejoin with the parked state) |
 | `evict` | undo `join`: give the device back |
+
+`op.plan` (a `PlanKind`) says which sequence an op belongs to; the ops are the same:
+
+| `op.plan` | the sequence |
+|---|---|
+| `resize` | a resize: the split changes at the commit, for good |
+| `loan` | a loan: idle devices serve the other pool for the rest of the RL step in progress (a `release` of a lent engine may keep it loaded) |
+| `return` | a loan's return: the lent devices go home at the step boundary |
+| `reconcile` | a reconcile: one worker is converged with the log (`drain`, `release`, `reclaim`, `resume` only); the pools do not change |
 
 ## Messages
 """
@@ -278,7 +332,7 @@ def render() -> str:
     out.append("## Nested types\n")
     for name in ("StepTiming", "Split", "ActualState"):
         out.extend(_table(name, components[name], ""))
-    for name in ("WorkerKind", "OpKind", "Pool", "ErrorCode", "Holding"):
+    for name in ("WorkerKind", "OpKind", "Pool", "ErrorCode", "Holding", "PlanKind"):
         values = ", ".join(f"`{v}`" for v in components[name]["enum"])
         out.extend([f"### {name}", "", f"A string, one of: {values}.", ""])
     return "\n".join(out).rstrip() + "\n"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import grp
+import hashlib
 import os
 import secrets
 import stat
@@ -82,6 +83,12 @@ def make_state_dir(path: Path, group: str = "") -> None:
         os.chown(path, -1, grp.getgrnam(group).gr_gid)
     if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
         os.chmod(path, mode)
+
+
+def secret_digest(secret: str) -> str:
+    """What the log keeps of a worker process's hello secret: its SHA-256 in hex ("" for none).
+    The secret is 128 random bits or more, so the digest tells a log reader nothing it can use."""
+    return hashlib.sha256(secret.encode()).hexdigest() if secret else ""
 
 
 def load_control_secret(state_dir: Path) -> bytes:

@@ -52,8 +52,9 @@ from dynaresized.daemon.security import (
     make_state_dir,
     owner_only_umask,
     restrict_ipc_socket,
+    secret_digest,
 )
-from dynaresized.domain import Pool, Split, WorkerStatus
+from dynaresized.domain import PlanKind, Pool, Split, WorkerStatus
 from dynaresized.explain import explain
 from dynaresized.store import FactLog, open_recorder
 
@@ -372,12 +373,21 @@ class Daemon:
 
     def _authenticate(self, identity: bytes, frame: zmq.Frame, msg: Any) -> tuple[str, str]:
         """A worker is who its CURVE key says, and its connection's routing identity names it:
-        the worker id, or the worker id, '#' and a per-process suffix (what our client sets).
+        the worker id, or the worker id, '#' and its process (what our client sets). A hello's
+        identity names its process exactly: `<worker_id>#<process>` (the bare worker id only for
+        a hello without `process`), so one connection registers one process.
         Returns (the problem, its reason code), ("", "") when there is none."""
         if self.curve is not None:
             owner = self.curve.worker_of(frame)
             if owner != msg.worker_id:
                 return f"this key may act as worker {owner!r}, not {msg.worker_id!r}", "wrong_key"
+        if type(msg) is wire.Hello:
+            expected = f"{msg.worker_id}#{msg.process}" if msg.process else msg.worker_id
+            if identity != expected.encode():
+                return (f"a hello of worker {msg.worker_id!r} with process {msg.process!r} must come from a connection "
+                        f"whose ZeroMQ identity is {expected!r}: a new process connects with its own identity",
+                        "wrong_identity")
+            return "", ""
         if identity.partition(b"#")[0] != msg.worker_id.encode():
             return (f"messages for worker {msg.worker_id!r} must come from a connection whose ZeroMQ identity is "
                     f"{msg.worker_id!r} or '{msg.worker_id}#<process>' (the client sets it)", "wrong_identity")
@@ -405,13 +415,16 @@ class Daemon:
 
     def _still_connected(self, msg: wire.Hello, identity: bytes) -> bool:
         """Whether a hello from a new process finds the live registration's connection still open
-        (a duplicate process started by mistake) rather than gone (the old process died)."""
+        (a duplicate process started by mistake, or someone claiming its id) rather than gone
+        (the old process died). Before the old process has said hello to this daemon start, its
+        connection is the one its identity names (`<worker_id>#<process>`, see _authenticate):
+        its DEALER reconnects to a restarted daemon by itself."""
         old = self.state.workers.get(msg.worker_id)
         if old is None or not self.state.is_live(msg.worker_id) or not old.process or old.process == msg.process:
             return False
-        route = self._routes.get(msg.worker_id)
-        if route is None or route == identity:
-            return False  # not registered with this boot, or a client that reuses one identity
+        route = self._routes.get(msg.worker_id, f"{msg.worker_id}#{old.process}".encode())
+        if route == identity:
+            return False
         assert self.workers_sock is not None
         try:
             _send_to(self._raw[id(self.workers_sock)], route, wire.encode(wire.HeartbeatAck(seq=0, boot_id=self.boot_id)))
@@ -429,12 +442,14 @@ class Daemon:
         raw = zmq.Socket.shadow(sock.underlying)
         while True:
             frames = await sock.recv_multipart()
-            if len(frames) == 3:
-                identity, secret, payload = frames
-            elif len(frames) == 2:  # a client without the secret frame: it may still ask for status
-                (identity, payload), secret = frames, b""
-            else:
+            identity = frames[0]
+            if len(frames) != 3:  # the ROUTER's identity, then the secret (empty for status) and the request
+                self._count_decode_error(wire.ErrorCode.MALFORMED)
+                self._send_error(raw, identity, wire.ErrorCode.MALFORMED,
+                                 f"a control request is two frames, the control secret (empty for status) and the "
+                                 f"request; got {len(frames) - 1}", reason="frames")
                 continue
+            _, secret, payload = frames
             try:
                 msg = self._control_decoder.decode(payload)
             except wire.WireError as exc:
@@ -452,7 +467,8 @@ class Daemon:
                 self._send_error(raw, identity, wire.ErrorCode.UNAUTHORIZED,
                                  f"{tag} needs the control secret in "
                                  f"{control_secret_file(self.config.daemon.state_dir)}: run the CLI as the daemon's "
-                                 "user or root, with the daemon's --config")
+                                 "user or root, with the daemon's --config",
+                                 reason="missing_secret" if not secret else "wrong_secret", ref=msg)
                 continue
             self.queue.put_nowait([_ControlIn(identity, msg)])
 
@@ -605,7 +621,7 @@ class Daemon:
             elif isinstance(item, _ControlIn):
                 self._control(item, now, facts, commands, outbox)
             elif isinstance(item, _ReloadIn):
-                self._reload()
+                self._reload(now, facts, commands)
             return
         assert self.workers_sock is not None
         msg = item.msg
@@ -639,7 +655,7 @@ class Daemon:
                     self._step(ev.WorkerHello(at=now, worker_id=msg.worker_id, kind=msg.kind,
                                               devices=tuple(msg.devices), process=msg.process, actual=msg.actual,
                                               previous_connected=self._still_connected(msg, item.identity),
-                                              registered_here=here),
+                                              registered_here=here, secret_sha256=secret_digest(msg.secret)),
                                facts, commands)
                     worker = self.state.workers[msg.worker_id]
                     if here and before is not None and before.incarnation == worker.incarnation:
@@ -699,12 +715,13 @@ class Daemon:
                                                reason=f"drain_timeout_s={self.config.daemon.drain_timeout_s:g} "
                                                       "passed"), facts, commands)
 
-    def _reload(self) -> None:
+    def _reload(self, now: float, facts: list[f.Fact], commands: list[Command]) -> None:
         """Take [policy] and [guards] from the configuration file, or keep both as they are.
 
         They are read by the core only when it decides on a new resize, so a resize in flight
         runs on as planned. A file that does not load, or a policy that does not build, changes
-        nothing: the daemon never stops over a reload. Other sections take effect at restart."""
+        nothing: the daemon never stops over a reload. Other sections take effect at restart.
+        Either way the log records it (`config_reloaded` or `reload_refused`)."""
         self.notifier.reloading()
         try:
             if self.config_path is None:
@@ -713,6 +730,7 @@ class Daemon:
             policy = configured_policy(new)
         except (ConfigError, StartupError) as exc:
             log.error("reload refused: the running policy and guards are kept", error=str(exc))
+            self._step_quiet(ev.ReloadRefused(at=now, reason=str(exc)[:4000]), facts, commands)
             self.notifier.ready(f"reload refused: {str(exc).splitlines()[0]}")
             return
         restart_only = [name for name in Config.__struct_fields__ if name not in ("policy", "guards")
@@ -726,6 +744,9 @@ class Daemon:
         self.policy = policy
         self.core.policy = policy
         self.core.config = self.config.core_config()
+        self._step_quiet(ev.ConfigReloaded(at=now, policy=policy.name, options=dict(new.policy.options),
+                                           guards_changed={k: (old, value) for k, (old, value) in changed.items()},
+                                           restart_only=tuple(restart_only)), facts, commands)
         log.info("reloaded", policy=policy.name, options=dict(new.policy.options), guards_changed=changed,
                  resize_in_flight=self.state.inflight.plan.resize_id if self.state.inflight else None)
         self.notifier.ready(f"reloaded; policy {policy.name}")
@@ -839,7 +860,8 @@ def status_of(state: ClusterState, daemon: Daemon | None = None) -> dict[str, An
         "last_step": state.last_step,
         "facts": state.version,
         "resizes": {"started": state.resizes_started, "committed": state.resizes_committed,
-                    "rolled_back": state.resizes_rolled_back},
+                    "rolled_back": state.resizes_rolled_back, "degraded": state.resizes_degraded,
+                    "in_flight": int(fl is not None and fl.plan.kind is PlanKind.RESIZE and not fl.reconciling)},
         "devices": {d: (p.pool.value if p.pool else f"moving {p.moving_from.value}->{p.moving_to.value}")  # type: ignore[union-attr]
                     for d, p in sorted(state.devices.items())},
         "lent": {d: state.devices[d].home.value for d in state.lent_devices()},  # type: ignore[union-attr]

@@ -186,3 +186,28 @@ def test_bad_config_is_refused_at_start_naming_key_and_file(make_daemon, problem
     assert expected in out
     if "unknown policy" not in expected and "CurveZMQ" not in expected:
         assert str(daemon.config_path) in out
+
+
+def test_refused_control_requests_say_why_and_a_request_is_always_two_frames(make_daemon) -> None:
+    """A refused control request names its reason (`missing_secret`, `wrong_secret`), and a
+    request of one frame (no secret frame, even for status) is refused `malformed`: the docs
+    say two frames, the secret (empty for status) and the request, and the daemon agrees."""
+    daemon = make_daemon()
+    peer = RawPeer(daemon.control_endpoint, b"operator")
+    peer.decoder = wire.reply_decoder()
+    try:
+        for secret, reason in ((b"", "missing_secret"), (b"0" * 64, "wrong_secret")):
+            peer.send(secret, wire.encode(wire.PauseRequest(reason="test")))
+            reply = peer.reply()
+            assert isinstance(reply, wire.Error) and reply.code is wire.ErrorCode.UNAUTHORIZED, reply
+            assert (reply.reason, reply.ref_type) == (reason, "pause") and "control secret" in reply.message
+        for frames in ([wire.encode(wire.StatusRequest())], [b"", b"", wire.encode(wire.StatusRequest())]):
+            peer.send(*frames)
+            reply = peer.reply()
+            assert isinstance(reply, wire.Error) and reply.code is wire.ErrorCode.MALFORMED, reply
+            assert reply.reason == "frames" and "two frames" in reply.message
+        peer.send(b"", wire.encode(wire.StatusRequest()))
+        reply = peer.reply()
+        assert isinstance(reply, wire.ControlReply) and reply.ok and not daemon.status()["paused"]
+    finally:
+        peer.close()

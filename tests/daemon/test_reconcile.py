@@ -16,7 +16,7 @@ from dynaresized import wire
 from dynaresized.backends.sim import HOLDING_AFTER as AFTER
 from dynaresized.client import DaemonRejected, OpRequest, WorkerClient
 from dynaresized.core import facts as f
-from dynaresized.domain import ActualState, Holding, OpKind, Pool, WorkerKind
+from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, WorkerKind
 
 from .conftest import DEVICES, read_facts, until
 
@@ -32,6 +32,7 @@ class Device:
         self.device = device
         self.holding = Holding.SERVING if pool is kind.pool else Holding.RELEASED
         self.ran: list[str] = []
+        self.plans: dict[str, PlanKind] = {}  # op id -> the plan it came with
         self.hold_answer: OpKind | None = None
         self.acted = asyncio.Event()
 
@@ -40,6 +41,7 @@ class Device:
 
     async def handle(self, op: OpRequest) -> str:
         self.ran.append(op.op_id)
+        self.plans[op.op_id] = op.plan
         if self.device in op.devices and op.kind in AFTER:
             self.holding = AFTER[op.kind]
         if op.kind is self.hold_answer:
@@ -86,13 +88,13 @@ async def test_a_trainer_lost_after_release_is_reclaimed_when_it_comes_back(make
         reply = daemon.control(wire.ResizeRequest(train=1, rollout=3))  # moves node0:cpu1 to rollout
         assert reply.ok, reply.message
         await asyncio.wait_for(devices[tr1].acted.wait(), 10)
-        process = clients[tr1].process
+        process, secret = clients[tr1].process, clients[tr1]._secret
         await clients[tr1].close(say_bye=False)  # released, then cut off before its answer left
         await until(lambda: facts_of(daemon, f.ResizeRolledBack), timeout=15, what="the rollback")
         assert daemon.status()["devices"][DEVICES[1]] == "training"  # the log says training...
         assert devices[tr1].holding is Holding.RELEASED  # ...but the trainer left its group
         back = devices[tr1].client(daemon.worker_endpoint, tr1)
-        back.process = process  # the same process, reconnecting
+        back.process, back._secret = process, secret  # the same process, reconnecting
         clients[tr1] = back
         welcome = await back.start()
         assert welcome.desired is Holding.SERVING and welcome.pool is Pool.TRAINING
@@ -100,6 +102,9 @@ async def test_a_trainer_lost_after_release_is_reclaimed_when_it_comes_back(make
         assert done[0].ok and done[0].worker_id == tr1
         started = facts_of(daemon, f.ReconcileStarted)[0]
         assert [op.kind for op in started.plan.ops] == [OpKind.RECLAIM, OpKind.RESUME]
+        # A worker tells a reconcile's ops from a resize's by `op.plan`.
+        assert {devices[tr1].plans[op.op_id] for op in started.plan.ops} == {PlanKind.RECONCILE}
+        assert {p for op_id, p in devices[tr1].plans.items() if op_id.startswith("r1/")} == {PlanKind.RESIZE}
         assert devices[tr1].holding is Holding.SERVING
         w = worker(daemon, tr1)
         assert w["actual"] == w["desired"] == "serving" and daemon.status()["phase"] == "steady"

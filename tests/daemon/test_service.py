@@ -255,6 +255,13 @@ async def test_sighup_reloads_policy_and_guards_and_the_resize_in_flight_runs_on
         rec.gates[OpKind.JOIN].set()
         await close_all(clients)
     assert "unknown policy 'hysterisis'" in daemon.output()
+    # Both reloads are facts in the log: what changed, and why the second was refused.
+    reloads = [x for x in read_facts(daemon.state_dir) if isinstance(x, f.ConfigReloaded | f.ReloadRefused)]
+    assert [type(x) for x in reloads] == [f.ConfigReloaded, f.ReloadRefused]
+    applied, refused_fact = reloads
+    assert applied.policy == "hysteresis" and applied.options == {"window": 3}
+    assert applied.guards_changed == {"min_rollout": (1, 2)} and applied.restart_only == ()
+    assert "unknown policy 'hysterisis'" in refused_fact.reason
 
 
 @pytest.mark.parametrize("bad", ["unknown_device", "device_owned", "bad_version"])
