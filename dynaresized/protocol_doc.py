@@ -11,6 +11,83 @@ import json
 from typing import Any
 
 from dynaresized import wire
+from dynaresized.domain import Holding, OpKind
+
+HOLDING_AFTER: dict[OpKind, tuple[Holding, ...]] = {
+    OpKind.DRAIN: (Holding.DRAINED,),
+    OpKind.RELEASE: (Holding.RELEASED,),
+    OpKind.JOIN: (Holding.SERVING, Holding.DRAINED),
+    OpKind.RESTORE: (Holding.SERVING, Holding.DRAINED),
+    OpKind.COMMIT: (Holding.SERVING,),
+    OpKind.RESUME: (Holding.SERVING,),
+    OpKind.RECLAIM: (Holding.DRAINED, Holding.SERVING),
+    OpKind.EVICT: (Holding.RELEASED,),
+}
+"""The `holding` a worker reports once it performed an op on its devices: what the op leads to,
+then what is accepted as well. The conformance round trip checks workers against it."""
+
+HOLDING_NOTES: dict[OpKind, str] = {
+    OpKind.DRAIN: "it holds its device but takes no new work",
+    OpKind.RELEASE: "it holds nothing: engine asleep, paused or stopped; trainer out of its group, state parked",
+    OpKind.JOIN: "`serving` if it works from the join on (a trainer in the group from the join's boundary); "
+                 "`drained` if it holds the device but takes work only from `commit` (an engine loaded, "
+                 "not admitting yet)",
+    OpKind.RESTORE: "as after `join`",
+    OpKind.COMMIT: "every receiver's devices are in its kind's pool now",
+    OpKind.RESUME: "from `drained` and from `released` alike: a released worker takes its device back first",
+    OpKind.RECLAIM: "it holds its device again and works only after the `resume` that follows (`serving` if it "
+                    "never stopped: nothing to undo)",
+    OpKind.EVICT: "it gave the device back",
+}
+
+CONFORMANCE: tuple[tuple[str, str], ...] = (
+    ("hello", "The first message is a `hello` of this protocol version with a non-empty `process`, from a "
+              "connection whose ZeroMQ identity is `<worker_id>#<process>`."),
+    ("heartbeat", "Heartbeats follow the welcome, each carrying its `token` (two within four "
+                  "`heartbeat_interval_s` and the checker's timeout)."),
+    ("state-query", "A `state_query` is answered with a `state_report` carrying the token and `actual` (skipped "
+                    "for a worker whose hello carries no `actual`: it is never reconciled)."),
+    ("op", "An op is answered with an `op_result` carrying its `op_id`, the token and `actual`; an undo with "
+           "nothing to undo (`resume` to a serving worker, `evict` to a released one) succeeds, and `holding` "
+           "is then what the table above says."),
+    ("op-resent", "The same `op_id` sent again is answered from the record of its first run (the same `ok`, "
+                  "`detail` and `duration_s`), not run again."),
+    ("op-resent-at-once", "An op sent twice back to back runs once: every answer to it is the same."),
+    ("unknown-fields", "Fields the worker does not know (a newer daemon's) are ignored: an `op` and a "
+                       "`heartbeat_ack` with an extra field are acted on."),
+    ("bad-frames", "Frames that are no message (not msgpack, an unknown `type`, missing fields, empty) are "
+                   "ignored: the worker keeps answering."),
+    ("stale-token-of-earlier-registration", "A `stale_token` refusal whose `error.token` is not the current "
+                                            "token is ignored: no new hello."),
+    ("new-boot-id", "A `heartbeat_ack` with a new `boot_id` (the daemon restarted) makes the worker say hello "
+                    "again from the same `process` (and `secret`), then carry the new token."),
+    ("op-resent-after-reregistration", "After a re-registration a re-sent op is answered from the record, "
+                                       "under the new registration's token."),
+    ("stale-token", "A `stale_token` refusal carrying the current token makes the worker say hello again and "
+                    "carry the new token."),
+    ("not-registered", "A `not_registered` refusal makes the worker say hello again."),
+    ("welcomes-crossing", "When two welcomes answer one hello, the one with the higher `incarnation` is "
+                          "current: its token is carried."),
+    ("daemon-restart", "The daemon's socket closes and a new one is bound on the same endpoint, answering "
+                       "nothing but a hello: the worker says hello again (same `process`) within "
+                       "`heartbeat_timeout_s` and the checker's timeout, and carries the new token."),
+    ("round-trip", "(with `--round-trip`) The ops of a move and its rollback succeed, and after each the "
+                   "worker reports the `holding` of the table above: `drain`, `release`, `reclaim`, `resume` "
+                   "for a serving worker; `join`, `restore`, `evict` for a released one. It ends where it "
+                   "began."),
+)
+"""The checks `python -m dynaresized.conformance` runs against a worker, in order: (name, rule)."""
+
+
+def _holding_table() -> str:
+    rows = [f"| `{kind.value}` | {' or '.join(f'`{h.value}`' for h in held)} | {HOLDING_NOTES[kind]} |"
+            for kind, held in HOLDING_AFTER.items()]
+    return "\n".join(["| after | `holding` | why |", "|---|---|---|", *rows])
+
+
+def _conformance_list() -> str:
+    return "\n".join(f"{i}. **`{name}`**: {rule}" for i, (name, rule) in enumerate(CONFORMANCE, start=1))
+
 
 INTRO = f"""# Wire protocol (version {wire.PROTOCOL_VERSION})
 
@@ -28,7 +105,8 @@ Keep the identity for the life of the process, on every connection it opens (see
 a DEALER of any identity, sending exactly two frames, the control secret (empty for `status`)
 and the request; any other number of frames is refused `malformed` (reason `frames`), and a
 request other than `status` without the right secret `unauthorized` (reason `missing_secret`
-or `wrong_secret`). The secret's format and where to read it: docs/security.md.
+or `wrong_secret`). The secret's format and where to read it: docs/configuration.md (*The
+control secret*) and docs/security.md.
 
 **Frames.** Every message is exactly one frame holding one [MessagePack](https://msgpack.org)
 map. (The ROUTER sees `[identity, payload]`; the DEALER sends and receives just `[payload]`.)
@@ -162,6 +240,15 @@ itself). `holding` is one of:
 | `done` | its job ended (training finished): nothing to converge |
 | `failed` | it cannot act (its loop died): reported, its devices are left out of resizes and loans |
 
+The other fields of `ActualState` are for operators and tools: the daemon records them (in
+`worker_reported` and `op_acked` facts; `dynaresized events` shows them) but decides on
+`holding` alone. `last_op`: the `op_id` of the last op this process performed (`""` before its
+first). `epoch`: a trainer's membership epoch of its group, which grows with each change of the
+group (the torch backend counts from 0, and says -1 before its first group); 0 for an engine.
+`members`: the devices of the trainer's current group (empty for an engine and outside a group).
+`detail`: free text, e.g. why `failed`. A report that differs from the last one in any field is
+a new `worker_reported` fact: keep counters that change at every report out of `detail`.
+
 The log says a worker should be `serving` when all its devices are in its kind's pool and
 `released` when they are all in the other pool. Whenever a live worker reports something else
 (and no resize is in flight), the daemon records `reconcile_started` and sends it the ops that
@@ -272,6 +359,32 @@ Operators send one request (`status`, `pause`, `resume`, `resize`, `drain`) and 
 | `loan` | a loan: idle devices serve the other pool for the rest of the RL step in progress (a `release` of a lent engine may keep it loaded) |
 | `return` | a loan's return: the lent devices go home at the step boundary |
 | `reconcile` | a reconcile: one worker is converged with the log (`drain`, `release`, `reclaim`, `resume` only); the pools do not change |
+
+## What a worker reports between the steps of a resize
+
+The `holding` in each `op_result`'s `actual` (and in any `state_report` until the next op) once
+the worker performed the op on its devices:
+
+{_holding_table()}
+
+While a resize, loan or reconcile is in flight the daemon records these reports (`op_acked`,
+`worker_reported`) but converges nobody. When the sequence ends, committed or rolled back, each
+live worker's last report must agree with the log (`serving` with its devices in its kind's pool,
+`released` with them in the other pool), or the daemon reconciles it. The sim backend, the vLLM
+engine worker and the torch trainer rank report this.
+
+## Conformance
+
+`python -m dynaresized.conformance ENDPOINT [-- COMMAND ...]` checks a worker against this
+document: it binds a ROUTER on `ENDPOINT` and plays the daemon, starts `COMMAND` if given (each
+`{{endpoint}}` in it replaced, and `DYNARESIZED_ENDPOINT` in its environment), waits for one
+worker to say hello, and runs these checks against it, in order:
+
+{_conformance_list()}
+
+It prints one line per check (`--json`: one JSON object) and exits 0 when none failed, 1
+otherwise. `--timeout S` bounds each wait (default 10 s); `--only NAME` runs the named checks
+(and `hello`). The project's own client passes every check in CI (`tests/test_conformance.py`).
 
 ## Messages
 """

@@ -1,0 +1,76 @@
+"""`python -m dynaresized.conformance`: the project's own client passes every check, and a worker
+that breaks one rule fails the check of that rule (and not the others)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from dynaresized import conformance
+from dynaresized.protocol_doc import CONFORMANCE
+
+WORKER = [sys.executable, str(Path(__file__).with_name("conformance_worker.py")), "{endpoint}"]
+NAMES = [name for name, _ in CONFORMANCE]
+
+
+def check(capsys, *options: str, worker: list[str] | None = None) -> tuple[int, dict[str, Any]]:
+    """Run the checker on a free loopback port against the test worker; (exit status, outcomes)."""
+    argv = ["tcp://127.0.0.1:*", "--json", *options]
+    if worker is not None:
+        argv += ["--", *WORKER, *worker]
+    status = conformance.main(argv)
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return status, report
+
+
+def outcomes(report: dict[str, Any]) -> dict[str, str]:
+    return {c["name"]: c["outcome"] for c in report["checks"]}
+
+
+def test_every_documented_check_is_implemented_in_the_documented_order() -> None:
+    checker = conformance.Checker(cast(conformance.Conversation, None), round_trip=False)
+    assert list(checker.checks()) == NAMES
+
+
+def test_the_projects_client_passes_every_check(capsys) -> None:
+    status, report = check(capsys, "--round-trip", worker=[])
+    assert outcomes(report) == dict.fromkeys(NAMES, "passed"), report
+    assert status == 0 and report["passed"]
+
+
+def test_a_released_trainer_passes_the_ops_and_the_round_trip_into_its_pool(capsys) -> None:
+    status, report = check(capsys, "--round-trip", "--only", "op", "--only", "round-trip",
+                           worker=["--kind", "trainer-rank", "--released"])
+    assert outcomes(report) == {"hello": "passed", "op": "passed", "round-trip": "passed"}, report
+    detail = {c["name"]: c["detail"] for c in report["checks"]}
+    assert detail["round-trip"] == "join -> serving, restore -> serving, evict -> released"
+    assert status == 0
+
+
+@pytest.mark.parametrize(("broken", "checks", "fails"), [
+    ("rerun", ["op", "op-resent"], "op-resent"),
+    ("ignore-stale-token", ["heartbeat", "stale-token"], "stale-token"),
+    ("old-token", ["new-boot-id", "op-resent-after-reregistration"], "op-resent-after-reregistration"),
+])
+def test_a_worker_that_breaks_a_rule_fails_its_check(capsys, broken: str, checks: list[str], fails: str) -> None:
+    only = [arg for name in checks for arg in ("--only", name)]
+    status, report = check(capsys, "--timeout", "3", *only, worker=["--break", broken])
+    expected = {name: "failed" if name == fails else "passed" for name in ["hello", *checks]}
+    assert outcomes(report) == expected, report
+    assert status == 1 and not report["passed"]
+
+
+def test_no_worker_fails_hello_and_skips_the_rest(capsys) -> None:
+    status, report = check(capsys, "--timeout", "0.3", "--only", "heartbeat")
+    assert outcomes(report) == {"hello": "failed", "heartbeat": "skipped"}
+    assert "no hello within 0.3s" in report["checks"][0]["detail"]
+    assert status == 1
+
+
+def test_an_unknown_check_is_refused(capsys) -> None:
+    assert conformance.main(["tcp://127.0.0.1:*", "--only", "no-such-check"]) == 2
+    assert "no check named no-such-check" in capsys.readouterr().err
