@@ -566,7 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command:
             cmd = [part.replace("{endpoint}", side.endpoint) for part in command]
-            worker = subprocess.Popen(cmd, env={**os.environ, "DYNARESIZED_ENDPOINT": side.endpoint})
+            # the worker's own output goes to stderr: stdout carries only the report
+            worker = subprocess.Popen(cmd, env={**os.environ, "DYNARESIZED_ENDPOINT": side.endpoint},
+                                      stdout=2)
         elif not args.json:
             print(f"conformance: waiting for a worker on {side.endpoint}", file=sys.stderr, flush=True)
         c = Conversation(side, args.timeout, args.heartbeat_interval, args.heartbeat_timeout)

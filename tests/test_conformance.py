@@ -23,7 +23,7 @@ def check(capsys, *options: str, worker: list[str] | None = None) -> tuple[int, 
     if worker is not None:
         argv += ["--", *WORKER, *worker]
     status = conformance.main(argv)
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    report = json.loads(capsys.readouterr().out)  # the worker's output goes to stderr
     return status, report
 
 
