@@ -123,9 +123,11 @@ def _outcome_lines(data: dict[str, Any]) -> list[str]:
     idle = data.get("idle")
     if idle:
         # Each pool has its own count: a step one pool's reports do not cover is unknown there only.
-        parts = [f"{pool} {percent(t['ratio'])} (last step {percent(t['last_step_ratio'])}; {t['steps']} step(s) "
-                 f"accounted, {t['unknown_steps']} unknown)" for pool, t in idle["pools"].items()]
-        lines.append(f"idle        {', '.join(parts)}")
+        parts = [f"{pool} {percent(t['ratio'])} (last step {percent(t['last_step_ratio'])})"
+                 for pool, t in idle["pools"].items()]
+        counts = [f"{pool} {t['steps']} step(s) accounted, {t['unknown_steps']} unknown"
+                  for pool, t in idle["pools"].items()]
+        lines.append(f"idle        {', '.join(parts)}; {'; '.join(counts)}")
     outcome = data.get("outcome")
     if outcome:
         p = outcome["last_prediction"]

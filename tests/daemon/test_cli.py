@@ -177,5 +177,5 @@ def test_status_counts_each_pools_unknown_steps() -> None:
             "degraded_reason": "", "in_flight": None, "workers": [], "devices": {"a:gpu0": "training"},
             "idle": {"pools": pools, "devices": {}}}
     text = render_status(data)
-    assert "rollout 10.0% (last step 20.0%; 5 step(s) accounted, 0 unknown)" in text
-    assert "training 30.0% (last step 40.0%; 2 step(s) accounted, 3 unknown)" in text
+    assert "idle        rollout 10.0% (last step 20.0%), training 30.0% (last step 40.0%); " \
+           "rollout 5 step(s) accounted, 0 unknown; training 2 step(s) accounted, 3 unknown" in text
