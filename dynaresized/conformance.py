@@ -121,25 +121,34 @@ class Conversation:
 
     # -- receiving ---------------------------------------------------------------------
     def receive(self, timeout_s: float) -> Any | None:
-        """The next message from the worker (None after `timeout_s`), heartbeats answered."""
-        frames = self.side.recv(timeout_s)
-        if frames is None:
-            return None
-        identity, payload = frames[0], frames[1:]
-        if len(payload) != 1:
-            raise Broken(f"a message of {len(payload)} frames; every message is exactly one frame")
-        try:
-            msg = self.decoder.decode(payload[0])
-        except wire.WireError as exc:
-            raise Broken(f"a frame the daemon cannot decode ({exc}); every message is one msgpack map") from None
-        if self.hello is not None and msg.worker_id != self.hello.worker_id:
-            raise Broken(f"a {msg.__struct_config__.tag} for worker {msg.worker_id!r} from the connection of "
-                         f"{self.hello.worker_id!r}")
-        if isinstance(msg, wire.Hello):
-            self.identity = identity
-        elif isinstance(msg, wire.Heartbeat) and self.acking and identity == self.identity:
-            self.send(wire.HeartbeatAck(seq=msg.seq, boot_id=self.boot_id))
-        return msg
+        """The next message from the worker (None after `timeout_s`), heartbeats answered. The
+        conversation is with the first worker to say hello: other workers on the endpoint (a
+        program that runs an engine and a trainer) are not listened to."""
+        deadline = time.monotonic() + timeout_s
+        while (frames := self.side.recv(deadline - time.monotonic())) is not None:
+            identity, payload = frames[0], frames[1:]
+            try:
+                msg = self.decoder.decode(payload[0]) if len(payload) == 1 else None
+            except wire.WireError as exc:
+                msg, error = None, exc
+            else:
+                error = None
+            if self.hello is not None and identity != self.identity and not (
+                    isinstance(msg, wire.Hello) and msg.worker_id == self.hello.worker_id):
+                if msg is not None and msg.worker_id == self.hello.worker_id:
+                    raise Broken(f"a {msg.__struct_config__.tag} of {msg.worker_id!r} from connection {identity!r}; "
+                                 f"its hello came from {self.identity!r}")
+                continue  # another worker's
+            if len(payload) != 1:
+                raise Broken(f"a message of {len(payload)} frames; every message is exactly one frame")
+            if error is not None:
+                raise Broken(f"a frame the daemon cannot decode ({error}); every message is one msgpack map")
+            if isinstance(msg, wire.Hello):
+                self.identity = identity
+            elif isinstance(msg, wire.Heartbeat) and self.acking:
+                self.send(wire.HeartbeatAck(seq=msg.seq, boot_id=self.boot_id))
+            return msg
+        return None
 
     def expect(self, what: str, match: Callable[[Any], bool], timeout_s: float | None = None) -> Any:
         """The first message for which `match` holds; Broken after the timeout, naming what came."""
@@ -169,7 +178,7 @@ class Conversation:
     def send(self, msg: msgspec.Struct | bytes) -> None:
         self.side.send(self.identity, msg if isinstance(msg, bytes) else wire.encode(msg))
 
-    def welcome(self, hello: wire.Hello, *, send: bool = True) -> wire.Welcome:
+    def welcome(self, hello: wire.Hello) -> wire.Welcome:
         """A new registration for `hello`: the next incarnation, a new token."""
         self.hello = hello
         self.incarnation += 1
@@ -181,8 +190,7 @@ class Conversation:
                                heartbeat_timeout_s=self.heartbeat_timeout_s, token=self.token,
                                pool=self.pool if self.holding is not Holding.RELEASED else self.pool.other,
                                desired=Holding.RELEASED if self.holding is Holding.RELEASED else Holding.SERVING)
-        if send:
-            self.send(welcome)
+        self.send(welcome)
         return welcome
 
     @property
@@ -201,13 +209,13 @@ class Conversation:
         assert self.first is not None
         return self.first.actual.holding if self.first.actual is not None else None
 
-    def op(self, kind: OpKind, from_pool: Pool, to_pool: Pool, *, landing: Pool, op_id: str = "") -> wire.OpCommand:
+    def op(self, kind: OpKind, from_pool: Pool, to_pool: Pool, *, landing: Pool) -> wire.OpCommand:
         """An op on the worker's devices, as the daemon would send it (`landing`: where the
         devices are once the resize commits, or once it is rolled back)."""
         assert self.hello is not None
         self.ops += 1
         devices = tuple(self.hello.devices)
-        return wire.OpCommand(op_id=op_id or f"k{self.ops}/{kind.value}-{uuid.uuid4().hex[:6]}",
+        return wire.OpCommand(op_id=f"k{self.ops}/{kind.value}-{uuid.uuid4().hex[:6]}",
                               resize_id=f"k{self.ops}", kind=kind, devices=devices, from_pool=from_pool,
                               to_pool=to_pool, timeout_s=self.timeout_s,
                               training=devices if landing is Pool.TRAINING else (),
@@ -226,10 +234,9 @@ class Conversation:
     def heartbeat_with_token(self) -> wire.Heartbeat:
         """The next heartbeat carrying the current token (in-flight ones may carry the last)."""
         token = self.token
-        hb = self.expect("heartbeat with the current token",
-                         lambda m: isinstance(m, wire.Heartbeat) and m.token == token,
-                         self.timeout_s + 2 * self.heartbeat_interval_s)
-        return hb
+        return self.expect("heartbeat with the current token",
+                           lambda m: isinstance(m, wire.Heartbeat) and m.token == token,
+                           self.timeout_s + 2 * self.heartbeat_interval_s)
 
     def hello_again(self, why: str, timeout_s: float | None = None) -> wire.Hello:
         """The worker's next hello, which must come from the same process; welcomed."""

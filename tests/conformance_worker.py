@@ -63,7 +63,7 @@ async def serve(args: argparse.Namespace) -> None:
         return f"{op.kind.value} done"
 
     cls = BREAKS.get(args.breaks, WorkerClient)
-    client = cls(args.endpoint, "conformance-0", WorkerKind(args.kind), ("node0:gpu0",), hello_timeout_s=30,
+    client = cls(args.endpoint, args.worker_id, WorkerKind(args.kind), (args.device,), hello_timeout_s=30,
                  actual=lambda: ActualState(holding=holding, last_op=last_op))
     client.on_all({kind: perform for kind in OpKind})
     stop = asyncio.Event()
@@ -78,6 +78,8 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("endpoint")
+    p.add_argument("--worker-id", default="conformance-0")
+    p.add_argument("--device", default="node0:gpu0")
     p.add_argument("--kind", default=WorkerKind.ROLLOUT_ENGINE.value, choices=[k.value for k in WorkerKind])
     p.add_argument("--released", action="store_true", help="start holding nothing (its device in the other pool)")
     p.add_argument("--break", dest="breaks", default="", choices=["", *BREAKS])

@@ -4,6 +4,8 @@ that breaks one rule fails the check of that rule (and not the others)."""
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -74,3 +76,20 @@ def test_no_worker_fails_hello_and_skips_the_rest(capsys) -> None:
 def test_an_unknown_check_is_refused(capsys) -> None:
     assert conformance.main(["tcp://127.0.0.1:*", "--only", "no-such-check"]) == 2
     assert "no check named no-such-check" in capsys.readouterr().err
+
+
+def test_another_worker_on_the_endpoint_is_not_listened_to(capsys) -> None:
+    with socket.socket() as probe:  # a free port, for a second worker started before the checker
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    other = subprocess.Popen([*(a.replace("{endpoint}", endpoint) for a in WORKER), "--worker-id", "other-0",
+                              "--device", "node0:gpu1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        status = conformance.main([endpoint, "--json", "--only", "heartbeat", "--only", "op", "--only", "op-resent",
+                                   "--", *WORKER])
+    finally:
+        other.terminate()
+        other.wait(timeout=10)
+    report = json.loads(capsys.readouterr().out)
+    assert outcomes(report) == dict.fromkeys(["hello", "heartbeat", "op", "op-resent"], "passed"), report
+    assert status == 0
