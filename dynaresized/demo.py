@@ -3,9 +3,10 @@
 It starts the real daemon on loopback with a temporary state directory, one process per
 simulated device (each hosting that device's engine and trainer workers, attached through the
 real client over real ZeroMQ), runs a long-tail RL workload from the simulator's model at
-accelerated time, prints the pools step by step, why each resize happened and the loans of
-idle engines to the training step in progress, with their reasons (read from the daemon's
-event log, as an operator would), and ends with the time the same run would have taken on the
+accelerated time, prints the pools step by step, why each resize happened, and the loans of
+idle devices inside steps (engines to the training step in progress, trainers with nothing to
+train to the rollout) with the reasons of the first three and then one step in twenty (read from
+the daemon's event log, as an operator would; `--keep` keeps it for `dynaresized events`), and ends with the time the same run would have taken on the
 static split and on the best static split with the same router.
 """
 
@@ -94,8 +95,8 @@ to_rollout_s = {per_device[Pool.ROLLOUT]:.6f}
     return str(path), worker_ep, control_ep
 
 
-def _bar(split: Split) -> str:
-    return "T" + "■" * split.train + " R" + "□" * split.rollout
+def _bar(split: Split, moving: int = 0) -> str:
+    return "T" + "■" * split.train + " R" + "□" * split.rollout + (f" ~{moving}" if moving else "")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -172,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     }
     say("")
     say(f"done: {summary['steps']} steps, {summary['resizes']} resize(s), final split {summary['final_split']}, "
-        f"{summary['loans']} loan(s) of idle engines inside steps ({summary['devices_lent']} device-steps)")
+        f"{summary['loans']} loan(s) of idle devices inside steps ({summary['devices_lent']} device-steps)")
     say(f"  simulated time with {args.policy}: {dynamic / 3600:7.2f} h")
     say(f"  on the static split {initial}:     {static_initial / 3600:7.2f} h  "
         f"(dynamic is {static_initial / dynamic:.2f}x faster)")
@@ -194,6 +195,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lent(lent: dict[Pool, list[str]]) -> str:
+    """The step line's loans, one direction each: "  lent to training gpu6; to rollout gpu0, gpu1"."""
+    parts = [f"to {pool.value} {', '.join(devices)}" for pool, devices in lent.items() if devices]
+    return f"  lent {'; '.join(parts)}" if parts else ""
+
+
 def _follow(state: Path, leader: subprocess.Popen[bytes], steps: int, say: Any,
             open_recorder: Any, decode_fact: Any, settle_s: float = 10.0) -> dict[str, Any]:
     """Tail the daemon's event log until the leader has run every step. The leader's last step
@@ -203,7 +210,7 @@ def _follow(state: Path, leader: subprocess.Popen[bytes], steps: int, say: Any,
     exited_at: float | None = None
     recorder = open_recorder(state / "events.sqlite", read_only=True)
     position, seen_steps, total, resizes, loans, lent = 0, 0, 0.0, 0, 0, 0
-    lent_this_step: list[str] = []
+    lent_this_step: dict[Pool, list[str]] = {Pool.TRAINING: [], Pool.ROLLOUT: []}  # by the pool lent to
     cluster = ClusterState()  # the log folded as the daemon folds it: its idle figures
     split = None
     last_rejection = ""
@@ -219,15 +226,23 @@ def _follow(state: Path, leader: subprocess.Popen[bytes], steps: int, say: Any,
                     step_s = max(t.rollout_s, t.train_s) + t.weight_sync_s
                     total += step_s
                     seen_steps += 1
-                    split = Split(train=t.train_devices, rollout=t.rollout_devices)
-                    loaned = f"  lent {', '.join(lent_this_step)}" if lent_this_step else ""
-                    say(f"step {t.step:4d}  {_bar(split):<22} rollout {t.rollout_s:7.1f}s  "
-                        f"train {t.train_s:7.1f}s  step {step_s:7.1f}s{loaned}")
-                    lent_this_step = []
+                    # The split the daemon holds as the step is recorded (a resize committed at
+                    # the previous boundary shows here), not the one the step started on; a
+                    # lent device, or one on its way to a loan, counts in its home pool, and a
+                    # device a resize is moving shows as ~.
+                    split = cluster.split
+                    moving = sum(p.is_moving and p.home is None for p in cluster.devices.values())
+                    split = Split(train=split.train + sum(p.is_moving and p.home is Pool.TRAINING
+                                                          for p in cluster.devices.values()),
+                                  rollout=split.rollout + sum(p.is_moving and p.home is Pool.ROLLOUT
+                                                              for p in cluster.devices.values()))
+                    say(f"step {t.step:4d}  {_bar(split, moving):<22} rollout {t.rollout_s:7.1f}s  "
+                        f"train {t.train_s:7.1f}s  step {step_s:7.1f}s{_lent(lent_this_step)}")
+                    lent_this_step = {Pool.TRAINING: [], Pool.ROLLOUT: []}
                 elif isinstance(fact, f.LoanStarted):
-                    if not lent_this_step and (loans < 3 or seen_steps % 20 == 0):
+                    if not any(lent_this_step.values()) and (loans < 3 or seen_steps % 20 == 0):
                         say(f"  >> {explain(fact)}")  # the first loans, then one step in twenty
-                    lent_this_step.extend(d.split(":")[-1] for d in fact.plan.devices)
+                    lent_this_step[fact.plan.to_pool].extend(d.split(":")[-1] for d in fact.plan.devices)
                     lent += len(fact.plan.devices)
                 elif isinstance(fact, f.LoanLanded):
                     loans += 1

@@ -84,3 +84,41 @@ def test_the_demo_reads_the_log_on_after_the_leader_exits_until_every_step_is_in
     began = time.monotonic()
     assert _follow(tmp_path, leader, 5, lambda line: None, open_recorder, decode_fact, settle_s=0.3)["steps"] == 3
     assert time.monotonic() - began < 5
+
+
+def test_the_step_line_shows_the_split_after_a_commit_and_each_loans_direction(tmp_path: Path) -> None:
+    """The pool bar lagged a step behind each commit (it drew the split the step started on), and
+    `lent` listed engines lent to training and trainers lent to the rollout as one list."""
+    from dynaresized.core import events as ev
+    from dynaresized.domain import Split
+
+    from tests.core.cluster import EAGER, boot, engine, make_core, trainer
+
+    d = boot(make_core(EAGER, "hysteresis", op_timeout_s=30.0), 2, 2)
+
+    def step(i: int) -> None:  # what the workers say: the step ran on 2:2
+        d.send(ev.StepReported(at=d.at(), worker_id=trainer(0), timing=StepTiming(
+            step=i, rollout_s=10.0, train_s=10.0, rollout_devices=2, train_devices=2)))
+        d.finish()
+
+    d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=0, done=0, total=0))  # trainers to the rollout
+    d.finish()
+    d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=0, done=0, total=8))  # ... and home
+    d.finish()
+    for done in (1, 2):
+        d.send(ev.MiniBatchDone(at=d.at(60), worker_id=trainer(0), step=0, done=done, total=8))
+    d.send(ev.EngineQueueEmpty(at=d.at(), worker_id=engine(3), step=1, running=0))  # an engine to training
+    d.finish()
+    step(0)
+    d.send(ev.ResizeRequested(at=d.at(), target=Split(train=3, rollout=1)))
+    d.finish()
+    step(1)
+    FactLog(open_recorder(tmp_path / "events.sqlite")).append(d.log)
+    leader = subprocess.Popen([sys.executable, "-c", "pass"])
+    leader.wait()
+    lines: list[str] = []
+    _follow(tmp_path, leader, 2, lines.append, open_recorder, decode_fact)
+    steps = [x for x in lines if x.startswith("step ")]
+    assert steps[0].startswith("step    0  T■■ R□□ ") and steps[0].endswith("  lent to training gpu3; to rollout gpu0, gpu1")
+    assert lines.index("  >> resize r1 committed in 8.00s at step 0") < lines.index(steps[1])
+    assert steps[1].startswith("step    1  T■■■ R□ ") and "lent" not in steps[1]
