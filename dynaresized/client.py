@@ -12,6 +12,9 @@ the daemon restarts (a new boot id) or forgets the worker, the client registers 
 itself, with backoff. A worker that can say what it holds passes `actual=` (a function
 returning an `ActualState`): the client sends it with hello, with every op result and when
 the daemon asks, and the daemon then converges the worker with its log (reconciliation).
+Each process names its connection `<worker_id>#<process>` and proves itself in every hello with
+a secret of its own that only the daemon sees (docs/security.md): a reader of the event log,
+which shows `process`, cannot say hello in its place.
 `BlockingWorkerClient` offers the same for code without an event loop.
 """
 
