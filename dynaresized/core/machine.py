@@ -332,6 +332,15 @@ def on_progress(core: Core, tx: _Tx, e: ev.ProgressReported) -> None:
     tx.emit(
         f.ProgressObserved(at=e.at, worker_id=e.worker_id, step=e.step, done=e.done, total=e.total, tokens=e.tokens)
     )
+    # A lending policy that sends its loans home on the rollout's progress (verl's rules go home
+    # once enough samples are done) is asked after every report.
+    s = tx.state
+    ask = getattr(core.policy, "observe_progress", None)
+    if ask is None or s.phase is not Phase.STEADY or s.inflight is not None or s.paused or s.stopping:
+        return
+    why = ask(loan_view(core, s, e.at))
+    if why and s.lent_devices():
+        _return_loans(core, tx, e.at, None, "", why=why)
 
 
 def on_resize_requested_steady(core: Core, tx: _Tx, e: ev.ResizeRequested) -> None:
@@ -903,6 +912,9 @@ def loan_view(core: Core, state: ClusterState, now: float) -> LoanView:
         queue_empty=state.dry_step >= rollout_step,
         costs=core.config.loan_costs,
         recent=state.recent,
+        rollout_step=rollout_step,
+        samples_done=sum(p.done for p in state.progress.values() if p.step == rollout_step),
+        samples_total=max((p.total for p in state.progress.values() if p.step == rollout_step), default=0),
     )
 
 

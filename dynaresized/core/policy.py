@@ -159,6 +159,11 @@ class LoanView(msgspec.Struct, frozen=True):
     queue_empty: bool  # an engine reported that the rollout step's queue is empty
     costs: LoanCosts
     recent: tuple[StepTiming, ...] = ()
+    rollout_step: int = -1  # the rollout step in progress (the one idle_engines and samples_* are of)
+    samples_done: int = 0
+    """Samples of `rollout_step` the engines have reported finished (`ProgressReported`, summed
+    over engines; lent devices serving the rollout included)."""
+    samples_total: int = 0  # the step's samples, as the engines report it (0: no report yet)
 
 
 class LoanProposal(msgspec.Struct, frozen=True):
