@@ -199,8 +199,11 @@ def summary(r: SimReport) -> str:
         f"  loans                {r.loans:12d}     {r.devices_lent} device-steps lent, {r.loans_refused} refused",
         f"  lower bound          {r.lower_bound_s:12.1f} s   gap {r.gap_to_lower_bound:.1%}   (moves at step boundaries only)",
         f"  fluid bound          {r.fluid_bound_s:12.1f} s   gap {r.gap_to_fluid_bound:.1%}   (any schedule, loans included)",
+        f"  verl's own rule      {r.verl_dynamic_total_time_s:12.1f} s   speedup {r.speedup_vs_verl_dynamic:.3f}x   "
+        f"(verl-default: its trainers lent to the rollout, from the same split)",
+        f"  verl v1 switch       {r.verl_v1_switch_total_time_s:12.1f} s   speedup {r.speedup_vs_verl_v1_switch:.3f}x",
         f"  headroom over best static: {r.headroom_vs_best_static:.3f}x with free resizes, "
-        f"{r.bound_vs_best_static:.3f}x for any schedule",
+        f"{r.bound_vs_best_static:.3f}x for any step-boundary schedule",
     ]
     for e in r.resize_events:
         lines.append(f"  resize {e.resize_id} after step {e.step}: {e.before} -> {e.after} ({e.outcome}): {e.reason}")
@@ -231,15 +234,16 @@ def _bench(args: argparse.Namespace, out: TextIO) -> int:
         for row in rows:
             out.write(msgspec.json.encode(row).decode() + "\n")
         return 0
-    header = f"{'workload':<20} {'policy':<11} {'total_s':>11} {'resizes':>7} {'best':>5} {'vs best':>8} " \
-             f"{'vs init':>8} {'gap LB':>7} {'headroom':>8} {'loans':>6} {'vs RR':>6} {'gap FB':>7}"
+    header = f"{'workload':<20} {'policy':<14} {'total_s':>11} {'resizes':>7} {'best':>5} {'vs best':>8} " \
+             f"{'vs init':>8} {'gap LB':>7} {'headroom':>8} {'loans':>6} {'vs RR':>6} {'gap FB':>7} " \
+             f"{'vs verl':>7} {'vs v1':>6}"
     out.write(header + "\n" + "-" * len(header) + "\n")
     for r in rows:
         b = r.best_static
-        out.write(f"{r.workload:<20} {r.policy:<11} {r.total_time_s:>11.0f} {r.resizes:>7d} {b.train}:{b.rollout:<3} "
+        out.write(f"{r.workload:<20} {r.policy:<14} {r.total_time_s:>11.0f} {r.resizes:>7d} {b.train}:{b.rollout:<3} "
                   f"{r.speedup_vs_best_static:>8.3f} {r.speedup_vs_initial_split:>8.3f} {r.gap_to_lower_bound:>7.1%} "
                   f"{r.headroom_vs_best_static:>8.3f} {r.loans:>6d} {r.speedup_vs_best_static_round_robin:>6.3f} "
-                  f"{r.gap_to_fluid_bound:>7.1%}\n")
+                  f"{r.gap_to_fluid_bound:>7.1%} {r.speedup_vs_verl_dynamic:>7.3f} {r.speedup_vs_verl_v1_switch:>6.3f}\n")
     return 0
 
 

@@ -38,9 +38,14 @@ from dynaresized.core.guards import GuardConfig
 from dynaresized.core.policy import Policy, ResizeCosts
 from dynaresized.core.policy import LoanCosts
 from dynaresized.domain import FORWARD_ORDER, OpKind, PlanKind, Pool, ResizePlan, Split, StepTiming, WorkerKind
-from dynaresized.sim.stages import StageModel
+from dynaresized.sim.stages import EngineSchedule, StageModel
 
 Progress = Callable[[int, int], None]
+
+PROGRESS_POINTS = 128
+"""Engines report their sample counts this many times per rollout step (at every 1/128 of its
+samples), to a policy that reads progress: fine enough for verl's rules (verl polls its queue
+once a second), coarse enough to keep a run to seconds."""
 
 
 class Window(msgspec.Struct, frozen=True, array_like=True):
@@ -181,6 +186,13 @@ class DynamicPipeline:
         self._commits: list[SendOp] = []
         self._penalty = {Pool.ROLLOUT: 0.0, Pool.TRAINING: 0.0}
         self._served_early: set[str] = set()  # resizes to the rollout whose engines pulled before commit
+        # A policy that reads the rollout's progress (verl's rules) gets the engines' sample
+        # counts (`ProgressReported`); others do not need them, and the run is faster without.
+        self.tracks_progress = hasattr(policy, "observe_progress")
+        self._mid_window = False  # a return of lent devices now happens inside a window
+        self._early_home: tuple[float, float] | None = None  # (when, seconds) of such a return
+        self._home_engines: list[str] = []  # the window's home engines, by engine index
+        self._schedule_w: EngineSchedule | None = None  # the window's rollout on them, request by request
 
     def _estimated_cost(self, to_pool: Pool) -> float:
         """Critical-path seconds per moved device before the core has measured one."""
@@ -227,6 +239,13 @@ class DynamicPipeline:
             # The way home is answered at the boundary; its seconds are charged where they
             # fall: the engine starts the next rollout that late (the trainer leaving first),
             # and the training group shrinks back once.
+            if op.op_id not in self._charged and self._mid_window and op.to_pool is Pool.TRAINING:
+                # Trainers lent to the rollout go home inside the window (the rule's sample
+                # count reached): their way home is paid only where it outlasts the window.
+                self._charged.add(op.op_id)
+                extra = self.model.profile.loan.group_change_s if op.kind is OpKind.DRAIN and not self.naive else 0.0
+                at, paid = self._early_home or (now, 0.0)
+                self._early_home = (at, paid + seconds + extra)
             if op.op_id not in self._charged:
                 self._charged.add(op.op_id)
                 if op.to_pool is Pool.TRAINING:  # trainers lent to the rollout: the step starts late
@@ -323,6 +342,15 @@ class DynamicPipeline:
         seconds, devices lent, device-seconds that served the rollout)."""
         model, profile = self.model, self.model.profile
         mbs = profile.training.mini_batches_per_step
+        if self.tracks_progress and w < model.steps:
+            # The step's requests are queued: each engine says it has done none of them yet.
+            total = int(model.samples[w])
+            gpe = profile.rollout.gpus_per_engine
+            home = sorted((d for d, p in self.state.devices.items() if (p.home or p.pool) is Pool.ROLLOUT),
+                          key=self.index.__getitem__)
+            for d in home[::gpe][:model.engines(len(home))]:
+                self._feed(ev.ProgressReported(at=start, worker_id=engine_id(self.index[d]), step=w, done=0,
+                                               total=total))
         # The trainer says its step begins (window 0: that it has nothing to train yet); its
         # devices lent to the rollout in window 0 come home first, and the step pays their way.
         self._feed(ev.MiniBatchDone(at=start, worker_id=self._reporter(), step=max(w - 1, 0), done=0,
@@ -332,16 +360,20 @@ class DynamicPipeline:
         engines = model.engines(len(rollout_devs))
         late = np.array([self._late.get(d, 0.0) for d in rollout_devs[:engines]])
         self._late.clear()
+        gpe = profile.rollout.gpus_per_engine
+        self._home_engines = [engine_id(self.index[d]) for d in rollout_devs[::gpe][:engines]]
+        self._schedule_w = None
         if w < model.steps:
             finish = model.engine_finish(w, engines, late) + self._penalty[Pool.ROLLOUT]
+            if self.tracks_progress:
+                self._schedule_w = model.engine_schedule(w, engines, late)
         else:
             finish = late.copy()  # the last window only trains: every engine is idle at once
         rollout_s = float(finish.max()) if w < model.steps else 0.0
         served = rollout_s * len(rollout_devs)
         if w == 0:
-            rollout_s, served, lent = self._lend_to_rollout(w, start, rollout_s, len(rollout_devs), late)
+            rollout_s, served, lent = self._lend_to_rollout(w, start, rollout_s, len(rollout_devs), late, 0.0)
             return rollout_s, 0.0, lent, served
-        gpe = profile.rollout.gpus_per_engine
         idle_at = sorted((float(finish[e]), e) for e in range(engines))
         per_mb = model.train_work(w - 1) / mbs
         eff = model.dp_efficiency
@@ -364,9 +396,14 @@ class DynamicPipeline:
                     self._feed(ev.EngineQueueEmpty(at=start + at, worker_id=engine_id(self.index[d]), step=w,
                                                    running=0, tokens_left=0))
             self._ack_until(start + t_end)
+            if j == mbs and self._schedule_w is not None:
+                # what verl's rule reads after training: the samples of the next batch done
+                self._report_progress(w, start, self._home_engines, self._schedule_w,
+                                      self._penalty[Pool.ROLLOUT], -math.inf, t_end, snapshot=True)
             self._feed(ev.MiniBatchDone(at=start + t_end, worker_id=reporter, step=w - 1, done=j, total=mbs))
             if j == mbs and w < model.steps:  # training done: its trainers may serve the rollout
-                rollout_s, served, more = self._lend_to_rollout(w, start, rollout_s, len(rollout_devs), late)
+                rollout_s, served, more = self._lend_to_rollout(w, start, rollout_s, len(rollout_devs), late,
+                                                                t_end)
                 lent += more
             self._ack_until(start + t_end)
             if j < mbs:
@@ -387,27 +424,123 @@ class DynamicPipeline:
         return rollout_s, train_s, lent, served
 
     def _lend_to_rollout(self, w: int, start: float, rollout_s: float, home_devices: int,
-                         late: np.ndarray) -> tuple[float, float, int]:
+                         late: np.ndarray, since: float) -> tuple[float, float, int]:
         """If the core just lent trainers to rollout w, their engines pull the step's queued
-        requests from when the loan lands (only the pull router hands them any). Returns the
-        rollout's seconds, the device-seconds that served it, and the devices lent."""
+        requests from when the loan lands (only the pull router hands them any). A policy that
+        reads progress hears the engines' sample counts from `since` (seconds into the window)
+        on, and may send the lent trainers home once enough are done: from then they pull
+        nothing more (what they run they finish). Returns the rollout's seconds, the
+        device-seconds that served it, and the devices lent."""
         served = rollout_s * home_devices
+        penalty = self._penalty[Pool.ROLLOUT]
         landed = self._rollout_loan_landed()
         if landed is None:
+            self._report_rest(w, start, self._home_engines, self._schedule_w, penalty, since)
             return rollout_s, served, 0
         at, devices = landed
         model = self.model
         ready = at - start
         extra = model.engines(len(devices))
+        gpe = model.profile.rollout.gpus_per_engine
+        lent_engines = [engine_id(self.index[d]) for d in devices[::gpe][:extra]]
         if model.router != "pull" or extra == 0 or ready >= rollout_s:
+            # the lent engines get nothing; the home engines' progress may still send them home
+            self._report_rest(w, start, self._home_engines, self._schedule_w, penalty, ready, watch=True)
             return rollout_s, served, len(devices)
         home = len(late)
-        finish = model.engine_finish(w, home + extra, np.concatenate([late, np.full(extra, ready)]))
-        finish = finish + self._penalty[Pool.ROLLOUT]
-        busy = finish[home:] > ready + self._penalty[Pool.ROLLOUT]
+        offsets = np.concatenate([late, np.full(extra, ready)])
+        stops = None
+        if self.tracks_progress:
+            # verl's rules: `rebalances` (verl-default's request_rebalance) redistributes every
+            # running request once the lent engines are in; going home aborts what they run
+            # (partial rollout: the home engines resume it)
+            workers = self._home_engines + lent_engines
+            rebalance = ready if getattr(self.policy, "rebalances", False) else None
+            schedule = model.engine_schedule(w, home + extra, offsets, rebalance_at_s=rebalance)
+            back = self._report_progress(w, start, workers, schedule, penalty, ready, math.inf, watch=True)
+            if back is not None:
+                stops = frozenset(range(home, home + extra))
+                schedule = model.engine_schedule(w, home + extra, offsets, rebalance_at_s=rebalance,
+                                                 stop_at_s=back - penalty, stopping=stops)
+                self._report_rest(w, start, workers, schedule, penalty, back)
+                lent_done = start + float(schedule.finish_s[home:].max()) + penalty
+                at_home, paid = self._early_home or (start + back, 0.0)
+                self._early_home = (max(at_home, lent_done), paid)
+            finish = schedule.finish_s
+        else:
+            finish = model.engine_finish(w, home + extra, offsets)
+        finish = finish + penalty
+        busy = finish[home:] > ready + penalty
         rollout_s = float(max(finish[:home].max(), finish[home:][busy].max() if busy.any() else 0.0))
-        served = rollout_s * home_devices + (len(devices) * (rollout_s - ready) if busy.any() else 0.0)
+        until = rollout_s if stops is None else float(finish[home:].max())
+        served = rollout_s * home_devices + (len(devices) * (until - ready) if busy.any() else 0.0)
         return rollout_s, served, len(devices)
+
+    def _report_progress(self, w: int, start: float, workers: list[str], schedule: EngineSchedule | None,
+                         offset: float, since: float, until: float, *, snapshot: bool = False,
+                         watch: bool = False) -> float | None:
+        """The engines report how many of step w's samples each has done, at every
+        `1 / PROGRESS_POINTS` of the step's samples done in (since, until] (seconds into the
+        window; `offset` shifts the schedule), or once at `until` (`snapshot`). With `watch`,
+        stops at the first report on which the core starts sending lent devices home, and
+        returns its time (their ops answered at once: the way home is charged by the window)."""
+        if schedule is None:
+            return None
+        done = schedule.done_s + offset
+        total = int(done.shape[0])
+        engines = len(workers)
+        reported = np.full(engines, -1, dtype=np.int64)
+
+        def report(at: float, counts: np.ndarray) -> bool:
+            self._mid_window = watch
+            for e in np.flatnonzero(counts != reported):
+                self._feed(ev.ProgressReported(at=start + at, worker_id=workers[e], step=w, done=int(counts[e]),
+                                               total=total))
+            self._mid_window = False
+            reported[:] = counts
+            fl = self.state.inflight
+            if not (watch and fl is not None and fl.plan.kind is PlanKind.RETURN):
+                return False
+            self._ack_until(start + at)
+            return True
+
+        if snapshot:
+            report(until, np.bincount(schedule.placement[done <= until], minlength=engines))
+            return None
+        order = np.argsort(done, kind="stable")
+        grain = max(1, total // PROGRESS_POINTS)
+        counts = np.zeros(engines, dtype=np.int64)
+        for k, j in enumerate(order):
+            counts[schedule.placement[j]] += 1
+            at = float(done[j])
+            if at <= since:
+                continue
+            if at > until:
+                break
+            if (k + 1) % grain and k + 1 != total:
+                continue
+            if report(at, counts):
+                return at
+        return None
+
+    def _report_rest(self, w: int, start: float, workers: list[str], schedule: EngineSchedule | None,
+                     offset: float, since: float, *, watch: bool = False) -> None:
+        """The rest of step w's progress after `since`: every report (`watch`: a return of lent
+        devices may start on one), or only each engine's last, when it has done all of its own."""
+        if schedule is None:
+            return
+        if watch:
+            back = self._report_progress(w, start, workers, schedule, offset, since, math.inf, watch=True)
+            if back is not None:
+                self._report_rest(w, start, workers, schedule, offset, back)
+            return
+        engines = len(workers)
+        mine = np.bincount(schedule.placement, minlength=engines)
+        for e in np.argsort(schedule.finish_s, kind="stable"):
+            at = float(schedule.finish_s[e]) + offset
+            if at > since and mine[e]:
+                self._feed(ev.ProgressReported(at=start + at, worker_id=workers[e], step=w, done=int(mine[e]),
+                                               total=int(schedule.done_s.shape[0])))
 
     def _mixed_rollout_s(self, w: int, split: Split, now: float) -> float:
         """Rollout w on `split`, plus, with the pull router, the engines of a pipelined resize to
@@ -464,6 +597,12 @@ class DynamicPipeline:
                 self._late.clear()
             self._penalty = {Pool.ROLLOUT: 0.0, Pool.TRAINING: 0.0}
             end = now + max(rollout_s, train_s) + (sync if w >= 1 else 0.0)
+            if self._early_home is not None:
+                # lent trainers that went home inside the window: the next step waits for the
+                # part of their way home that outlasts this window
+                at, paid = self._early_home
+                self._penalty[Pool.TRAINING] += max(at + paid - end, 0.0)
+                self._early_home = None
             self._ack_until(end)
             self._finish_joins(end)
             end = self._land_loan(end)

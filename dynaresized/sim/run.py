@@ -84,7 +84,8 @@ class SimReport(msgspec.Struct, frozen=True):
     """`best_static / oracle`: the most resizing can gain over the best static split on this
     workload and profile, with free, instant resizes (no policy's speedup exceeds it)."""
     bound_vs_best_static: float
-    """`best_static / lower_bound`: the most *any* schedule could gain over the best static split."""
+    """`best_static / lower_bound`: the most any schedule that moves devices only at step
+    boundaries could gain over the best static split (loans inside a step: `fluid_bound_s`)."""
     cooldown_steps: int
     min_steps_between_resizes: int | None
     rejections: dict[str, int]
@@ -117,6 +118,14 @@ class SimReport(msgspec.Struct, frozen=True):
     fluid_gap_training_bound_s: float = 0.0
     """...and in windows training ended last (loan costs, mini-batch granularity, and lending
     decided from progress so far rather than from the lengths still to come)."""
+    verl_dynamic_total_time_s: float = 0.0
+    """The same trace, profile, devices and initial split run with `verl-default`: verl's
+    own dynamic-scheduling rule lending the trainers to the rollout (docs/simulator.md, "verl's
+    own rules"); `speedup_vs_verl_dynamic` is `its total / total_time_s`."""
+    speedup_vs_verl_dynamic: float = 0.0
+    verl_v1_switch_total_time_s: float = 0.0
+    """...and with `verl-v1-switch`, verl v1's step switching; `speedup_vs_verl_v1_switch`."""
+    speedup_vs_verl_v1_switch: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,37 @@ class Baselines:
     fluid_windows: np.ndarray | None = None
     best_split_round_robin: Split | None = None
     best_static_round_robin_s: float = 0.0
+
+
+VERL_RULES: tuple[str, ...] = ("verl-default", "verl-v1-switch")
+"""verl's own rules, run beside every simulation (`verl_baselines`)."""
+
+
+@dataclass(frozen=True)
+class VerlRuns:
+    """verl's rules on one (trace, profile, cost mode): its runs, by policy name."""
+
+    runs: Mapping[str, DynamicRun]
+    guards: GuardConfig
+
+    def total_s(self, name: str) -> float:
+        return self.runs[name].total_time_s
+
+
+def verl_guards(profile: Profile) -> GuardConfig:
+    """The profile's guards, with `loan_safety` 1: verl lends when its estimated benefit
+    exceeds its switch cost, no margin (the core's loan_payback guard is then its own gate)."""
+    return guards_for(profile, {"loan_safety": 1.0})
+
+
+def verl_baselines(model: StageModel, *, naive: bool = False, reuse: Mapping[str, DynamicRun] | None = None) -> VerlRuns:
+    """verl's rules with their own defaults on `model`, from the profile's initial split."""
+    guards = verl_guards(model.profile)
+    runs = dict(reuse or {})
+    for name in VERL_RULES:
+        if name not in runs:
+            runs[name] = DynamicPipeline(model, load_policy(name), guards=guards, naive=naive).run()
+    return VerlRuns(runs=runs, guards=guards)
 
 
 @dataclass(frozen=True)
@@ -217,14 +257,24 @@ def simulate(
     seed: int | None = None,
     model: StageModel | None = None,
     base: Baselines | None = None,
+    verl: VerlRuns | None = None,
+    verl_rules: bool = True,
     progress: Progress | None = None,
 ) -> SimRun:
-    """Run `policy` (an installed policy name) over `trace` on `profile` in dynamic mode."""
+    """Run `policy` (an installed policy name) over `trace` on `profile` in dynamic mode, and
+    beside it verl's own rules (`verl`, when given, must be of the same model and cost mode;
+    `verl_rules=False` skips them and leaves the report's verl fields 0)."""
     model = model if model is not None else StageModel(profile, trace)
     base = base if base is not None else baselines(model)
     guards = guards_for(profile, guard_overrides)
-    run = DynamicPipeline(model, load_policy(policy, policy_options), guards=guards, naive=naive,
-                          progress=progress).run()
+    plain = policy in VERL_RULES and not policy_options and guards == verl_guards(profile)
+    if verl is not None and plain:
+        run = verl.runs[policy]
+    else:
+        run = DynamicPipeline(model, load_policy(policy, policy_options), guards=guards, naive=naive,
+                              progress=progress).run()
+    if verl is None and verl_rules:
+        verl = verl_baselines(model, naive=naive, reuse={policy: run} if plain else None)
     events = _resize_events(run.facts)
     starts = [e.step for e in events]
     spacing = min((b - a for a, b in zip(starts, starts[1:], strict=False)), default=None)
@@ -278,8 +328,17 @@ def simulate(
         devices_lent=sum(len(x.plan.devices) for x in run.facts if isinstance(x, f.LoanStarted)),
         loans_refused=sum(n for g, n in rejections.items() if g.startswith("loan")),
         **_fluid_gap(run, base),
+        **_versus_verl(verl, total),
     )
     return SimRun(report=report, run=run, model=model)
+
+
+def _versus_verl(verl: VerlRuns | None, total: float) -> dict[str, float]:
+    if verl is None:
+        return {}
+    dynamic, v1 = verl.total_s("verl-default"), verl.total_s("verl-v1-switch")
+    return {"verl_dynamic_total_time_s": _r(dynamic), "speedup_vs_verl_dynamic": _r(dynamic / total, 4),
+            "verl_v1_switch_total_time_s": _r(v1), "speedup_vs_verl_v1_switch": _r(v1 / total, 4)}
 
 
 def _fluid_gap(run: DynamicRun, base: Baselines) -> dict[str, float]:
@@ -301,7 +360,7 @@ def scenario_shape(profile: Profile) -> Shape:
     return Shape(w.samples_per_step, w.samples_per_prompt, w.max_response_tokens, w.prompt_median_tokens)
 
 
-BENCH_POLICIES: tuple[str, ...] = ("static", "greedy", "hysteresis", "planner")
+BENCH_POLICIES: tuple[str, ...] = ("static", "greedy", "hysteresis", "planner", "verl-default", "verl-v1-switch")
 
 
 def bench(
@@ -321,8 +380,10 @@ def bench(
         trace = scenario_trace(name, scenario_shape(profile), seed=seed, steps=steps)
         model = StageModel(profile, trace)
         base = baselines(model)
+        verl = verl_baselines(model, naive=naive)
         for j, policy in enumerate(policies):
-            rows.append(simulate(trace, profile, policy, naive=naive, seed=seed, model=model, base=base).report)
+            rows.append(simulate(trace, profile, policy, naive=naive, seed=seed, model=model, base=base,
+                                 verl=verl).report)
             if progress is not None:
                 progress(i * len(policies) + j + 1, total)
     return rows

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -68,6 +70,14 @@ def pull_placement(lengths: list[int], engines: int, slots: int, offsets: list[i
     `engines` engines of `slots` slots pull from one FIFO queue. Every running request advances
     one token per iteration on every engine (the same lock-step the FIFO model assumes);
     `offsets[e]` is the iteration at which engine e starts pulling (a late-waking engine)."""
+    placement, _, finish = pull_schedule(lengths, engines, slots, offsets)
+    return placement, finish
+
+
+def pull_schedule(lengths: list[int], engines: int, slots: int,
+                  offsets: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`pull_placement`, with the iteration each request finishes at: (placement, done_at,
+    finish), in iterations."""
     n, width = len(lengths), engines * slots
     placement = np.empty(n, dtype=np.int64)
     done_at = np.empty(n, dtype=np.int64)
@@ -76,7 +86,7 @@ def pull_placement(lengths: list[int], engines: int, slots: int, offsets: list[i
         placement = np.arange(n, dtype=np.int64) % engines
         finish = np.zeros(engines, dtype=np.float64)
         np.maximum.at(finish, placement, np.asarray(lengths, dtype=np.float64))
-        return placement, finish
+        return placement, np.asarray(lengths, dtype=np.int64), finish
     if offsets is None or not any(offsets):
         # Everyone starts at once: the first wave fills slot s (engine s % engines) in order.
         first = min(n, width)
@@ -96,7 +106,114 @@ def pull_placement(lengths: list[int], engines: int, slots: int, offsets: list[i
         heapq.heapreplace(heap, (d, s))
     finish = np.zeros(engines, dtype=np.float64) if offsets is None else np.array(offsets, dtype=np.float64)
     np.maximum.at(finish, placement, done_at.astype(np.float64))
-    return placement, finish
+    return placement, done_at, finish
+
+
+@dataclass(frozen=True)
+class Intervention:
+    """Something done to the running requests of a pull-routed step at `at` (an iteration):
+    the engines in `stop` go home, their running requests aborted; with `rebalance`, every
+    running request is aborted and all of them go back to the queue (verl's
+    `request_rebalance`). Aborted requests keep what they generated (partial rollout) and are
+    queued first; the engine that resumes one prefills its prompt and what it generated."""
+
+    at: float
+    stop: frozenset[int] = frozenset()
+    rebalance: bool = False
+
+
+def pull_segments(lengths: list[int], engines: int, slots: int, offsets: list[int],
+                  interventions: list[Intervention]) -> tuple[np.ndarray, list[tuple[int, int, float, float, int, int]]]:
+    """The pull router's FIFO queue with `interventions`, run segment by segment. Returns each
+    request's finishing iteration and the segments: (request, engine, from, to, tokens generated
+    before, after), in iterations."""
+    n, width = len(lengths), engines * slots
+    queue: deque[tuple[int, int]] = deque((j, 0) for j in range(n))
+    running: list[tuple[int, float, int] | None] = [None] * width  # (request, started, generated before)
+    version = [0] * width
+    alive = [True] * engines
+    heap = [(float(offsets[s % engines]), s, 0) for s in range(width)]
+    heapq.heapify(heap)
+    idle: set[int] = set()
+    done_at = np.full(n, np.nan)
+    segments: list[tuple[int, int, float, float, int, int]] = []
+    pending = sorted(interventions, key=lambda x: x.at)
+
+    def begin(slot: int, t: float) -> None:
+        j, gen = queue.popleft()
+        running[slot] = (j, t, gen)
+        version[slot] += 1
+        heapq.heappush(heap, (t + lengths[j] - gen, slot, version[slot]))
+
+    def abort(slot: int, t: float) -> tuple[int, int]:
+        j, started, gen = running[slot]  # type: ignore[misc]
+        made = gen + int(t - started)
+        segments.append((j, slot % engines, started, t, gen, made))
+        running[slot] = None
+        version[slot] += 1
+        return j, made
+
+    while heap or pending:
+        if pending and (not heap or pending[0].at <= heap[0][0]):
+            x = pending.pop(0)
+            hit = [s for s in range(width) if running[s] is not None and alive[s % engines]
+                   and (x.rebalance or s % engines in x.stop)]
+            requeued = [abort(s, x.at) for s in hit]
+            queue.extendleft(reversed(requeued))
+            for e in x.stop:
+                alive[e] = False
+            if x.rebalance:  # every slot that has started takes from the queue again, engine by engine
+                free = [s for s in range(width) if alive[s % engines] and offsets[s % engines] <= x.at]
+                for slot in free:
+                    version[slot] += 1
+            else:
+                free = sorted(s for s in idle if alive[s % engines])
+            idle.difference_update(free)
+            for slot in free:
+                if queue:
+                    begin(slot, x.at)
+                else:
+                    idle.add(slot)
+            continue
+        t, slot, ver = heapq.heappop(heap)
+        if ver != version[slot] or not alive[slot % engines]:
+            continue
+        if running[slot] is not None:
+            j, started, gen = running[slot]  # type: ignore[misc]
+            segments.append((j, slot % engines, started, t, gen, lengths[j]))
+            done_at[j] = t
+            running[slot] = None
+        if queue:
+            begin(slot, t)
+        else:
+            idle.add(slot)
+    if np.isnan(done_at).any():
+        raise ValueError("every engine stopped before the step's requests were done")
+    return done_at, segments
+
+
+def fifo_done(lengths: list[int], slots: int) -> np.ndarray:
+    """The iteration at which each response of a `slots`-wide FIFO batch finishes."""
+    done = np.empty(len(lengths), dtype=np.float64)
+    heap = [(0, s) for s in range(max(slots, 1))]
+    for j, length in enumerate(lengths):
+        t, s = heap[0]
+        done[j] = t + length
+        heapq.heapreplace(heap, (t + length, s))
+    return done
+
+
+@dataclass(frozen=True, eq=False)
+class EngineSchedule:
+    """One step's rollout request by request (`StageModel.engine_schedule`)."""
+
+    placement: np.ndarray  # the engine of each request
+    done_s: np.ndarray  # seconds after the step starts at which each request finishes
+    finish_s: np.ndarray  # seconds at which each engine finishes its last request
+
+    def done_by(self, engines: int, at_s: float) -> np.ndarray:
+        """Requests each engine has finished by `at_s`."""
+        return np.bincount(self.placement[self.done_s <= at_s], minlength=engines)
 
 
 class StageModel:
@@ -215,6 +332,101 @@ class StageModel:
         busy = (r.iter_base_s * iters + r.iter_per_seq_s * sum_l + r.iter_per_ctx_token_s * ctx
                 + r.prefill_per_token_s * sum_p)
         return start + busy
+
+    def _full_iter_s(self, i: int) -> float:
+        """Seconds of one decode iteration of step i's full batch (late starts and stops are
+        converted to iterations at this pace)."""
+        r = self.profile.rollout
+        mean_ctx = self._ctx[i] / max(self._sum_l[i], 1.0)
+        return r.iter_base_s + int(self.batch_limit[i]) * (r.iter_per_seq_s + r.iter_per_ctx_token_s * mean_ctx)
+
+    def engine_schedule(self, i: int, engines: int, late_s: np.ndarray | None = None, *,
+                        stop_at_s: float | None = None, stopping: frozenset[int] = frozenset(),
+                        rebalance_at_s: float | None = None) -> EngineSchedule:
+        """Step i's rollout request by request: the engine each lands on (finishes on), the
+        second after the step starts at which each finishes, and each engine's finish
+        (`engine_finish`). With the pull router, the engines in `stopping` go home at
+        `stop_at_s` and every running request is redistributed at `rebalance_at_s`
+        (`Intervention`). A request's finish is interpolated over its engine's busy time by the
+        iteration it finishes at."""
+        r = self.profile.rollout
+        b = self.trace.steps[i]
+        lengths = b.response_tokens
+        slots = int(self.batch_limit[i])
+        start = np.zeros(engines) if late_s is None else np.asarray(late_s, dtype=np.float64)
+        if self.router == "pull" and (stop_at_s is not None or rebalance_at_s is not None):
+            return self._intervened(i, engines, start, stop_at_s, stopping, rebalance_at_s)
+        if self.router != "pull":
+            placement = placement_at_submission(lengths.shape[0], engines, self.router)
+            done_at = np.empty(lengths.shape[0], dtype=np.float64)
+            tau = np.zeros(engines)
+            for e in range(engines):
+                mine = np.flatnonzero(placement == e)
+                done_at[mine] = fifo_done(lengths[mine].tolist(), slots)
+                tau[e] = done_at[mine].max() if mine.size else 0.0
+            offsets = np.zeros(engines)
+            busy = self._submitted_busy(i, engines)
+        else:
+            full_iter = self._full_iter_s(i)
+            offsets_list = [int(x / full_iter) for x in start] if start.any() else None
+            placement, done_int, tau = pull_schedule(lengths.tolist(), engines, slots, offsets_list)
+            done_at = done_int.astype(np.float64)
+            offsets = np.zeros(engines) if offsets_list is None else np.array(offsets_list, dtype=np.float64)
+            lf = lengths.astype(np.float64)
+            pf = b.prompt_tokens.astype(np.float64)
+            busy = (r.iter_base_s * (tau - offsets) + r.iter_per_seq_s * np.bincount(placement, lf, engines)
+                    + r.iter_per_ctx_token_s * np.bincount(placement, pf * lf + lf * (lf - 1.0) / 2.0, engines)
+                    + r.prefill_per_token_s * np.bincount(placement, pf, engines))
+        span = np.maximum(tau - offsets, 1e-12)
+        done_s = start[placement] + (done_at - offsets[placement]) / span[placement] * busy[placement]
+        return EngineSchedule(placement=placement, done_s=done_s, finish_s=start + busy)
+
+    def _intervened(self, i: int, engines: int, start: np.ndarray, stop_at_s: float | None,
+                    stopping: frozenset[int], rebalance_at_s: float | None) -> EngineSchedule:
+        """`engine_schedule` with the pull router's running requests aborted and requeued at
+        `rebalance_at_s` (all of them) or `stop_at_s` (those of the engines in `stopping`, which
+        go home). An engine's busy seconds: `base` for every iteration it runs anything, the
+        per-token costs of what it generates, and the prefill of what it starts or resumes."""
+        r = self.profile.rollout
+        b = self.trace.steps[i]
+        lengths = b.response_tokens.tolist()
+        prompts = b.prompt_tokens.astype(np.float64)
+        full_iter = self._full_iter_s(i)
+        offsets = [int(x / full_iter) for x in start]
+        plan = []
+        if rebalance_at_s is not None:
+            plan.append(Intervention(at=float(int(rebalance_at_s / full_iter)), rebalance=True))
+        if stop_at_s is not None:
+            plan.append(Intervention(at=float(int(stop_at_s / full_iter)), stop=stopping))
+        done_at, segments = pull_segments(lengths, engines, int(self.batch_limit[i]), offsets, plan)
+        busy = np.zeros(engines)
+        spans: list[list[tuple[float, float]]] = [[] for _ in range(engines)]
+        placement = np.empty(len(lengths), dtype=np.int64)
+        for j, e, t0, t1, g0, g1 in segments:
+            p = prompts[j]
+            tokens = g1 - g0
+            ctx = tokens * p + (g1 * (g1 - 1.0) - g0 * (g0 - 1.0)) / 2.0
+            busy[e] += r.iter_per_seq_s * tokens + r.iter_per_ctx_token_s * ctx + r.prefill_per_token_s * (p + g0)
+            spans[e].append((t0, t1))
+            if g1 == lengths[j]:
+                placement[j] = e
+        first = np.array([float(o) for o in offsets])
+        last = first.copy()
+        for e in range(engines):
+            running, reach = 0.0, -math.inf
+            for t0, t1 in sorted(spans[e]):
+                if t0 > reach:
+                    running += t1 - t0
+                    reach = t1
+                elif t1 > reach:
+                    running += t1 - reach
+                    reach = t1
+            busy[e] += r.iter_base_s * running
+            if spans[e]:
+                last[e] = max(t1 for _, t1 in spans[e])
+        span = np.maximum(last - first, 1e-12)
+        done_s = start[placement] + (done_at - first[placement]) / span[placement] * busy[placement]
+        return EngineSchedule(placement=placement, done_s=done_s, finish_s=start + busy)
 
     def train_work(self, step: int) -> float:
         """Device-seconds of step `step`'s training on one device (no data-parallel loss)."""

@@ -269,6 +269,21 @@ DYNAMIC_SCENARIOS: tuple[str, ...] = ("longtail-stationary", "longtail-drift", "
 """The scenarios `bench` runs (verl-dapo is the calibration workload, run by its own test)."""
 
 
+def lognormal_trace(name: str, shape: Shape, *, median: float, sigma: float = TAIL_SIGMA, steps: int,
+                    seed: int = 0) -> Trace:
+    """A stationary trace like `longtail-stationary` with its own median response and tail
+    (log-sigma), for a profile whose workload the built-in scenarios do not describe (e.g. a
+    published setup, `benchmarks/verl_published.py`)."""
+    if steps < 1 or median < 1 or sigma < 0:
+        raise ValueError(f"steps >= 1, median >= 1, sigma >= 0; got {steps}, {median}, {sigma}")
+    rng = np.random.default_rng([zlib.crc32(name.encode()), seed])
+    batches = []
+    for k in range(steps):
+        prompt, _ = _prompts(rng, shape)
+        batches.append(_batch(k, prompt, _lognormal_responses(rng, shape, median, sigma)))
+    return Trace(name, tuple(batches))
+
+
 class UnknownScenarioError(LookupError):
     pass
 

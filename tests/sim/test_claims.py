@@ -25,7 +25,8 @@ def run_all(scenario: str, policies: tuple[str, ...], *, lending: bool = False, 
     model = StageModel(PROFILE, trace)
     base = baselines(model)
     return {p: simulate(trace, PROFILE, p, seed=0, model=model, base=base, naive=naive, guard_overrides=guards,
-                        policy_options={"lending": lending} if p in ("hysteresis", "planner") else None).report
+                        policy_options={"lending": lending} if p in ("hysteresis", "planner") else None,
+                        verl_rules=False).report
             for p in policies}
 
 

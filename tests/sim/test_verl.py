@@ -1,0 +1,125 @@
+"""verl's rules in the simulator (issue 24): the rollout's progress as the engines report it,
+verl's aborts and rebalance of running requests, and every report carrying the side-by-side."""
+
+from __future__ import annotations
+
+import io
+
+import msgspec
+import numpy as np
+import pytest
+
+from dynaresized.core import facts as f
+from dynaresized.domain import Pool
+from dynaresized.sim.cli import summary
+from dynaresized.sim.profile import load_profile
+from dynaresized.sim.run import bench, scenario_shape, simulate
+from dynaresized.sim.stages import Intervention, StageModel, pull_segments
+from dynaresized.sim.workload import scenario_trace
+
+PROFILE = load_profile("qwen3-8b-h20x8")
+
+
+@pytest.fixture(scope="module")
+def noisy():
+    return scenario_trace("noisy", scenario_shape(PROFILE), seed=0, steps=16)
+
+
+def tokens_by_request(segments, n):
+    made = np.zeros(n, dtype=np.int64)
+    for j, _, t0, t1, g0, g1 in segments:
+        assert t1 >= t0 and g1 >= g0
+        made[j] += g1 - g0
+    return made
+
+
+def test_aborted_requests_resume_where_they_stopped_and_finish_once():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 400, size=300).tolist()
+    plan = [Intervention(at=30.0, rebalance=True), Intervention(at=120.0, stop=frozenset({2, 3}))]
+    done, segments = pull_segments(lengths, 4, 32, [0, 0, 30, 30], plan)
+    assert (tokens_by_request(segments, len(lengths)) == lengths).all()  # partial rollout: no token twice
+    assert np.isfinite(done).all()
+    assert all(t0 < 120.0 for _, e, t0, _, _, _ in segments if e in (2, 3))  # home: nothing new after
+    finished_on = {j: e for j, e, *_, g1 in segments if g1 == lengths[j]}
+    assert len(finished_on) == len(lengths)
+
+
+def test_a_rebalance_spreads_the_running_requests_over_the_new_engines():
+    model = StageModel(PROFILE, scenario_trace("noisy", scenario_shape(PROFILE), seed=0, steps=2))
+    late = np.array([0.0, 0.0] + [20.0] * 6)
+    plain = model.engine_schedule(1, 8, late)
+    spread = model.engine_schedule(1, 8, late, rebalance_at_s=20.0)
+    assert np.bincount(spread.placement, minlength=8).std() < np.bincount(plain.placement, minlength=8).std()
+    assert spread.finish_s.max() < plain.finish_s.max()
+    home = model.engine_schedule(1, 2)
+    stopped = model.engine_schedule(1, 8, late, stop_at_s=60.0, stopping=frozenset(range(2, 8)))
+    # lent engines gone home after 40 s, their running requests back on the home engines
+    assert stopped.finish_s[2:].max() < 100.0
+    assert plain.finish_s.max() < stopped.finish_s.max() < home.finish_s.max() + 60.0
+
+
+@pytest.mark.parametrize("router", ["pull", "verl", "round-robin"])
+def test_the_request_schedule_agrees_with_the_engine_finish_times(router):
+    model = StageModel(PROFILE, scenario_trace("noisy", scenario_shape(PROFILE), seed=0, steps=2), router=router)
+    late = np.array([0.0, 0.0, 0.0, 12.0])
+    schedule = model.engine_schedule(1, 4, late)
+    assert schedule.finish_s == pytest.approx(model.engine_finish(1, 4, late))
+    last = [schedule.done_s[schedule.placement == e].max() for e in range(4)]
+    assert last == pytest.approx(schedule.finish_s)
+    assert schedule.done_by(4, np.inf).sum() == model.samples[1]
+
+
+def test_verl_default_lends_trainers_after_training_and_sends_them_home_on_its_sample_count(noisy):
+    result = simulate(noisy, PROFILE, "verl-default", seed=0)
+    facts = result.run.facts
+    loans = [x for x in facts if isinstance(x, f.LoanStarted)]
+    assert loans and all(x.plan.to_pool is Pool.ROLLOUT for x in loans)
+    assert result.report.resizes_started == 0
+    # the hybrids sleep through the first rollout, as verl's do
+    assert result.run.windows[0].lent == 0
+    seen: dict[str, tuple[int, int]] = {}
+    for x in facts:
+        if isinstance(x, f.ProgressObserved):
+            seen[x.worker_id] = (x.step, x.done)
+        if isinstance(x, f.LoanReturnStarted) and "home at" in x.reason:
+            home_at = int(x.reason.split("home at ")[1].split(")")[0])
+            step = int(x.reason.split(" samples of step ")[1].split(" ")[0])
+            assert sum(done for s, done in seen.values() if s == step) >= home_at
+    assert any("home at" in x.reason for x in facts if isinstance(x, f.LoanReturnStarted))
+    assert result.report.speedup_vs_verl_dynamic == 1.0
+
+
+def test_every_report_carries_the_side_by_side_with_verls_rules(noisy):
+    report = simulate(noisy, PROFILE, "hysteresis", seed=0).report
+    alone = simulate(noisy, PROFILE, "verl-default", seed=0, verl_rules=False).report
+    v1 = simulate(noisy, PROFILE, "verl-v1-switch", seed=0, verl_rules=False).report
+    assert report.verl_dynamic_total_time_s == alone.total_time_s
+    assert report.verl_v1_switch_total_time_s == v1.total_time_s
+    assert report.speedup_vs_verl_dynamic == round(alone.total_time_s / report.total_time_s, 4)
+    assert report.speedup_vs_verl_v1_switch == round(v1.total_time_s / report.total_time_s, 4)
+    again = simulate(noisy, PROFILE, "hysteresis", seed=0).report
+    assert msgspec.json.encode(again) == msgspec.json.encode(report)  # deterministic, bit for bit
+    assert "verl's own rule" in summary(report)
+
+
+def test_the_summary_says_the_step_boundary_bound_bounds_step_boundary_schedules_only(noisy):
+    text = summary(simulate(noisy, PROFILE, "static", seed=0, verl_rules=False).report)
+    headroom = next(line for line in text.splitlines() if "headroom over best static" in line)
+    assert headroom.endswith("for any step-boundary schedule")
+    assert "(any schedule, loans included)" in text  # the fluid bound is the one for any schedule
+
+
+def test_bench_shows_the_columns_against_verl():
+    from dynaresized.sim.cli import main
+
+    rows = bench(PROFILE, scenarios=("noisy",), policies=("static", "verl-default"), steps=6)
+    assert rows[1].speedup_vs_verl_dynamic == 1.0
+    assert rows[0].verl_dynamic_total_time_s == rows[1].total_time_s
+    out = io.StringIO()
+    import contextlib
+
+    with contextlib.redirect_stdout(out):
+        main(["bench", "--scenarios", "noisy", "--policies", "static", "--steps", "4"])
+    header = out.getvalue().splitlines()[0]
+    assert "vs verl" in header and "vs v1" in header
