@@ -58,7 +58,7 @@ class DaemonSide:
         self.ctx = zmq.Context()
         self.sock: zmq.Socket | None = None
         self.endpoint = endpoint
-        self.bind()
+        self.bind(wait_s=0.0)
 
     def bind(self, wait_s: float = 5.0) -> None:
         """Bind a new ROUTER on the endpoint (again: the port a restarted daemon binds)."""
@@ -473,8 +473,7 @@ class Checker:
     def check_welcomes_crossing(self, c: Conversation) -> str:
         c.boot_id = uuid.uuid4().hex
         hello = c.hello_again("a heartbeat_ack with a new boot_id")
-        older = c.welcome(hello)
-        time.sleep(0.05)
+        older = c.welcome(hello)  # two answers back to back, as to two hellos a daemon read together
         newer = c.welcome(hello)
         c.heartbeat_with_token()
         return f"incarnation {newer.incarnation}'s token carried, not {older.incarnation}'s"
@@ -539,8 +538,8 @@ def run_checks(c: Conversation, *, only: Sequence[str] = (), round_trip: bool = 
     return results
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dynaresized.conformance",
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog,
                                 usage="%(prog)s ENDPOINT [options] [-- COMMAND ARG ...]",
                                 description=__doc__.split("\n\n")[0],
                                 epilog="After --: the worker to start ({endpoint} in it is replaced); without it, "
@@ -558,17 +557,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m dynaresized.conformance") -> int:
+    """Run the checks as the command line `argv` says (`prog` names the command in usage and help)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = _parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    args = _parser(prog).parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     names = {name for name, _ in CONFORMANCE}
     unknown = [n for n in args.only if n not in names]
     if unknown:
         print(f"conformance: no check named {', '.join(unknown)}; the checks: {', '.join(sorted(names))}",
               file=sys.stderr)
         return 2
-    side = DaemonSide(args.endpoint)
+    try:
+        side = DaemonSide(args.endpoint)
+    except zmq.ZMQError as exc:
+        print(f"conformance: cannot bind {args.endpoint}: {exc} (is a daemon running there?)", file=sys.stderr)
+        return 2
     worker: subprocess.Popen[bytes] | None = None
     try:
         if command:

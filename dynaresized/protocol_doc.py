@@ -384,7 +384,7 @@ worker to say hello, and runs these checks against it, in order:
 
 It prints one line per check (`--json`: one JSON object) and exits 0 when none failed, 1
 otherwise. `--timeout S` bounds each wait (default 10 s); `--only NAME` runs the named checks
-(and `hello`). The project's own client passes every check in CI (`tests/test_conformance.py`).
+(and `hello`). CI runs the project's own client through every check (`tests/test_conformance.py`).
 
 ## Messages
 """
