@@ -30,15 +30,15 @@ class ClusterConfigured(Fact, frozen=True, tag="cluster_configured"):
     inventory (`[cluster].devices`), each device's initial pool and the candidate splits. Never
     written again: a later start with other devices is refused."""
 
-    devices: tuple[DeviceId, ...]
-    pools: tuple[Pool, ...]
-    candidates: tuple[Split, ...] = ()
+    devices: tuple[DeviceId, ...]  # the inventory: `[cluster].devices`
+    pools: tuple[Pool, ...]  # each device's initial pool, in the order of `devices`
+    candidates: tuple[Split, ...] = ()  # the allowed splits (empty: every split)
 
 
 class DaemonRestarted(Fact, frozen=True, tag="daemon_restarted"):
     """The daemon started on this log; any operation in flight gets a fresh deadline."""
 
-    op_deadline: float | None = None
+    op_deadline: float | None = None  # the op in flight's new deadline (null: nothing in flight)
 
 
 class DaemonStalled(Fact, frozen=True, tag="daemon_stalled"):
@@ -46,8 +46,8 @@ class DaemonStalled(Fact, frozen=True, tag="daemon_stalled"):
     flight: its answers may be waiting in the socket, unread, so its deadline moves on by that
     time, as the workers' heartbeat clocks do (only time the daemon was running counts)."""
 
-    seconds: float
-    op_deadline: float
+    seconds: float  # how long the daemon did not run
+    op_deadline: float  # the op in flight's deadline, moved on by `seconds`
 
 
 class WorkerRegistered(Fact, frozen=True, tag="worker_registered"):
@@ -55,7 +55,7 @@ class WorkerRegistered(Fact, frozen=True, tag="worker_registered"):
     process after a daemon restart or after it was declared lost). `worker.incarnation` counts
     this worker id's registrations. A repeated hello of the registered process writes nothing."""
 
-    worker: Worker
+    worker: Worker  # the registration: id, kind, devices, incarnation, process, what it holds
 
 
 class WorkerLost(Fact, frozen=True, tag="worker_lost"):
@@ -63,7 +63,7 @@ class WorkerLost(Fact, frozen=True, tag="worker_lost"):
     registered under its id after its connection closed. A resize it takes part in rolls back."""
 
     worker_id: WorkerId
-    reason: str
+    reason: str  # e.g. "no heartbeat for 10.3s (heartbeat_timeout_s=10)"
 
 
 class WorkerLeft(Fact, frozen=True, tag="worker_left"):
@@ -76,7 +76,7 @@ class StepObserved(Fact, frozen=True, tag="step_observed"):
     """A `step_report` was accepted: the stage timings of one RL step, as its reporter measured
     them (one per step, in order). This is what the policy decides on."""
 
-    worker_id: WorkerId
+    worker_id: WorkerId  # the worker that reported the step
     timing: StepTiming
 
 
@@ -95,7 +95,7 @@ class ProposalRejected(Fact, frozen=True, tag="proposal_rejected"):
 
     source: str  # policy name or "operator"
     target: Split | None
-    guard: str
+    guard: str  # the guard that refused, e.g. threshold, signal_run, cooldown, payback, capacity, in_flight
     reason: str
     step: int = -1
 
@@ -153,7 +153,7 @@ class OpFailed(Fact, frozen=True, tag="op_failed"):
     then rolls back (`resize_aborted`), a rollback or commit ends `degraded`, a reconcile ends."""
 
     op_id: str
-    worker_id: WorkerId | None
+    worker_id: WorkerId | None  # the target that answered ok: false; null: timeout, loss or abort
     reason: str
 
 
@@ -174,7 +174,7 @@ class ResizeCommitted(Fact, frozen=True, tag="resize_committed"):
 
     resize_id: str
     duration_s: float
-    step: int
+    step: int  # the last observed RL step (-1: none yet)
 
 
 class ResizeRolledBack(Fact, frozen=True, tag="resize_rolled_back"):
@@ -183,7 +183,7 @@ class ResizeRolledBack(Fact, frozen=True, tag="resize_rolled_back"):
 
     resize_id: str
     reason: str
-    step: int
+    step: int  # the last observed RL step (-1: none yet)
 
 
 class Degraded(Fact, frozen=True, tag="degraded"):
@@ -230,7 +230,7 @@ class ResizingPaused(Fact, frozen=True, tag="resizing_paused"):
     """An operator's `pause` (while not paused): no new resize or loan starts; one in flight
     finishes."""
 
-    requested_by: str
+    requested_by: str  # "operator" for the control request
     reason: str = ""
 
 
@@ -238,7 +238,7 @@ class ResizingResumed(Fact, frozen=True, tag="resizing_resumed"):
     """An operator's `resume` while paused or degraded: resizing may start again (a degraded
     daemon leaves degraded; devices still lent go home)."""
 
-    requested_by: str
+    requested_by: str  # "operator" for the control request
 
 
 class ShutdownStarted(Fact, frozen=True, tag="shutdown_started"):
