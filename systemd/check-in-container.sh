@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Boots systemd in a throwaway container and runs README.md's "Running it" steps in it as
+# Boots systemd in a throwaway container and runs README.md's "Run it as a service" steps in it as
 # written, then checks what the unit promises: `systemctl reload` keeps the same process and
 # takes the new [policy]/[guards], a reload of a broken file changes nothing, a killed daemon is
 # restarted, `systemctl stop` drains cleanly. Prints one JSON object; exits non-zero on failure.
@@ -27,9 +27,6 @@ rm -rf "$R/etc/dynaresized" "$R/opt/dynaresized" "$R/var/lib/dynaresized" "$R/va
        "$R/etc/systemd/system/dynaresized.service" "$R/root/src"
 mkdir -p "$R/root/src"
 git -C "$SRC" ls-files -z --cached --others --exclude-standard | tar -C "$SRC" --null -T - -c | tar -C "$R/root/src" -x
-if [ ! -x "$R/usr/bin/sudo" ]; then  # we are root in there; README's sudo is then a no-op
-  printf '#!/bin/sh\nexec "$@"\n' > "$R/usr/local/bin/sudo" && chmod +x "$R/usr/local/bin/sudo"
-fi
 
 systemd-nspawn -D "$R" --boot --register=no --keep-unit -M dynaresized-check --console=passive \
   --resolv-conf=off --timezone=off --link-journal=no > "$WORK/nspawn.log" 2>&1 &
@@ -55,7 +52,7 @@ fail() { echo "{\"ok\": false, \"step\": \"$1\", \"systemd\": \"$(ct 'systemctl 
 
 # README's block, line by line, comments stripped; the command synopsis is not a command,
 # and `events --follow` runs until stopped.
-awk '/^## Running it/{f=1} f&&/^```sh/{g=1;next} g&&/^```/{exit} g' "$R/root/src/README.md" > "$WORK/steps"
+awk '/^## Run it as a service/{f=1} f&&/^```sh/{g=1;next} g&&/^```/{exit} g' "$R/root/src/README.md" > "$WORK/steps"
 steps=0
 while IFS= read -r line; do
   cmd="$(printf '%s' "${line%%#*}" | sed 's/[[:space:]]*$//')"

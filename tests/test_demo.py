@@ -19,6 +19,8 @@ from dynaresized.domain import StepTiming
 from dynaresized.store import open_recorder
 from dynaresized.store.factlog import FactLog
 
+from tests.test_readme import unmatched_demo_lines
+
 
 def test_demo_moves_devices_to_the_slow_stage_and_beats_the_static_split() -> None:
     result = subprocess.run(
@@ -58,6 +60,8 @@ def test_demo_moves_devices_to_the_slow_stage_and_beats_the_static_split() -> No
         home = [d for x in facts if isinstance(x, f.LoanReturnStarted) for d in x.plan.devices]
         assert set(lent) == set(home) and len(home) >= len(lent) - len(set(lent))
         assert any(isinstance(x, f.MiniBatchObserved) for x in facts)
+        # every line has a shape the README's sample is held to (tests/test_readme.py)
+        assert unmatched_demo_lines(result.stderr.rstrip("\n").split("\n")) == []
     finally:
         shutil.rmtree(state.parent, ignore_errors=True)
 

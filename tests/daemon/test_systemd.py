@@ -37,7 +37,7 @@ def _exec_start() -> str:
 
 
 def test_unit_as_shipped_passes_systemd_analyze_verify(tmp_path: Path) -> None:
-    """The unit file unchanged, verified in a root laid out the way README's "Running it"
+    """The unit file unchanged, verified in a root laid out the way README's "Run it as a service"
     installs: the console script at the unit's ExecStart path, the host's systemd units."""
     analyze = _systemd_analyze()
     exe = Path(sys.executable).parent / "dynaresized"  # the venv's script; the venv need not be on PATH
@@ -60,10 +60,25 @@ def test_unit_as_shipped_passes_systemd_analyze_verify(tmp_path: Path) -> None:
 def test_readme_installs_where_the_unit_looks() -> None:
     exec_start = _exec_start()
     venv = str(Path(exec_start).parents[1])
-    steps = README[README.index("## Running it"):README.index("## Attaching a worker")]
-    assert f"sudo python3 -m venv {venv}" in steps and f"sudo {venv}/bin/pip install ." in steps
-    assert "sudo install -d -m 0755 /etc/dynaresized" in steps  # a fresh host has no /etc/dynaresized
+    steps = README[README.index("## Run it as a service"):README.index("## Operate it")]
+    block = steps[steps.index("```sh"):steps.index("```", steps.index("```sh") + 5)]
+    lines = [x.split("#")[0].strip() for x in block.splitlines()[1:]]
+    assert f"python3 -m venv {venv}" in lines and f"{venv}/bin/pip install ." in lines
+    assert "install -d -m 0755 /etc/dynaresized" in lines  # a fresh host has no /etc/dynaresized
     assert "ConfigurationDirectoryMode=0755" in UNIT.read_text()  # a dynamic user reads it as "other"
+    # as root, as a fresh container or host is: a line starting with sudo fails where sudo is missing
+    assert not any(x.startswith("sudo") for x in lines), lines
+
+
+def test_the_units_documentation_is_a_file_the_readme_installs() -> None:
+    """Documentation= named /usr/share/doc/dynaresized/README.md, which nothing installed."""
+    docs = [x.removeprefix("Documentation=") for x in UNIT.read_text().splitlines() if x.startswith("Documentation=")]
+    assert docs, "the unit names its documentation"
+    steps = README[README.index("## Run it as a service"):README.index("## Operate it")]
+    for uri in docs:
+        assert uri.startswith("file://"), uri
+        path = uri.removeprefix("file://")
+        assert f"install -D -m 0644 README.md {path}" in steps, path
 
 
 def test_reload_sends_sighup_which_the_daemon_handles() -> None:

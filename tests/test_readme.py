@@ -1,0 +1,67 @@
+"""The README says what a run prints and gives: its demo sample has the shape the demo prints
+now, its demo numbers are the sample's, and its table of simulated results (and
+docs/results.md's) is what the simulator gives now (`python -m tests.readme_results --write`
+regenerates them)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests import readme_results as results
+
+README = (results.ROOT / "README.md").read_text()
+
+_DEVICES = r"gpu\d+(, gpu\d+)*"
+_LENT = rf"  lent (to training {_DEVICES}(; to rollout {_DEVICES})?|to rollout {_DEVICES})"
+# Every line `dynaresized demo` prints, as a pattern (tests/test_demo.py holds a real run to these).
+DEMO_LINES = [
+    r"dynaresized demo: \S+ on \S+ \(\d+ devices, start \d+:\d+\), policy \S+, \d+ steps at [\d.]+x",
+    r"  daemon: tcp://\S+ \(control tcp://\S+\), event log \S+/events\.sqlite",
+    r"  \d+ device processes started \(engine \+ trainer worker each\); training\.\.\.",
+    r"",
+    rf"step +\d+  T■* R□*( ~\d+)? +rollout +[\d.]+s  train +[\d.]+s  step +[\d.]+s({_LENT})?",
+    r"  >> \S.*",
+    r"  \.\. \S.*",
+    r"done: \d+ steps, \d+ resize\(s\), final split \d+:\d+, \d+ loan\(s\) of idle devices inside steps "
+    r"\(\d+ device-steps\)",
+    r"  simulated time with \S+: +[\d.]+ h",
+    r"  on the static split \d+:\d+: +[\d.]+ h  \(dynamic is [\d.]+x faster\)",
+    r"  on the best static split \d+:\d+ \(chosen with hindsight, same \S+ router\): [\d.]+ h  \([\d.]+x\)",
+    r"  idle (rollout |training) +([\d.]+%|unknown) of its device time \([\d.]+ of [\d.]+ device-hours; "
+    r"\d+ steps accounted, \d+ unknown\)",
+    r"  wall time [\d.]+s.*",
+]
+
+
+def unmatched_demo_lines(lines: list[str]) -> list[str]:
+    return [x for x in lines if not any(re.fullmatch(p, x) for p in DEMO_LINES)]
+
+
+def demo_sample() -> list[str]:
+    start = README.index("```\ndynaresized demo:") + 4
+    return README[start:README.index("```", start)].rstrip("\n").split("\n")
+
+
+def test_the_readme_demo_sample_has_the_shape_the_demo_prints() -> None:
+    sample = [x for x in demo_sample() if x.strip() != "..."]  # "..." marks lines left out
+    assert len(sample) > 20
+    assert unmatched_demo_lines(sample) == []
+    assert any(" lent to training " in x for x in sample) and any("; to rollout " in x for x in sample)
+
+
+def test_the_readme_demo_numbers_are_the_samples() -> None:
+    sample = "\n".join(demo_sample())
+    vs_static = re.search(r"dynamic is ([\d.]+)x faster", sample).group(1)
+    best_split, vs_best = re.search(r"best static split (\d+:\d+) .*\(([\d.]+)x\)", sample).groups()
+    row = next(x for x in README.splitlines() if x.startswith("| `make demo` above"))
+    assert f"{vs_best}× the best static split {best_split}; {vs_static}× the 6:2 start" in row
+
+
+@pytest.mark.slow  # 18 simulator runs
+def test_the_tables_of_simulated_results_are_what_the_simulator_gives() -> None:
+    r = results.runs()
+    for path, make in results.DOCS.items():
+        assert results.block_of(path.read_text()) == make(r), \
+            f"{path.name}'s table is stale: run `python -m tests.readme_results --write`"
