@@ -123,3 +123,32 @@ def test_bench_shows_the_columns_against_verl():
         main(["bench", "--scenarios", "noisy", "--policies", "static", "--steps", "4"])
     header = out.getvalue().splitlines()[0]
     assert "vs verl" in header and "vs v1" in header
+
+
+@pytest.mark.slow
+def test_we_finish_sooner_than_verls_rule_on_every_scenario_of_the_8_gpu_profile():
+    """Issue 24's targets on qwen3-8b-h20x8 (docs/simulator.md, "verl's own rules")."""
+    from dynaresized.sim.workload import SCENARIOS
+
+    for name in SCENARIOS:
+        trace = scenario_trace(name, scenario_shape(PROFILE), seed=0)
+        report = simulate(trace, PROFILE, "hysteresis", seed=0).report
+        assert report.speedup_vs_verl_dynamic >= (1.05 if name in ("noisy", "longtail-drift") else 1.0), name
+
+
+def test_the_benchmarks_print_one_json_object_with_their_keys(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    for script, args, keys in (
+        ("verl_published.py", ["--steps", "4"], {"verl_published_gain_error", "simulated_gain_vs_16_16",
+                                                 "static_ratio_8_24_over_16_16", "median_scan"}),
+        ("verl_side_by_side.py", ["--profiles", "qwen3-8b-h20x8", "--scenarios", "noisy", "--steps", "4"], {"rows"}),
+    ):
+        spec = importlib.util.spec_from_file_location(script[:-3], root / script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        assert module.main(args) == 0
+        out = msgspec.json.decode(capsys.readouterr().out)
+        assert keys <= set(out)
