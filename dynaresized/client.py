@@ -127,6 +127,17 @@ class WorkerClient:
         self._fatal: DaemonRejected | None = None
         self._decoder = wire.daemon_decoder(16 * 1024 * 1024)
         self._send_lock = asyncio.Lock()
+        self.handshake_failure = ""  # under CURVE: why the last handshake failed ("" if none did)
+
+    @property
+    def registered(self) -> bool:
+        """The daemon answers this worker now: registered, and not re-registering after a lost
+        heartbeat or a daemon restart."""
+        return self._registered.is_set() and not self._closed and self._fatal is None
+
+    def answered(self, op_id: str) -> bool:
+        """This worker's answer to op `op_id` has been sent (it is in the record of ops run)."""
+        return op_id in self._records
 
     def on(self, kind: OpKind, handler: OpHandler) -> None:
         self.handlers[kind] = handler
@@ -152,6 +163,13 @@ class WorkerClient:
             self._sock.curve_secretkey = self.curve.secret
             self._sock.curve_publickey = self.curve.public
             self._sock.curve_serverkey = self.curve.server_public
+            # A failed CURVE handshake sends nothing back: only the socket's events tell a
+            # refused key from a daemon that is down (the hello timeout says which).
+            monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_SUCCEEDED,
+                addr=f"inproc://dynaresized-handshake-{id(self)}")
+            self._tasks.append(asyncio.create_task(self._watch_handshake(monitor), name=f"{self.worker_id}-curve"))
         self._sock.connect(self.endpoint)
         self._tasks.append(asyncio.create_task(self._receive(), name=f"{self.worker_id}-receive"))
         try:
@@ -239,7 +257,8 @@ class WorkerClient:
         try:
             welcome = await asyncio.wait_for(self._welcome, timeout)
         except TimeoutError:
-            raise DaemonUnavailable(f"no answer from the daemon at {self.endpoint} within {timeout:g}s") from None
+            why = f": {self.handshake_failure}" if self.handshake_failure else ""
+            raise DaemonUnavailable(f"no answer from the daemon at {self.endpoint} within {timeout:g}s{why}") from None
         self._adopt(welcome)
         self._registered.set()
         log.info("registered", worker=self.worker_id, incarnation=welcome.incarnation, boot_id=welcome.boot_id)
@@ -303,6 +322,28 @@ class WorkerClient:
                                             token=self.token))
             if time.monotonic() - self._last_ack > self.heartbeat_timeout_s:
                 asyncio.create_task(self._reregister("no heartbeat answer from the daemon"))
+
+    async def _watch_handshake(self, monitor: zmq.asyncio.Socket) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.handshake_failure = ""
+                elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    self.handshake_failure = (
+                        "the daemon refused this worker's CURVE key (its public key is not in the daemon's "
+                        f"authorized_keys_dir as {self.worker_id}.key)")
+                else:
+                    self.handshake_failure = (
+                        "the CURVE handshake failed (is the server public key this worker was given the "
+                        "daemon's, and does the daemon run with CURVE on?)")
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                if self._sock is not None and not self._sock.closed:
+                    self._sock.disable_monitor()
+            monitor.close(linger=0)
 
     async def _receive(self) -> None:
         assert self._sock is not None

@@ -339,3 +339,24 @@ async def test_a_client_told_its_connection_lost_its_identity_reconnects_and_say
         await client.close(say_bye=False)
         daemon.close(0)
         ctx.term()
+
+
+async def test_a_refused_curve_handshake_says_why_in_the_hello_timeout(make_daemon, keys) -> None:
+    root, server_pub, server_secret, authorized = keys
+    daemon = make_daemon(security={"server_secret_key": str(server_secret), "authorized_keys_dir": str(authorized)})
+    wrong_server_pub, _ = keygen(root / "other-server", "server")
+    cases = [
+        (CurveKeys(root / "intruders" / "intruder.key_secret", server_pub), "refused this worker's CURVE key"),
+        (CurveKeys(root / "workers" / "trainer0.key_secret", wrong_server_pub), "the CURVE handshake failed"),
+    ]
+    for curve, why in cases:
+        client = WorkerClient(daemon.worker_endpoint, "trainer0", WorkerKind.TRAINER_RANK, ("node0:cpu0",),
+                              curve=curve, hello_timeout_s=1.5)
+        with pytest.raises(DaemonUnavailable, match=why):
+            await client.start()
+    good = WorkerClient(daemon.worker_endpoint, "trainer0", WorkerKind.TRAINER_RANK, ("node0:cpu0",),
+                        curve=CurveKeys(root / "workers" / "trainer0.key_secret", server_pub))
+    await good.start()
+    assert good.registered and good.handshake_failure == ""
+    await good.close()
+    assert not good.registered
