@@ -103,9 +103,10 @@ class Conversation:
     boot id) and every message received. Heartbeats are answered while `acking`."""
 
     def __init__(self, side: DaemonSide, timeout_s: float, heartbeat_interval_s: float,
-                 heartbeat_timeout_s: float) -> None:
+                 heartbeat_timeout_s: float, hello_timeout_s: float = 60.0) -> None:
         self.side = side
         self.timeout_s = timeout_s
+        self.hello_timeout_s = hello_timeout_s  # the first hello: the worker may be starting
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.decoder = wire.worker_decoder()
@@ -122,8 +123,8 @@ class Conversation:
     # -- receiving ---------------------------------------------------------------------
     def receive(self, timeout_s: float) -> Any | None:
         """The next message from the worker (None after `timeout_s`), heartbeats answered. The
-        conversation is with the first worker to say hello: other workers on the endpoint (a
-        program that runs an engine and a trainer) are not listened to."""
+        conversation is with the first worker to say hello; other workers on the endpoint (a
+        program that runs an engine and a trainer) are welcomed and kept alive, not checked."""
         deadline = time.monotonic() + timeout_s
         while (frames := self.side.recv(deadline - time.monotonic())) is not None:
             identity, payload = frames[0], frames[1:]
@@ -138,7 +139,8 @@ class Conversation:
                 if msg is not None and msg.worker_id == self.hello.worker_id:
                     raise Broken(f"a {msg.__struct_config__.tag} of {msg.worker_id!r} from connection {identity!r}; "
                                  f"its hello came from {self.identity!r}")
-                continue  # another worker's
+                self._bystander(identity, msg)
+                continue
             if len(payload) != 1:
                 raise Broken(f"a message of {len(payload)} frames; every message is exactly one frame")
             if error is not None:
@@ -149,6 +151,19 @@ class Conversation:
                 self.send(wire.HeartbeatAck(seq=msg.seq, boot_id=self.boot_id))
             return msg
         return None
+
+    def _bystander(self, identity: bytes, msg: Any) -> None:
+        """Another worker on the endpoint: registered and its heartbeats answered, so that a
+        program which needs all its workers registered keeps running; nothing else."""
+        if isinstance(msg, wire.Hello):
+            released = msg.actual is not None and msg.actual.holding is Holding.RELEASED
+            self.side.send(identity, wire.encode(wire.Welcome(
+                protocol=wire.PROTOCOL_VERSION, worker_id=msg.worker_id, incarnation=1, boot_id=self.boot_id,
+                heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
+                token=uuid.uuid4().hex, pool=msg.kind.pool.other if released else msg.kind.pool,
+                desired=Holding.RELEASED if released else Holding.SERVING)))
+        elif isinstance(msg, wire.Heartbeat) and self.acking:
+            self.side.send(identity, wire.encode(wire.HeartbeatAck(seq=msg.seq, boot_id=self.boot_id)))
 
     def expect(self, what: str, match: Callable[[Any], bool], timeout_s: float | None = None) -> Any:
         """The first message for which `match` holds; Broken after the timeout, naming what came."""
@@ -273,7 +288,7 @@ Check = Callable[[Conversation], str]
 
 
 def check_hello(c: Conversation) -> str:
-    hello = c.expect("hello", lambda m: isinstance(m, wire.Hello))
+    hello = c.expect("hello", lambda m: isinstance(m, wire.Hello), c.hello_timeout_s)
     c.first = hello
     c.hello = hello
     _check_identity(c.identity, hello)
@@ -548,6 +563,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("endpoint", help="where to bind the daemon's worker endpoint, e.g. tcp://127.0.0.1:5599 "
                                     "(tcp://127.0.0.1:* picks a free port)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each answer (default 10)")
+    p.add_argument("--hello-timeout", type=float, default=60.0,
+                   help="seconds to wait for the worker's first hello, its start included (default 60)")
     p.add_argument("--heartbeat-interval", type=float, default=0.5, help="announced in welcome (default 0.5)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="announced in welcome (default 5)")
     p.add_argument("--only", action="append", default=[], metavar="CHECK", help="run only these checks (repeatable)")
@@ -582,7 +599,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m dynaresized.confo
                                       stdout=2)
         elif not args.json:
             print(f"conformance: waiting for a worker on {side.endpoint}", file=sys.stderr, flush=True)
-        c = Conversation(side, args.timeout, args.heartbeat_interval, args.heartbeat_timeout)
+        c = Conversation(side, args.timeout, args.heartbeat_interval, args.heartbeat_timeout, args.hello_timeout)
         results = run_checks(c, only=args.only, round_trip=args.round_trip)
     finally:
         side.close()

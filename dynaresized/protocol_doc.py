@@ -383,8 +383,9 @@ worker to say hello, and runs these checks against it, in order:
 {_conformance_list()}
 
 It prints one line per check (`--json`: one JSON object) and exits 0 when none failed, 1
-otherwise. `--timeout S` bounds each wait (default 10 s); `--only NAME` runs the named checks
-(and `hello`). CI runs the project's own client through every check (`tests/test_conformance.py`).
+otherwise. `--timeout S` bounds each wait (default 10 s; the first hello, the worker's start
+included, `--hello-timeout`, 60 s); `--only NAME` runs the named checks (and `hello`). CI runs
+the project's own client and the sim backend through every check (`tests/test_conformance.py`).
 
 ## Messages
 """
