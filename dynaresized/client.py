@@ -120,6 +120,7 @@ class WorkerClient:
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._welcome: asyncio.Future[wire.Welcome] | None = None
+        self._later: wire.Welcome | None = None  # a newer answer to the hello in progress
         self._registered = asyncio.Event()
         self._last_ack = 0.0
         self._seq = 0
@@ -253,12 +254,15 @@ class WorkerClient:
     async def _hello(self, timeout: float) -> wire.Welcome:
         loop = asyncio.get_running_loop()
         self._welcome = loop.create_future()
+        self._later = None
         await self._send(self._hello_message())
         try:
             welcome = await asyncio.wait_for(self._welcome, timeout)
         except TimeoutError:
             why = f": {self.handshake_failure}" if self.handshake_failure else ""
             raise DaemonUnavailable(f"no answer from the daemon at {self.endpoint} within {timeout:g}s{why}") from None
+        if self._later is not None and self._later.incarnation > welcome.incarnation:
+            welcome = self._later  # several hellos were answered: the newest registration is current
         self._adopt(welcome)
         self._registered.set()
         log.info("registered", worker=self.worker_id, incarnation=welcome.incarnation, boot_id=welcome.boot_id)
@@ -358,7 +362,10 @@ class WorkerClient:
                 case wire.Welcome():
                     if self._welcome is not None and not self._welcome.done():
                         self._welcome.set_result(msg)
-                    elif self._registered.is_set() and msg.incarnation > self.incarnation:
+                    elif not self._registered.is_set():  # answered before the first answer was taken
+                        if self._later is None or msg.incarnation > self._later.incarnation:
+                            self._later = msg
+                    elif msg.incarnation > self.incarnation:
                         self._adopt(msg)
                 case wire.HeartbeatAck():
                     self._last_ack = time.monotonic()

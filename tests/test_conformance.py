@@ -38,17 +38,11 @@ def test_every_documented_check_is_implemented_in_the_documented_order() -> None
     assert list(checker.checks()) == NAMES
 
 
-# dynaresized/client.py drops a welcome that arrives before it has taken the previous answer to
-# its hello (back to back): it may keep the older registration's token. Found by this check.
-CLIENT_RACES = {"welcomes-crossing"}
-
-
 def test_the_projects_client_passes_every_check(capsys) -> None:
     status, report = check(capsys, "--round-trip", worker=[])
     got = outcomes(report)
-    assert {n: o for n, o in got.items() if n not in CLIENT_RACES} == dict.fromkeys(
-        set(NAMES) - CLIENT_RACES, "passed"), report
-    assert status == 0 or {n for n, o in got.items() if o == "failed"} <= CLIENT_RACES, report
+    assert got == dict.fromkeys(NAMES, "passed"), report
+    assert status == 0, report
 
 
 @pytest.mark.slow
@@ -61,13 +55,11 @@ def test_the_sim_backend_passes_every_check(capsys) -> None:
     report = json.loads(capsys.readouterr().out)
     got = outcomes(report)
     assert got["hello"] == "passed" and "engine-node0-gpu3" in report["checks"][0]["detail"], report
-    assert {n: o for n, o in got.items() if n not in CLIENT_RACES} == dict.fromkeys(
-        set(NAMES) - CLIENT_RACES, "passed"), report
+    assert got == dict.fromkeys(NAMES, "passed"), report
 
 
-@pytest.mark.xfail(reason="client.py: a second welcome that arrives before the first is taken is dropped")
 def test_the_client_takes_the_newest_of_two_welcomes_that_arrive_back_to_back(capsys) -> None:
-    for _ in range(3):  # a race: lost in most runs
+    for _ in range(3):  # a race: the welcomes crossed were lost in most runs before the fix
         status, report = check(capsys, "--only", "welcomes-crossing", worker=[])
         assert outcomes(report)["welcomes-crossing"] == "passed", report
 
