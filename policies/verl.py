@@ -119,6 +119,8 @@ class VerlRule:
             c.end_s = view.now
         if c.start_s is None and view.mini_batch_total == 0 and r == 0:
             c.start_s, c.queued = view.now, view.samples_done  # nothing to train: it waits from the start
+        for step in [s for s in self.collections if s < r - 1]:
+            del self.collections[step]  # decided on: only the batch in training and the next matter
 
     def observe_progress(self, view: LoanView) -> str | None:
         """After every progress report: send the lent trainers home once the rollout step has

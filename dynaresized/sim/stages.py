@@ -128,7 +128,7 @@ def pull_segments(lengths: list[int], engines: int, slots: int, offsets: list[in
     request's finishing iteration and the segments: (request, engine, from, to, tokens generated
     before, after), in iterations."""
     n, width = len(lengths), engines * slots
-    queue: deque[tuple[int, int]] = deque((j, 0) for j in range(n))
+    queue: deque[tuple[int, int]] = deque(zip(range(n), [0] * n))
     running: list[tuple[int, float, int] | None] = [None] * width  # (request, started, generated before)
     version = [0] * width
     alive = [True] * engines
@@ -399,31 +399,28 @@ class StageModel:
         if stop_at_s is not None:
             plan.append(Intervention(at=float(int(stop_at_s / full_iter)), stop=stopping))
         done_at, segments = pull_segments(lengths, engines, int(self.batch_limit[i]), offsets, plan)
-        busy = np.zeros(engines)
-        spans: list[list[tuple[float, float]]] = [[] for _ in range(engines)]
+        seg = np.array(segments, dtype=np.float64)
+        j, e = seg[:, 0].astype(np.int64), seg[:, 1].astype(np.int64)
+        t0, t1, g0, g1 = seg[:, 2], seg[:, 3], seg[:, 4], seg[:, 5]
+        p = prompts[j]
+        ctx = (g1 - g0) * p + (g1 * (g1 - 1.0) - g0 * (g0 - 1.0)) / 2.0
+        busy = np.bincount(e, r.iter_per_seq_s * (g1 - g0) + r.iter_per_ctx_token_s * ctx
+                           + r.prefill_per_token_s * (p + g0), engines)
+        finished = g1 == b.response_tokens[j]
         placement = np.empty(len(lengths), dtype=np.int64)
-        for j, e, t0, t1, g0, g1 in segments:
-            p = prompts[j]
-            tokens = g1 - g0
-            ctx = tokens * p + (g1 * (g1 - 1.0) - g0 * (g0 - 1.0)) / 2.0
-            busy[e] += r.iter_per_seq_s * tokens + r.iter_per_ctx_token_s * ctx + r.prefill_per_token_s * (p + g0)
-            spans[e].append((t0, t1))
-            if g1 == lengths[j]:
-                placement[j] = e
+        placement[j[finished]] = e[finished]
         first = np.array([float(o) for o in offsets])
         last = first.copy()
-        for e in range(engines):
-            running, reach = 0.0, -math.inf
-            for t0, t1 in sorted(spans[e]):
-                if t0 > reach:
-                    running += t1 - t0
-                    reach = t1
-                elif t1 > reach:
-                    running += t1 - reach
-                    reach = t1
-            busy[e] += r.iter_base_s * running
-            if spans[e]:
-                last[e] = max(t1 for _, t1 in spans[e])
+        for k in range(engines):  # `base` once per iteration the engine runs anything
+            mine = e == k
+            if not mine.any():
+                continue
+            order = np.argsort(t0[mine], kind="stable")
+            a, z = t0[mine][order], t1[mine][order]
+            reach = np.maximum.accumulate(z)
+            before = np.concatenate([[-np.inf], reach[:-1]])
+            busy[k] += r.iter_base_s * float(np.maximum(z - np.maximum(a, before), 0.0).sum())
+            last[k] = reach[-1]
         span = np.maximum(last - first, 1e-12)
         done_s = start[placement] + (done_at - first[placement]) / span[placement] * busy[placement]
         return EngineSchedule(placement=placement, done_s=done_s, finish_s=start + busy)
