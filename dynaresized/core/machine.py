@@ -948,7 +948,8 @@ def plan_loan(state: ClusterState, devices: tuple[DeviceId, ...], to_pool: Pool,
     devices = tuple(sorted(devices))
     src = _unique(state.live_worker(d, WorkerKind.for_pool(from_pool)) for d in devices)
     dst = _unique(state.live_worker(d, WorkerKind.for_pool(to_pool)) for d in devices)
-    if kind is PlanKind.LOAN and len(dst) < len(devices):
+    # One worker may serve several of the devices (verl's rollout worker holds every hybrid slot).
+    if kind is PlanKind.LOAN and any(state.live_worker(d, WorkerKind.for_pool(to_pool)) is None for d in devices):
         return f"not every device of {', '.join(devices)} has a live {WorkerKind.for_pool(to_pool).value} worker"
     resize_id = f"l{state.loans_started + 1}" if kind is PlanKind.LOAN else f"l{state.loans_started}-home{state.version}"
     targets = {OpKind.DRAIN: src, OpKind.RELEASE: src, OpKind.JOIN: dst}

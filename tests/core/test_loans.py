@@ -369,3 +369,22 @@ def test_a_forced_resize_while_trainers_are_lent_plans_no_lent_device():
     d.finish()
     assert d.state.split == Split(train=3, rollout=1)
     assert d.replayed().durable() == d.state.durable()
+
+
+def test_trainers_are_lent_to_one_engine_that_serves_all_of_them():
+    """verl's rollout worker is one engine on every hybrid slot: a loan of two trainers to it is
+    one join, not a capacity refusal for want of an engine per device."""
+    core = make_core(replace(EAGER), "hysteresis", op_timeout_s=30.0)
+    d = Driver(core)
+    devices = (device(0), device(1), device(2))
+    d.send(ev.Configure(at=0.0, devices=devices, pools=(Pool.TRAINING, Pool.TRAINING, Pool.ROLLOUT),
+                        candidates=(Split(2, 1),)))  # the split never changes, as in verl
+    d.send(ev.WorkerHello(at=0.0, worker_id="trainer", kind=WorkerKind.TRAINER_RANK, devices=devices[:2]))
+    d.send(ev.WorkerHello(at=0.0, worker_id="rollout", kind=WorkerKind.ROLLOUT_ENGINE, devices=devices))
+    d.send(ev.StepReported(at=d.at(), worker_id="trainer", timing=StepTiming(
+        step=1, rollout_s=100.0, train_s=10.0, rollout_devices=1, train_devices=2)))
+    facts, commands = d.send(ev.MiniBatchDone(at=d.at(), worker_id="trainer", step=1, done=1, total=1))
+    started = next(x for x in facts if isinstance(x, f.LoanStarted))
+    assert started.plan.devices == devices[:2] and started.plan.to_pool is Pool.ROLLOUT
+    d.finish()
+    assert isinstance(d.log[-1], f.LoanLanded) and d.state.lent_devices() == devices[:2]
