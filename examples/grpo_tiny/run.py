@@ -364,6 +364,7 @@ op_timeout_s = 240.0
                               seed=self.cfg.seed, max_model_len=64)
         self.engines: dict[str, Any] = {}
         self.workers: dict[str, Any] = {}
+        self.reporter: Any = None  # the worker whose client reports the steps (see report)
         for i, device in enumerate(self.devices):
             if self.cfg.gpu:
                 engine = PinnedEngine(f"engine{i}", config, gpu=i)
@@ -465,11 +466,14 @@ op_timeout_s = 240.0
             prompts)
 
     async def report(self, result: Any, train_s: float, train_devices: int) -> None:
-        # Through an admitted engine's client if there is one; while every rollout engine is lent
-        # (drained, paused) any attached one: this report is what brings the loan home.
+        # The daemon takes a job's step reports from one worker, the first that sent one, for as
+        # long as it is live: keep that one (its client reports whether its engine serves, is
+        # lent or is drained: this report is also what brings a loan home). The first time,
+        # and if that worker's client is gone, an admitted engine's worker if there is one.
         attached = [w for w in self.workers.values() if w.client is not None]
-        attached.sort(key=lambda w: w.engine.engine_id not in self.router.admitted)
+        attached.sort(key=lambda w: (w is not self.reporter, w.engine.engine_id not in self.router.admitted))
         if attached:
+            self.reporter = attached[0]
             await attached[0].client.report_step(result.timing(train_s=train_s, train_devices=train_devices))
 
     async def show_attach_progress(self, started: float, every_s: float = 10.0) -> None:
