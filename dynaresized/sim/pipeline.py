@@ -445,7 +445,12 @@ class DynamicPipeline:
         lent_engines = [engine_id(self.index[d]) for d in devices[::gpe][:extra]]
         if model.router != "pull" or extra == 0 or ready >= rollout_s:
             # the lent engines get nothing; the home engines' progress may still send them home
-            self._report_rest(w, start, self._home_engines, self._schedule_w, penalty, ready, watch=True)
+            home_engines = self._home_engines
+            if self._report_progress(w, start, home_engines, self._schedule_w, penalty, -math.inf, ready,
+                                     snapshot=True, watch=True) is None:
+                self._report_rest(w, start, home_engines, self._schedule_w, penalty, ready, watch=True)
+            else:
+                self._report_rest(w, start, home_engines, self._schedule_w, penalty, ready)
             return rollout_s, served, len(devices)
         home = len(late)
         offsets = np.concatenate([late, np.full(extra, ready)])
@@ -457,7 +462,11 @@ class DynamicPipeline:
             workers = self._home_engines + lent_engines
             rebalance = ready if getattr(self.policy, "rebalances", False) else None
             schedule = model.engine_schedule(w, home + extra, offsets, rebalance_at_s=rebalance)
-            back = self._report_progress(w, start, workers, schedule, penalty, ready, math.inf, watch=True)
+            # what was done by the time they are in, then as it comes
+            back = self._report_progress(w, start, workers, schedule, penalty, -math.inf, ready, snapshot=True,
+                                         watch=True)
+            if back is None:
+                back = self._report_progress(w, start, workers, schedule, penalty, ready, math.inf, watch=True)
             if back is not None:
                 stops = frozenset(range(home, home + extra))
                 schedule = model.engine_schedule(w, home + extra, offsets, rebalance_at_s=rebalance,
@@ -505,8 +514,7 @@ class DynamicPipeline:
             return True
 
         if snapshot:
-            report(until, np.bincount(schedule.placement[done <= until], minlength=engines))
-            return None
+            return until if report(until, np.bincount(schedule.placement[done <= until], minlength=engines)) else None
         order = np.argsort(done, kind="stable")
         grain = max(1, total // PROGRESS_POINTS)
         counts = np.zeros(engines, dtype=np.int64)
