@@ -606,8 +606,9 @@ def plan_resize(state: ClusterState, target: Split) -> ResizePlan | str:
     # counts it): it goes home at the step boundary and is left out, as held-back ones are.
     held_back = state.held_back()
     lent = set(state.lent_devices())
+    live = state.live_workers_by_device()
     eligible = [d for d in sorted(state.pool_devices(from_pool), reverse=True)
-                if state.live_worker(d, dst_kind) and d not in held_back and d not in lent]
+                if (d, dst_kind) in live and d not in held_back and d not in lent]
     if len(eligible) < count:
         notes = [f"{len(held_back)} left out: a worker on them has not converged"] if held_back else []
         if lent_here := [d for d in lent if state.devices[d].pool is from_pool]:
@@ -616,11 +617,12 @@ def plan_resize(state: ClusterState, target: Split) -> ResizePlan | str:
         return (f"only {len(eligible)} device(s) in the {from_pool.value} pool have a live "
                 f"{dst_kind.value} worker to take them over{note}; {count} needed for {before} -> {target}")
     devices = tuple(sorted(eligible[:count]))
-    src = _unique(state.live_worker(d, src_kind) for d in devices)
-    dst = _unique(state.live_worker(d, dst_kind) for d in devices)
-    after_pool = {d: (to_pool if d in devices else p.pool) for d, p in state.devices.items()}
+    src = _unique(live.get((d, src_kind)) for d in devices)
+    dst = _unique(live.get((d, dst_kind)) for d in devices)
+    moved = set(devices)
+    after_pool = {d: (to_pool if d in moved else p.pool) for d, p in state.devices.items()}
     committers = _unique(
-        state.live_worker(d, WorkerKind.for_pool(pool)) for d, pool in sorted(after_pool.items()) if pool is not None
+        live.get((d, WorkerKind.for_pool(pool))) for d, pool in sorted(after_pool.items()) if pool is not None
     )
     resize_id = f"r{state.resizes_started + 1}"
     targets = {OpKind.DRAIN: src, OpKind.RELEASE: src, OpKind.JOIN: dst, OpKind.RESTORE: dst,
@@ -645,7 +647,16 @@ def _unique(workers: object) -> tuple[str, ...]:
 def _pending(state: ClusterState) -> list[str]:
     fl = state.inflight
     assert fl is not None
-    return [w for w in fl.op.targets if w not in fl.acked and state.is_live(w)]
+    acked = set(fl.acked)  # a tuple scanned per target made each answer quadratic in the targets
+    return [w for w in fl.op.targets if w not in acked and state.is_live(w)]
+
+
+def _any_pending(state: ClusterState) -> bool:
+    """Whether `_pending` is not empty, in time linear in the op's targets (a set difference,
+    then the liveness of the unanswered ones only until one is live): asked after every answer."""
+    fl = state.inflight
+    assert fl is not None
+    return any(state.is_live(w) for w in set(fl.op.targets).difference(fl.acked))
 
 
 def _current_op_id(state: ClusterState) -> str | None:
@@ -662,7 +673,7 @@ def _advance(core: Core, tx: _Tx, at: float, *, fresh: bool = False) -> None:
     while tx.state.inflight is not None:
         fl = tx.state.inflight
         if fl.index < len(fl.ops):
-            if _pending(tx.state):
+            if _any_pending(tx.state):
                 break
             last = fl.index + 1 >= len(fl.ops)
             tx.emit(f.OpCompleted(at=at, op_id=fl.op.op_id, duration_s=at - fl.op_started_at,
@@ -946,10 +957,11 @@ def plan_loan(state: ClusterState, devices: tuple[DeviceId, ...], to_pool: Pool,
     No commit: a loan lasts until the step boundary, where its return is the next sequence."""
     from_pool = to_pool.other
     devices = tuple(sorted(devices))
-    src = _unique(state.live_worker(d, WorkerKind.for_pool(from_pool)) for d in devices)
-    dst = _unique(state.live_worker(d, WorkerKind.for_pool(to_pool)) for d in devices)
+    live = state.live_workers_by_device()
+    src = _unique(live.get((d, WorkerKind.for_pool(from_pool))) for d in devices)
+    dst = _unique(live.get((d, WorkerKind.for_pool(to_pool))) for d in devices)
     # One worker may serve several of the devices (verl's rollout worker holds every hybrid slot).
-    if kind is PlanKind.LOAN and any(state.live_worker(d, WorkerKind.for_pool(to_pool)) is None for d in devices):
+    if kind is PlanKind.LOAN and any((d, WorkerKind.for_pool(to_pool)) not in live for d in devices):
         return f"not every device of {', '.join(devices)} has a live {WorkerKind.for_pool(to_pool).value} worker"
     resize_id = f"l{state.loans_started + 1}" if kind is PlanKind.LOAN else f"l{state.loans_started}-home{state.version}"
     targets = {OpKind.DRAIN: src, OpKind.RELEASE: src, OpKind.JOIN: dst}

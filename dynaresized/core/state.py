@@ -202,6 +202,16 @@ class ClusterState(msgspec.Struct, frozen=True):
                 return w
         return None
 
+    def live_workers_by_device(self) -> dict[tuple[DeviceId, WorkerKind], Worker]:
+        """What `live_worker` answers, for every device and kind at once: one pass over the
+        workers, so that a plan over many devices is linear in the cluster, not quadratic."""
+        index: dict[tuple[DeviceId, WorkerKind], Worker] = {}
+        for w in self.workers.values():
+            if w.status is WorkerStatus.LIVE:
+                for d in w.devices:
+                    index.setdefault((d, w.kind), w)
+        return index
+
     def is_live(self, worker_id: WorkerId) -> bool:
         w = self.workers.get(worker_id)
         return w is not None and w.status is WorkerStatus.LIVE

@@ -12,6 +12,10 @@ from dynaresized.core.state import ClusterState
 from dynaresized.domain import Pool, WorkerStatus
 
 
+# Facts that only report a job's progress: they change no pool, placement or worker status.
+_TELEMETRY = frozenset({f.ProgressObserved, f.MiniBatchObserved, f.EngineQueueEmptyObserved})
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -86,9 +90,11 @@ class Metrics:
 
     def observe(self, state: ClusterState, facts: list[f.Fact]) -> None:
         self.facts.inc(len(facts))
+        gauges = False  # whether a fact may have changed a pool, a placement or a worker's status
         for fact in facts:
-            if type(fact) is f.ProgressObserved:
+            if type(fact) in _TELEMETRY:
                 continue  # the bulk of the facts under load; nothing to count beyond the total
+            gauges = True
             if isinstance(fact, f.ResizeCommitted):
                 self.resizes.labels("committed").inc()
             elif isinstance(fact, f.ResizeRolledBack):
@@ -110,7 +116,7 @@ class Metrics:
             elif isinstance(fact, f.ResizeJudged):
                 self.verdicts.labels(fact.verdict.value).inc()
                 self.payback_factor.set(fact.payback_factor)
-        if facts:
+        if gauges:  # a pass over every device and worker: not for each batch of progress reports
             self.update_gauges(state)
 
     def observe_idle(self, state: ClusterState) -> None:

@@ -548,8 +548,9 @@ class Daemon:
             outbox: list[tuple[zmq.asyncio.Socket, bytes, bytes]] = []
             for item in items:
                 self._handle(item, facts, commands, outbox)
+            encoded: dict[tuple[object, ...], bytes] = {}  # an op goes to every target as the same bytes
             for command in commands:
-                self._queue_op(command, outbox)
+                self._queue_op(command, outbox, encoded)
             self._pending.append((facts, self.state, outbox))
             self._pending_changed.set()
             while len(self._pending) > _PENDING_MAX:  # the log is the bottleneck: let it catch up
@@ -796,18 +797,26 @@ class Daemon:
                      drain_timeout_s=self.config.daemon.drain_timeout_s)
             self._step_quiet(ev.ShutdownRequested(at=now), facts, commands)
 
-    def _queue_op(self, command: Command, outbox: list[tuple[zmq.asyncio.Socket, bytes, bytes]]) -> None:
+    def _queue_op(self, command: Command, outbox: list[tuple[zmq.asyncio.Socket, bytes, bytes]],
+                  encoded: dict[tuple[object, ...], bytes]) -> None:
         assert self.workers_sock is not None
         route = self._routes.get(command.worker_id, command.worker_id.encode())
         if isinstance(command, QueryState):
             outbox.append((self.workers_sock, route, wire.encode(wire.StateQuery(boot_id=self.boot_id))))
             return
         op = command.op
-        msg = wire.OpCommand(op_id=op.op_id, resize_id=command.resize_id, kind=op.kind, devices=op.devices,
-                             from_pool=op.from_pool, to_pool=op.to_pool,
-                             timeout_s=max(command.deadline - self.clock(), 0.0) / self.scale,
-                             training=command.training, rollout=command.rollout, plan=command.plan)
-        outbox.append((self.workers_sock, route, wire.encode(msg)))
+        # The message names both pools whole: encoded once per op and batch, not once per target
+        # (a commit goes to a worker of every device: that was quadratic in the cluster). The
+        # core hands every target of one send the same pool tuples, alive for this batch.
+        key = (op.op_id, command.resize_id, command.deadline, command.plan, id(command.training), id(command.rollout))
+        data = encoded.get(key)
+        if data is None:
+            msg = wire.OpCommand(op_id=op.op_id, resize_id=command.resize_id, kind=op.kind, devices=op.devices,
+                                 from_pool=op.from_pool, to_pool=op.to_pool,
+                                 timeout_s=max(command.deadline - self.clock(), 0.0) / self.scale,
+                                 training=command.training, rollout=command.rollout, plan=command.plan)
+            data = encoded[key] = wire.encode(msg)
+        outbox.append((self.workers_sock, route, data))
         log.info("op sent", op_id=op.op_id, op=op.kind.value, worker=command.worker_id,
                  resize_id=command.resize_id)
 
