@@ -1,5 +1,6 @@
 """The verl job's devices, pools and op mapping (no verl needed): the daemon accepts the printed
-[cluster] section, and every op kind asks verl's hybrid replicas for a state, never a toggle."""
+[cluster] section, the layout comes from verl's replica lists with the env vars only checked
+against them, and every loan op asks verl's hybrid replicas for a state, never a toggle."""
 
 from __future__ import annotations
 
@@ -9,22 +10,31 @@ from pathlib import Path
 
 import pytest
 
-from dynaresized.domain import OpKind, Pool
-from dynaresized.integrations.verl.layout import VerlLayout, hybrid_wanted
+from dynaresized.domain import OpKind, PlanKind, Pool
+from dynaresized.integrations.verl.layout import LayoutMismatch, VerlLayout, hybrid_wanted
 from tests.daemon.conftest import daemon_sections, write_config
 
 
-def test_layout_devices_and_the_two_splits() -> None:
+def test_layout_devices_and_the_one_split() -> None:
     layout = VerlLayout(hybrid=2, standalone=1)
-    assert layout.devices == ("verl:trainer", "verl:hybrid_0", "verl:hybrid_1", "verl:standalone_0")
-    assert (str(layout.asleep), str(layout.active)) == ("3:1", "1:3")
-    # verl:trainer has no rollout worker and standalone slots no trainer worker: the daemon cannot move them.
-    assert "verl:trainer" not in layout.rollout_worker_devices
+    assert layout.devices == ("verl:hybrid_0", "verl:hybrid_1", "verl:standalone_0")
+    assert str(layout.split) == "2:1"  # the trainer group on every trainer GPU: never resized
+    # standalone slots have no trainer worker: the daemon cannot lend them to training.
     assert not set(layout.standalone_devices) & set(layout.trainer_worker_devices)
     with pytest.raises(ValueError, match="at least one hybrid replica"):
         VerlLayout(hybrid=0, standalone=2)
-    with pytest.raises(ValueError, match="DYNARESIZED_VERL_HYBRID"):
-        VerlLayout.from_env({"DYNARESIZED_VERL_HYBRID": "two"})
+
+
+def test_the_layout_comes_from_verl_and_the_env_vars_are_only_checked() -> None:
+    assert VerlLayout.from_verl(["hybrid_1", "hybrid_0"], 3, env={}) == VerlLayout(hybrid=2, standalone=3)
+    same = {"DYNARESIZED_VERL_HYBRID": "2", "DYNARESIZED_VERL_STANDALONE": "3"}
+    assert VerlLayout.from_verl(["hybrid_0", "hybrid_1"], 3, env=same) == VerlLayout(hybrid=2, standalone=3)
+    with pytest.raises(LayoutMismatch, match=r"DYNARESIZED_VERL_HYBRID=4, but verl has 2 hybrid replica\(s\)"):
+        VerlLayout.from_verl(["hybrid_0", "hybrid_1"], 3, env={"DYNARESIZED_VERL_HYBRID": "4"})
+    with pytest.raises(LayoutMismatch, match="not a number"):
+        VerlLayout.from_verl(["hybrid_0"], 1, env={"DYNARESIZED_VERL_STANDALONE": "one"})
+    with pytest.raises(LayoutMismatch, match="resource ids"):
+        VerlLayout.from_verl(["rack3"], 1, env={})
 
 
 def test_printed_cluster_section_passes_check_config(tmp_path: Path) -> None:
@@ -37,20 +47,22 @@ def test_printed_cluster_section_passes_check_config(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "dynaresized.cli", "check-config", "--config", str(path)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert 'candidates = ["5:2", "1:6"]' in printed
+    assert 'candidates = ["4:2"]' in printed
 
 
-@pytest.mark.parametrize(("kind", "from_pool", "to_pool", "wanted"), [
-    (OpKind.JOIN, Pool.TRAINING, Pool.ROLLOUT, True),
-    (OpKind.RESTORE, Pool.TRAINING, Pool.ROLLOUT, True),
-    (OpKind.EVICT, Pool.TRAINING, Pool.ROLLOUT, False),  # undo of join: back to sleep
-    (OpKind.COMMIT, Pool.TRAINING, Pool.ROLLOUT, None),
-    (OpKind.DRAIN, Pool.ROLLOUT, Pool.TRAINING, False),
-    (OpKind.RELEASE, Pool.ROLLOUT, Pool.TRAINING, False),
-    (OpKind.RESUME, Pool.ROLLOUT, Pool.TRAINING, True),  # undo of drain: awake again
-    (OpKind.RECLAIM, Pool.ROLLOUT, Pool.TRAINING, True),
-    (OpKind.COMMIT, Pool.ROLLOUT, Pool.TRAINING, None),
+@pytest.mark.parametrize(("kind", "plan", "to_pool", "wanted"), [
+    (OpKind.JOIN, PlanKind.LOAN, Pool.ROLLOUT, True),  # lent: verl activates after the training step
+    (OpKind.EVICT, PlanKind.LOAN, Pool.ROLLOUT, False),  # undo of the join: asleep again
+    (OpKind.DRAIN, PlanKind.RETURN, Pool.TRAINING, False),  # home: verl sleeps them before training
+    (OpKind.RELEASE, PlanKind.RETURN, Pool.TRAINING, False),
+    (OpKind.RESUME, PlanKind.RETURN, Pool.TRAINING, None),  # verl trains with them asleep, whatever
+    (OpKind.JOIN, PlanKind.RECONCILE, Pool.ROLLOUT, None),
 ])
-def test_each_rollout_op_names_the_hybrid_state_it_needs(kind: OpKind, from_pool: Pool, to_pool: Pool,
+def test_each_rollout_op_names_the_hybrid_state_it_needs(kind: OpKind, plan: PlanKind, to_pool: Pool,
                                                          wanted: bool | None) -> None:
-    assert hybrid_wanted(kind, from_pool, to_pool) is wanted
+    assert hybrid_wanted(kind, plan, to_pool) is wanted
+
+
+def test_a_resize_op_is_refused_verl_never_resizes() -> None:
+    with pytest.raises(ValueError, match="never resizes"):
+        hybrid_wanted(OpKind.JOIN, PlanKind.RESIZE, Pool.ROLLOUT)

@@ -1,17 +1,19 @@
-"""How a verl fully-async job appears to dynaresized: its devices, pools and allowed splits, and
-what each resize operation asks of verl's hybrid rollout replicas. No verl import: the daemon's
-host prints its `[cluster]` section from here (`python -m dynaresized.integrations.verl`).
+"""How a verl fully-async job appears to dynaresized: its devices, its one split, and what each
+loan operation asks of verl's hybrid rollout replicas. No verl import: the daemon's host prints
+its `[cluster]` section from here (`python -m dynaresized.integrations.verl`).
 
 A dynaresized device here is a verl replica slot, not a GPU:
 
-* `verl:trainer`: the trainer's own share of the trainer GPUs. verl never shrinks its FSDP
-  group, so this device never leaves the training pool (it has no rollout worker).
-* `verl:hybrid_<i>`: hybrid replica `hybrid_<i>` (verl's resource id), which time-shares the
-  trainer GPUs. In the training pool while it sleeps, in the rollout pool while verl has it
-  active. verl activates and deactivates all hybrid replicas together, so every resize moves
-  all of them: the only allowed splits are "asleep" and "active".
+* `verl:hybrid_<i>`: hybrid replica `hybrid_<i>` (verl's resource id) and the trainer GPUs it
+  time-shares. Its home is the training pool: verl's FSDP group keeps every trainer GPU, and
+  verl puts the hybrid replicas to sleep before every training step. Between training steps
+  verl may activate them for the rollout: that is a loan of the slot to the rollout pool, which
+  comes home when the next training step begins. verl activates all hybrid replicas together,
+  so a loan lends all of them.
 * `verl:standalone_<j>`: a standalone rollout replica on its own GPUs. verl never trains on
   those, so it never leaves the rollout pool (it has no trainer worker).
+
+The split never changes (`H:S`, the one candidate): verl never resizes its trainer group.
 """
 
 from __future__ import annotations
@@ -19,16 +21,25 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 
 import msgspec
 
-from dynaresized.domain import DeviceId, OpKind, Pool, Split
+from dynaresized.domain import DeviceId, OpKind, PlanKind, Pool, Split
 
 POLICY_NAME = "dynaresized"
 """The name verl's `async_training.dynamic_schedule_policy` selects."""
 
 TRAINER_WORKER = "verl-trainer"
 ROLLOUT_WORKER = "verl-rollout"
+WORKERS = (TRAINER_WORKER, ROLLOUT_WORKER)
+
+ENV_HYBRID = "DYNARESIZED_VERL_HYBRID"
+ENV_STANDALONE = "DYNARESIZED_VERL_STANDALONE"
+
+
+class LayoutMismatch(ValueError):
+    """What the operator said about the job (env vars) is not what verl has."""
 
 
 class VerlLayout(msgspec.Struct, frozen=True):
@@ -37,24 +48,36 @@ class VerlLayout(msgspec.Struct, frozen=True):
 
     def __post_init__(self) -> None:
         if self.hybrid < 1:
-            raise ValueError(f"a verl job needs at least one hybrid replica to move, got hybrid={self.hybrid}")
+            raise ValueError(f"a verl job needs at least one hybrid replica to lend, got hybrid={self.hybrid}")
         if self.standalone < 0:
             raise ValueError(f"standalone replicas must be >= 0, got {self.standalone}")
 
     @staticmethod
-    def from_env(env: dict[str, str] | None = None) -> VerlLayout:
-        """From DYNARESIZED_VERL_HYBRID and DYNARESIZED_VERL_STANDALONE (verl passes the policy
-        no configuration of its own, so the layout arrives through the Ray runtime_env)."""
-        env = dict(os.environ if env is None else env)
-        try:
-            return VerlLayout(hybrid=int(env.get("DYNARESIZED_VERL_HYBRID", "1")),
-                              standalone=int(env.get("DYNARESIZED_VERL_STANDALONE", "0")))
-        except ValueError as exc:
-            raise ValueError(f"DYNARESIZED_VERL_HYBRID / DYNARESIZED_VERL_STANDALONE: {exc}") from None
-
-    @property
-    def trainer_device(self) -> DeviceId:
-        return "verl:trainer"
+    def from_verl(hybrid_ids: list[str], standalone: int, env: Mapping[str, str] | None = None) -> VerlLayout:
+        """The layout verl's rollouter reports (`get_all_hybrid_replicas`, `get_standalone_replicas`).
+        DYNARESIZED_VERL_HYBRID / _STANDALONE, where set, are checked against it: they say what
+        the daemon's [cluster] section was printed for, and a job that differs is refused here
+        with both numbers rather than by the daemon with a list of unknown devices."""
+        expected = [f"hybrid_{i}" for i in range(len(hybrid_ids))]
+        if sorted(hybrid_ids) != expected:
+            raise LayoutMismatch(f"verl's hybrid replicas are {sorted(hybrid_ids)}, not {expected}: this integration "
+                                 "knows verl's resource ids hybrid_0 .. hybrid_<H-1>")
+        layout = VerlLayout(hybrid=len(hybrid_ids), standalone=standalone)
+        env = os.environ if env is None else env
+        for name, have in ((ENV_HYBRID, layout.hybrid), (ENV_STANDALONE, layout.standalone)):
+            text = env.get(name, "").strip()
+            if not text:
+                continue
+            try:
+                said = int(text)
+            except ValueError:
+                raise LayoutMismatch(f"{name}={text!r} is not a number") from None
+            if said != have:
+                raise LayoutMismatch(
+                    f"{name}={said}, but verl has {have} {name.rsplit('_', 1)[1].lower()} replica(s): print the "
+                    f"daemon's [cluster] with `python -m dynaresized.integrations.verl --hybrid {layout.hybrid} "
+                    f"--standalone {layout.standalone}`, or unset {name}")
+        return layout
 
     @property
     def hybrid_devices(self) -> tuple[DeviceId, ...]:
@@ -66,31 +89,26 @@ class VerlLayout(msgspec.Struct, frozen=True):
 
     @property
     def devices(self) -> tuple[DeviceId, ...]:
-        return (self.trainer_device, *self.hybrid_devices, *self.standalone_devices)
+        return (*self.hybrid_devices, *self.standalone_devices)
 
     @property
     def trainer_worker_devices(self) -> tuple[DeviceId, ...]:
-        return (self.trainer_device, *self.hybrid_devices)
+        return self.hybrid_devices
 
     @property
     def rollout_worker_devices(self) -> tuple[DeviceId, ...]:
         return (*self.hybrid_devices, *self.standalone_devices)
 
     @property
-    def asleep(self) -> Split:
-        """The split while verl's hybrid replicas sleep (how verl starts)."""
-        return Split(train=1 + self.hybrid, rollout=self.standalone)
-
-    @property
-    def active(self) -> Split:
-        return Split(train=1, rollout=self.hybrid + self.standalone)
+    def split(self) -> Split:
+        """verl's only split: the trainer group on every trainer GPU, the standalone replicas."""
+        return Split(train=self.hybrid, rollout=self.standalone)
 
     def cluster_section(self) -> dict[str, object]:
         """The daemon's `[cluster]` keys for this job. Without standalone replicas (verl's
-        only_hybrid) the daemon only observes; the "active" split is still listed so that the
-        hybrid slots' would-be move shows in `events` as refused for want of a rollout worker."""
+        only_hybrid) the daemon only observes: no rollout worker attaches, so nothing can be lent."""
         return {"devices": list(self.devices), "training": list(self.trainer_worker_devices),
-                "candidates": [str(self.asleep), str(self.active)]}
+                "candidates": [str(self.split)]}
 
     def cluster_toml(self) -> str:
         def value(v: object) -> str:
@@ -100,14 +118,21 @@ class VerlLayout(msgspec.Struct, frozen=True):
         return "\n".join(lines) + "\n"
 
 
-def hybrid_wanted(kind: OpKind, from_pool: Pool, to_pool: Pool) -> bool | None:
-    """What the rollout worker's op asks of verl's hybrid replicas: True = active, False = asleep,
+def hybrid_wanted(kind: OpKind, plan: PlanKind, to_pool: Pool) -> bool | None:
+    """What a rollout-side op asks of verl's hybrid replicas: True = active, False = asleep,
     None = nothing. Level-triggered: an op names the state it needs, never a toggle, so a
-    re-sent op or a rollback asks for a state verl may already be in."""
-    if to_pool is Pool.ROLLOUT:  # training -> rollout: the rollout side JOINs, EVICT undoes it
-        return {OpKind.JOIN: True, OpKind.RESTORE: True, OpKind.EVICT: False}.get(kind)
-    # rollout -> training: the rollout side DRAINs and RELEASEs; RESUME and RECLAIM undo them
-    return {OpKind.DRAIN: False, OpKind.RELEASE: False, OpKind.RESUME: True, OpKind.RECLAIM: True}.get(kind)
+    re-sent op or a rollback asks for a state verl may already be in. Only loans and their
+    returns reach verl; a resize raises (verl never resizes its trainer group). Reconcile asks
+    nothing: verl's hybrid replicas sleep at every training step's start, whatever came before."""
+    if plan is PlanKind.RESIZE:
+        raise ValueError(f"verl never resizes its trainer group (op {kind.value}): allow only the split "
+                         "`python -m dynaresized.integrations.verl` prints")
+    if plan is PlanKind.RECONCILE:
+        return None
+    if to_pool is Pool.ROLLOUT:  # a loan: the rollout side JOINs, EVICT undoes it
+        return {OpKind.JOIN: True, OpKind.EVICT: False}.get(kind)
+    # its return: the rollout side DRAINs and RELEASEs; RESUME and RECLAIM would undo them
+    return {OpKind.DRAIN: False, OpKind.RELEASE: False}.get(kind)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,42 +1,52 @@
-"""The `dynaresized` verl dynamic-schedule policy: verl asks it when to activate and deactivate
-its hybrid rollout replicas, and it answers from the daemon's resizes.
+"""The `dynaresized` verl dynamic-schedule policy: verl asks it, after every training step,
+whether to activate its hybrid rollout replicas until the next one, and the daemon answers
+with a loan.
 
-Inside verl's trainer actor it attaches two workers to the daemon (`BlockingWorkerClient`s):
-`verl-trainer` (trainer rank on `verl:trainer` and the hybrid slots; it reports every step) and
-`verl-rollout` (rollout engine on the hybrid and standalone slots). A resize's ops set the
-hybrid state the daemon wants (`layout.hybrid_wanted`); verl applies it at its next step
-boundary, and the op is acknowledged once verl says (through `is_hybrid_active` or the
-activation it just ran) that its replicas are in that state. The daemon's guards, event log
-and metrics therefore see every verl transition as a resize that started, ran op by op and
-committed, or rolled back.
+verl's cycle is kept as verl's own policies keep it: the hybrid replicas sleep before every
+training step (`should_deactivate` is True whenever they are active) and are activated, or not,
+after it, before the weight sync (`should_activate_after_step`). So they are never awake through
+a training step or a weight update ("Rollout must be in sleep mode", verl's naive weight sync).
+The daemon sees that cycle as what it is: after each training step the hybrid slots may be lent
+to the rollout (a loan, `PlanKind.LOAN`); when the next training step begins they go home (its
+return). The trainer group is never resized.
 
-verl never waits on the daemon: reports leave through a queue, attachment retries in a
-background thread, and while the daemon is away the last decision stands.
+Inside verl's trainer actor two workers attach (`BlockingWorkerClient`s): `verl-trainer` (trainer
+rank on the hybrid slots; it reports every step and its training boundaries) and `verl-rollout`
+(rollout engine on the hybrid and standalone slots). The layout comes from verl's rollouter at
+run time. Keys are the same files as every worker's (`DYNARESIZED_KEY_DIR`,
+`DYNARESIZED_SERVER_KEY`, docs/verl.md).
+
+While the daemon does not answer (not yet reached, refused, or lost mid-job) verl's own
+`default` policy object, built with the same arguments and fed every step, decides; one log line
+says so, and one more when the daemon answers again and decides from the next step on.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import queue
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import ray
 import structlog
 from verl.experimental.fully_async_policy.dynamic_schedule import (
+    DefaultDynamicSchedulePolicy,
     DynamicScheduleContext,
     DynamicSchedulePolicyBase,
     register_policy,
 )
 
-from dynaresized.client import BlockingWorkerClient, DaemonRejected, DaemonUnavailable, OpRequest
-from dynaresized.domain import OpKind, StepTiming, WorkerKind
+from dynaresized.client import BlockingWorkerClient, CurveKeys, DaemonRejected, DaemonUnavailable, OpRequest
+from dynaresized.domain import OpKind, PlanKind, Pool, StepTiming, WorkerKind
 from dynaresized.integrations.verl.layout import (
     POLICY_NAME,
     ROLLOUT_WORKER,
     TRAINER_WORKER,
+    WORKERS,
     VerlLayout,
     hybrid_wanted,
 )
@@ -44,23 +54,52 @@ from dynaresized.integrations.verl.layout import (
 log = structlog.get_logger("dynaresized.verl")
 
 _OP_MARGIN_S = 0.5  # answer a little before the daemon's deadline, with our own reason
+DECISION_WAIT_S = 1.0
+"""How long verl's trainer waits, after a training step, for the daemon's loan before it goes on
+without one (DYNARESIZED_VERL_DECISION_WAIT_S). The daemon decides within milliseconds of the
+report; a step without a loan pays the whole wait."""
 
 
-class HybridState:
-    """What the daemon wants of verl's hybrid replicas and what verl last said they are.
-    Op handlers (client threads) wait on it; the policy (verl's thread) updates it."""
+def curve_keys(env: dict[str, str] | os._Environ[str] | None = None) -> dict[str, CurveKeys] | None:
+    """Each worker's CURVE keys, from the files `dynaresized keygen` writes: DYNARESIZED_KEY_DIR
+    holds `verl-trainer.key_secret` and `verl-rollout.key_secret`, DYNARESIZED_SERVER_KEY names the
+    daemon's public key file. None when neither is set (a loopback daemon without CURVE)."""
+    env = os.environ if env is None else env
+    key_dir, server = env.get("DYNARESIZED_KEY_DIR", ""), env.get("DYNARESIZED_SERVER_KEY", "")
+    if not key_dir and not server:
+        return None
+    if not key_dir or not server:
+        raise ValueError("set DYNARESIZED_KEY_DIR and DYNARESIZED_SERVER_KEY both or neither "
+                         f"(DYNARESIZED_KEY_DIR={key_dir!r}, DYNARESIZED_SERVER_KEY={server!r})")
+    if not Path(server).is_file():
+        raise ValueError(f"DYNARESIZED_SERVER_KEY={server}: no such file (the daemon's public key, "
+                         "`dynaresized keygen server --dir DIR` writes DIR/server.key)")
+    keys = {}
+    for worker in WORKERS:
+        secret = Path(key_dir) / f"{worker}.key_secret"
+        if not secret.is_file():
+            raise ValueError(f"DYNARESIZED_KEY_DIR={key_dir}: no {secret.name} (`dynaresized keygen {worker} "
+                             f"--dir {key_dir}` writes it; its {worker}.key goes into the daemon's authorized_keys_dir)")
+        try:
+            keys[worker] = CurveKeys(secret, server)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the CURVE keys of {worker}: {exc}") from None
+    return keys
+
+
+class Cycle:
+    """verl's hybrid state as the op handlers (client threads) and verl's thread share it: what
+    verl last said the replicas are, and the loan offered for the decision verl is waiting on."""
 
     def __init__(self) -> None:
-        self.wanted = False  # verl starts with its hybrid replicas asleep
-        self.active = False
+        self.active = False  # verl starts with its hybrid replicas asleep
         self.step = 0
+        self.deciding: int | None = None  # the step whose activation verl is deciding now
+        self.offer: str | None = None  # the loan's drain op id, while verl decides
+        self.accepted: set[str] = set()
+        self.return_pending: str | None = None  # a return whose rollout side has begun (its resize id)
+        self.return_join: tuple[str, str] | None = None  # (resize id, op id) of a return's trainer join
         self._changed = threading.Condition()
-
-    def want(self, active: bool) -> None:
-        with self._changed:
-            if self.wanted != active:
-                log.info("daemon wants hybrid replicas " + ("active" if active else "asleep"), step=self.step)
-            self.wanted = active
 
     def observe(self, active: bool, step: int) -> None:
         with self._changed:
@@ -71,33 +110,82 @@ class HybridState:
         with self._changed:
             return self._changed.wait_for(lambda: self.active == active, timeout=timeout_s)
 
+    # -- the loan decision: verl's thread opens it, the trainer's drain handler answers it
+    def open(self, step: int) -> None:
+        with self._changed:
+            self.deciding, self.offer = step, None
+
+    def decide(self, timeout_s: float) -> bool:
+        """verl's thread: a loan came within `timeout_s` (it is accepted), or verl goes on without."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.offer is not None, timeout=timeout_s)
+            if self.offer is not None:
+                self.accepted.add(self.offer)
+            self.deciding = None
+            self._changed.notify_all()
+            return self.offer is not None
+
+    def lend(self, op_id: str, timeout_s: float) -> int:
+        """A handler: offer the loan whose drain is `op_id` to the decision in progress; the step
+        it was accepted for, or ValueError when verl decided without it."""
+        with self._changed:
+            if op_id in self.accepted:
+                return self.step
+            if self.deciding is None:
+                raise ValueError(f"verl decided step {self.step}'s activation before this loan came; "
+                                 "it can lend the hybrid replicas after its next training step")
+            step = self.deciding
+            self.offer = op_id
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: self.deciding is None, timeout=timeout_s)
+            if op_id not in self.accepted:
+                raise ValueError(f"verl decided step {step}'s activation before this loan came")
+            return step
+
 
 class VerlWorkers:
     """The verl job's two dynaresized workers, attached in the background and kept attached."""
 
-    def __init__(self, endpoint: str, layout: VerlLayout, hybrid: HybridState, *,
+    def __init__(self, endpoint: str, layout: VerlLayout, cycle: Cycle, *, keys: dict[str, CurveKeys] | None,
                  retry_s: float = 2.0) -> None:
         self.endpoint = endpoint
         self.layout = layout
-        self.hybrid = hybrid
+        self.cycle = cycle
+        self.keys = keys
         self.retry_s = retry_s
         self.trainer: BlockingWorkerClient | None = None
         self.rollout: BlockingWorkerClient | None = None
-        self._reports: queue.Queue[StepTiming] = queue.Queue(maxsize=10_000)
+        self.refused = ""  # why the daemon refused the job for good ("" if it did not)
+        self.last_error = ""  # why the last attempt to attach failed
+        self._reports: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=10_000)
         self._stop = threading.Event()
         threading.Thread(target=self._attach, name="dynaresized-verl-attach", daemon=True).start()
         threading.Thread(target=self._report, name="dynaresized-verl-report", daemon=True).start()
         atexit.register(self.close)  # verl has no teardown for policies: say goodbye at exit
 
-    def report(self, timing: StepTiming) -> None:
-        """Queue one step's timings; never blocks verl (a full queue drops the oldest)."""
+    @property
+    def answering(self) -> bool:
+        """The daemon answers both workers the job needs now."""
+        need = [self.trainer] + ([self.rollout] if self.layout.standalone > 0 else [])
+        return all(c is not None and c.client.registered for c in need)
+
+    def report_step(self, timing: StepTiming) -> None:
+        self._put(("step", timing))
+
+    def report_mini_batch(self, step: int, done: int, total: int) -> None:
+        self._put(("mini_batch", (step, done, total)))
+
+    def _put(self, item: tuple[str, Any]) -> None:
+        """Queue one report; never blocks verl (a full queue drops the oldest)."""
         while True:
             try:
-                self._reports.put_nowait(timing)
+                self._reports.put_nowait(item)
                 return
             except queue.Full:
-                with contextlib.suppress(queue.Empty):
+                try:
                     self._reports.get_nowait()
+                except queue.Empty:
+                    pass
 
     def close(self) -> None:
         if self._stop.is_set():
@@ -113,7 +201,7 @@ class VerlWorkers:
     # -- background threads ----------------------------------------------------------
     def _attach(self) -> None:
         """Register both workers, retrying until the daemon answers. Once registered, the
-        client re-registers by itself after a daemon restart."""
+        client re-registers by itself after a daemon restart or a lost connection."""
         while not self._stop.is_set():
             try:  # a worker that registered stays registered while the other one retries
                 if self.trainer is None:
@@ -122,24 +210,25 @@ class VerlWorkers:
                 if self.rollout is None and self.layout.standalone > 0:
                     self.rollout = self._start(ROLLOUT_WORKER, WorkerKind.ROLLOUT_ENGINE,
                                                self.layout.rollout_worker_devices, self._rollout_op)
-                log.info("verl job attached to dynaresized", endpoint=self.endpoint,
-                         devices=list(self.layout.devices))
+                self.last_error = ""
                 return
             except DaemonRejected as exc:
-                log.error("dynaresized refused the verl job; verl keeps its current schedule", error=str(exc))
+                self.refused = str(exc)
+                log.error("dynaresized refused the verl job; verl's default policy decides for the rest of it",
+                          endpoint=self.endpoint, error=str(exc))
                 return
             except DaemonUnavailable as exc:
-                log.warning("dynaresized is unreachable; verl keeps running on its last decision",
-                            error=str(exc), retry_in_s=self.retry_s)
+                self.last_error = str(exc)
                 self._stop.wait(self.retry_s)
             except Exception as exc:  # a bug or a broken endpoint: say so, keep verl going, retry
-                log.error("attaching to dynaresized failed; verl keeps running on its last decision",
-                          error=f"{type(exc).__name__}: {exc}", retry_in_s=self.retry_s)
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.error("attaching to dynaresized failed", error=self.last_error, retry_in_s=self.retry_s)
                 self._stop.wait(self.retry_s)
 
     def _start(self, worker_id: str, kind: WorkerKind, devices: tuple[str, ...],
                handler: object) -> BlockingWorkerClient:
-        client = BlockingWorkerClient(self.endpoint, worker_id, kind, devices)
+        curve = self.keys[worker_id] if self.keys else None
+        client = BlockingWorkerClient(self.endpoint, worker_id, kind, devices, curve=curve)
         for op in OpKind:
             client.on(op, handler)  # type: ignore[arg-type]
         try:
@@ -152,122 +241,243 @@ class VerlWorkers:
     def _report(self) -> None:
         while not self._stop.is_set():
             try:
-                timing = self._reports.get(timeout=1.0)
+                kind, what = self._reports.get(timeout=1.0)
             except queue.Empty:
                 continue
-            while self.trainer is None and not self._stop.wait(0.1):
-                pass  # not attached yet: hold the step until it can be reported
             client = self.trainer
-            if client is None:
-                return
+            if client is None or not client.client.registered:
+                continue  # the daemon does not answer: its view starts again from the next report
             try:
-                client.report_step(timing)
+                if kind == "step":
+                    client.report_step(what)
+                else:
+                    client.report_mini_batch(*what)
             except Exception as exc:  # verl must not die of it; the next step reports again
-                log.warning("step report to dynaresized failed", step=timing.step, error=str(exc))
+                log.warning("report to dynaresized failed", report=kind, error=str(exc))
 
     # -- op handlers (client threads) ------------------------------------------------
+    def _check_devices(self, op: OpRequest) -> None:
+        if op.plan is PlanKind.RESIZE:
+            hybrid_wanted(op.kind, op.plan, op.to_pool)  # raises: verl never resizes
+        fixed = [d for d in op.devices if d not in self.layout.hybrid_devices]
+        if fixed:
+            raise ValueError(f"verl cannot lend {', '.join(fixed)}: only hybrid replicas change roles")
+        if op.plan is PlanKind.LOAN and set(op.devices) != set(self.layout.hybrid_devices):
+            raise ValueError(f"verl activates all {self.layout.hybrid} hybrid replicas together, not "
+                             f"{len(op.devices)}")
+
     def _trainer_op(self, op: OpRequest) -> str:
-        # verl's FSDP group keeps every trainer GPU whatever the hybrid replicas do: the trainer
-        # side of a move needs no action, only the rollout side's answer below.
+        self._check_devices(op)
+        if op.plan is PlanKind.LOAN and op.kind is OpKind.DRAIN:
+            step = self.cycle.lend(op.op_id, max(op.timeout_s - _OP_MARGIN_S, 0.1))
+            return f"verl activates its hybrid replicas after training step {step}"
+        if op.plan is PlanKind.RETURN and op.kind is OpKind.JOIN:
+            self.cycle.return_join = (op.resize_id, op.op_id)
+            return f"verl's trainer has its GPUs back for step {self.cycle.step + 1}"
+        # verl's FSDP group keeps every trainer GPU whatever the hybrid replicas do
         return f"{op.kind.value}: verl's trainer keeps its FSDP group on all trainer GPUs"
 
     def _rollout_op(self, op: OpRequest) -> str:
-        fixed = [d for d in op.devices if d not in self.layout.hybrid_devices]
-        if fixed:
-            raise ValueError(f"verl cannot move {', '.join(fixed)}: only hybrid replicas change roles")
-        want = hybrid_wanted(op.kind, op.from_pool, op.to_pool)
+        self._check_devices(op)
+        if op.plan is PlanKind.RETURN and op.kind is OpKind.DRAIN:
+            self.cycle.return_pending = op.resize_id
+        want = hybrid_wanted(op.kind, op.plan, op.to_pool)
         if want is None:
+            if op.kind in (OpKind.RESUME, OpKind.RECLAIM):
+                return (f"{op.kind.value}: verl's hybrid replicas sleep through every training step; "
+                        "only a new loan after it activates them")
             return f"{op.kind.value}: nothing to do in verl"
         state = "active" if want else "asleep"
-        if set(op.devices) != set(self.layout.hybrid_devices):
-            raise ValueError(f"verl moves all {self.layout.hybrid} hybrid replicas together, "
-                             f"not {len(op.devices)}: allow only splits {self.layout.asleep} and {self.layout.active}")
-        self.hybrid.want(want)
         started = time.monotonic()
-        if not self.hybrid.wait(want, max(op.timeout_s - _OP_MARGIN_S, 0.1)):
+        if not self.cycle.wait(want, max(op.timeout_s - _OP_MARGIN_S, 0.1)):
             raise TimeoutError(f"verl did not make its hybrid replicas {state} within {op.timeout_s:.1f}s "
-                               "(verl applies a change at its next step boundary; raise core.op_timeout_s "
-                               "above one verl step)")
-        return (f"verl hybrid replicas {state} at step {self.hybrid.step} "
-                f"(waited {time.monotonic() - started:.2f}s)")
+                               "(verl acts at its training step boundaries; raise core.op_timeout_s above one "
+                               "verl step)")
+        return f"verl hybrid replicas {state} at step {self.cycle.step} (waited {time.monotonic() - started:.2f}s)"
 
 
 @register_policy(POLICY_NAME)
 class DynaresizedSchedulePolicy(DynamicSchedulePolicyBase):
-    """verl's hybrid replicas follow the daemon's resizes. Configured through the Ray
-    runtime_env: DYNARESIZED_ENDPOINT (the daemon's worker endpoint), DYNARESIZED_VERL_HYBRID
-    and DYNARESIZED_VERL_STANDALONE (the replica counts the daemon's [cluster] section lists)."""
+    """verl's hybrid replicas are lent to the rollout when the daemon says so. Configured through
+    the Ray runtime_env: DYNARESIZED_ENDPOINT, and for CURVE DYNARESIZED_KEY_DIR and
+    DYNARESIZED_SERVER_KEY (docs/verl.md). The replica counts come from verl."""
 
     def __init__(self, deactivate_ratio: float = 0.3, only_hybrid: bool = False, *,
-                 endpoint: str | None = None, layout: VerlLayout | None = None) -> None:
-        self.deactivate_ratio = 1.0 if only_hybrid else deactivate_ratio
+                 endpoint: str | None = None) -> None:
+        # verl's own policy, built with the same arguments: it decides while the daemon is away,
+        # and its adaptive deactivate_ratio sets how long active replicas generate into the next step.
+        self.fallback = DefaultDynamicSchedulePolicy(deactivate_ratio=deactivate_ratio, only_hybrid=only_hybrid)
         self.only_hybrid = only_hybrid
-        self.layout = layout or VerlLayout.from_env()
-        self.hybrid = HybridState()
         self.endpoint = endpoint or os.environ.get("DYNARESIZED_ENDPOINT", "tcp://127.0.0.1:5555")
-        if only_hybrid:
-            # No standalone replica: asleep, the hybrid replicas would leave verl no rollout at all.
-            # verl's own only-hybrid cycle stays (wake after each weight sync, sleep once the cycle's
-            # samples are in) and the daemon only observes: no rollout worker attaches, so it can
-            # plan no move of the hybrid slots.
-            log.warning("verl runs without standalone replicas (only_hybrid): dynaresized observes its "
-                        "steps but does not move its hybrid replicas")
-        self.workers = VerlWorkers(self.endpoint, self.layout, self.hybrid)
-        self._step_started: float | None = None
-        self._generated = 0
+        self.decision_wait_s = float(os.environ.get("DYNARESIZED_VERL_DECISION_WAIT_S", DECISION_WAIT_S))
+        self.keys = curve_keys()  # a bad key setting stops the job here, before any step
+        self.cycle = Cycle()
+        self.layout: VerlLayout | None = None
+        self.workers: VerlWorkers | None = None
+        self._deciding = "nobody"  # who the last log line said decides ("daemon" or "default")
+        self.decided_by = "default"  # who decided the last activation
         self._activating = False
-        self._waking = False  # this step's activation wakes replicas that were asleep
+        # timings of the cycle in progress (monotonic seconds)
+        self._cycle_start: float | None = None  # the previous decision: the rollout period starts
+        self._step_start: float | None = None  # should_deactivate: the training step begins
+        self._window_end: float | None = None  # verl's wait for deactivate_wait_samples ended
+        self._active_since: float | None = None  # the hybrid replicas became active
+        self._lent_s = 0.0
+        self._last_activate_s = 0.0
+        self._generated = 0
+
+    # -- attaching, with what verl's controller says the job is
+    def _attach(self) -> None:
+        if self.workers is not None or self.layout is not None:
+            return
+        rollouter = getattr(self, "_rollouter", None)  # DynamicResourceController sets it after __init__
+        if rollouter is None:
+            return
+        hybrid, standalone = ray.get([rollouter.get_all_hybrid_replicas.remote(),
+                                      rollouter.get_standalone_replicas.remote()])
+        try:
+            self.layout = VerlLayout.from_verl(list(hybrid), len(standalone))
+        except ValueError as exc:  # what the operator said is not this job: verl's default decides
+            self.layout = VerlLayout(hybrid=max(len(hybrid), 1), standalone=len(standalone))
+            log.error("the verl job is not the one dynaresized was set up for; verl's default policy decides "
+                      "for the rest of it", error=str(exc))
+            return
+        if self.only_hybrid:
+            # No standalone replica: the hybrid replicas are verl's only rollout, and verl's own cycle
+            # (wake after every weight sync, sleep before every step) stays. The daemon observes.
+            log.warning("verl runs without standalone replicas (only_hybrid): dynaresized observes its steps "
+                        "and verl's default policy decides")
+        self.workers = VerlWorkers(self.endpoint, self.layout, self.cycle, keys=self.keys)
+
+    def _decider(self, step: int) -> str:
+        """Who decides this step's activation: the daemon while it answers, else verl's default.
+        One line whenever that changes."""
+        workers = self.workers
+        who = "daemon" if workers is not None and workers.answering and not self.only_hybrid else "default"
+        self.decided_by = who
+        if who == "default" and self._deciding == "nobody" and workers is not None and not (
+                workers.last_error or workers.refused or self.only_hybrid):
+            return who  # the first hello is still on its way: nothing to say yet
+        if who != self._deciding:
+            if who == "daemon":
+                log.info("dynaresized answers; it decides verl's hybrid activations", endpoint=self.endpoint,
+                         step=step)
+            elif self._deciding == "daemon":
+                log.warning("dynaresized stopped answering; verl's default policy decides until it is back",
+                            endpoint=self.endpoint, step=step)
+            elif not self.only_hybrid and workers is not None:
+                why = workers.refused or workers.last_error
+                log.warning("dynaresized is unreachable; verl's default policy decides until it answers",
+                            endpoint=self.endpoint, step=step, error=why or "no answer yet")
+            self._deciding = who
+        return who
 
     # verl's call order per step: should_deactivate (before training), deactivate_wait_samples,
-    # should_activate_after_step (after weight sync), request_rebalance, update_after_step.
+    # should_activate_after_step (after training, before the weight sync), request_rebalance,
+    # update_after_step.
     def should_deactivate(self, global_steps: int, is_hybrid_active: bool, ctx: DynamicScheduleContext) -> bool:
-        if self._step_started is None:
-            self._step_started = time.monotonic()
-        self.hybrid.observe(is_hybrid_active, global_steps)
-        if self.only_hybrid:
-            return is_hybrid_active
-        return is_hybrid_active and not self.hybrid.wanted
+        self._attach()
+        now = time.monotonic()
+        if self._step_start is None:  # the first local step of a weight-sync cycle
+            self._step_start = now
+        if self._cycle_start is None:
+            self._cycle_start = now
+        if self.workers is not None and not self.only_hybrid:
+            # the training step begins: anything lent goes home (verl sleeps its replicas now)
+            self.workers.report_mini_batch(global_steps + 1, 0, 1)
+        return is_hybrid_active  # verl's contract: never train, nor sync weights, with replicas awake
 
     def deactivate_wait_samples(self, ctx: DynamicScheduleContext) -> int:
-        # As verl's own policies: let the replicas buffer part of the cycle before they sleep.
-        return int(ctx.step_required_samples * self.deactivate_ratio)
+        threshold = self.fallback.deactivate_wait_samples(ctx)
+        rollouter = getattr(self, "_rollouter", None)
+        if rollouter is not None:
+            # When verl's own wait for these samples ends, the lent replicas stop serving the
+            # rollout: time it alongside (verl's wait polls the same queue).
+            def ended(_: object) -> None:
+                if self._window_end is None:
+                    self._window_end = time.monotonic()
+
+            try:
+                rollouter.wait_for_enough_samples.remote(threshold).future().add_done_callback(ended)
+            except Exception as exc:  # timing only
+                log.warning("cannot time verl's wait for samples", error=str(exc))
+        return threshold
 
     def should_activate_after_step(self, global_steps: int, is_hybrid_active: bool,
                                    ctx: DynamicScheduleContext) -> bool:
-        self.hybrid.observe(is_hybrid_active, global_steps)
-        # An active replica gets every new version of the weights (verl syncs hybrid replicas only
-        # when this says True), even when it is to sleep at the next step's start.
-        self._activating = self.only_hybrid or self.hybrid.wanted or is_hybrid_active
-        self._waking = self._activating and not is_hybrid_active
+        self._attach()
+        self.cycle.observe(is_hybrid_active, global_steps)  # asleep: a return's ops are answered
+        who = self._decider(global_steps)
+        if who == "default" or self.workers is None:
+            self._report_step(global_steps, ctx)
+            self._activating = self.fallback.should_activate_after_step(global_steps, is_hybrid_active, ctx)
+            return self._activating
+        self._await_return()
+        self._report_step(global_steps, ctx)
+        self.cycle.open(global_steps)
+        self.workers.report_mini_batch(global_steps, 1, 1)  # the training step is done: lend?
+        self._activating = self.cycle.decide(self.decision_wait_s)
         return self._activating
 
+    def _await_return(self) -> None:
+        """Before the next loan: the return of the last one finished at the daemon (its trainer
+        join answered), or the daemon, still busy with it, would not consider a new one."""
+        workers = self.workers
+        deadline = time.monotonic() + self.decision_wait_s
+        while workers is not None and workers.trainer is not None and time.monotonic() < deadline:
+            pending, join = self.cycle.return_pending, self.cycle.return_join
+            if pending is None or (join is not None and join[0] == pending and workers.trainer.client.answered(join[1])):
+                self.cycle.return_pending = None
+                return
+            time.sleep(0.005)
+
     def request_rebalance(self, global_steps: int, ctx: DynamicScheduleContext) -> None:
-        """As verl's default policy, spread in-flight requests over the replicas just woken;
-        not on the steps where active replicas only receive new weights."""
-        rollouter = getattr(self, "_rollouter", None)  # verl's controller sets it after construction
-        if not self._waking or rollouter is None:
-            return
-        try:
-            ray.get(rollouter.rebalance_requests.remote())
-        except Exception as exc:  # a failed rebalance costs balance, not correctness
-            log.warning("request rebalance after activation failed", step=global_steps, error=str(exc))
+        """As verl's default policy: spread in-flight requests over the replicas just activated."""
+        self.fallback._rollouter = getattr(self, "_rollouter", None)
+        self.fallback.request_rebalance(global_steps, ctx)
 
     def update_after_step(self, global_steps: int, ctx: DynamicScheduleContext) -> None:
-        if self._activating and ctx.last_activate_duration_s > 0:
-            self.hybrid.observe(True, global_steps)
+        now = time.monotonic()
+        activated = self._activating and ctx.last_activate_duration_s > 0
+        if activated:
+            self._active_since = now
+            self.cycle.observe(True, global_steps)  # the loan's join is answered
         self._activating = False
-        started, self._step_started = self._step_started, None
-        if started is None:
+        self._last_activate_s = ctx.last_activate_duration_s
+        self.fallback.update_after_step(global_steps, ctx)  # verl's own state stays current for a fallback
+
+    def _report_step(self, step: int, ctx: DynamicScheduleContext) -> None:
+        """The cycle that ends now, as a StepTiming: the trainer's own time on its GPUs, and the
+        rollout's, with the device-seconds the lent hybrid replicas served it."""
+        if self.workers is None or self._step_start is None or self._cycle_start is None:
+            self._step_start = self._window_end = None
             return
-        wall = time.monotonic() - started
+        now = time.monotonic()
+        layout = self.workers.layout
+        # the hybrid replicas served the rollout from their activation to the end of verl's wait
+        # for deactivate_wait_samples (or to this step's start, if verl did not wait)
+        if self._active_since is not None:
+            until = self._window_end or self._step_start
+            self._lent_s = max(until - max(self._active_since, self._cycle_start), 0.0)
+            self._active_since = None
+        else:
+            self._lent_s = 0.0
+        tail = max((self._window_end or self._step_start) - self._step_start, 0.0)
         wait = sum(ctx.step_wait_times)
-        switch = ctx.last_activate_duration_s + ctx.last_deactivate_duration_s
-        train_s = max(wall - wait - switch, 0.0)
+        deactivate = ctx.last_deactivate_duration_s
+        train_s = max(now - self._step_start - tail - deactivate - wait, 0.0)
+        period = max(now - self._cycle_start, 1e-6)
         generated = max(ctx.total_generated_samples - self._generated, 0)
         self._generated = ctx.total_generated_samples
-        if wait > 0 or generated <= ctx.step_required_samples:
-            rollout_s = train_s + wait  # the trainer waited: rollout took the whole step
-        else:  # rollout ran ahead: the time it needed for one cycle's samples
-            rollout_s = train_s * ctx.step_required_samples / generated
-        self.workers.report(StepTiming(step=global_steps, rollout_s=rollout_s, train_s=train_s, weight_sync_s=switch,
-                                       samples=generated))
+        required = max(ctx.step_required_samples, 1)
+        rollout_s = period * required / generated if generated else period
+        if sum(ctx.step_wait_samples) == 0:
+            rollout_s = min(rollout_s, train_s)  # the trainer never waited: the rollout kept up
+        served = layout.standalone * period + layout.hybrid * self._lent_s  # device-seconds generating
+        rollout_device_s = served * rollout_s / period
+        self.workers.report_step(StepTiming(
+            step=step, rollout_s=rollout_s, train_s=train_s, weight_sync_s=self._last_activate_s + deactivate,
+            rollout_devices=layout.standalone, train_devices=layout.hybrid, samples=generated,
+            rollout_device_s=rollout_device_s, train_device_s=train_s * layout.hybrid))
+        self._cycle_start = now
+        self._step_start = self._window_end = None
