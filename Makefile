@@ -19,11 +19,17 @@ $(VENV)/.base: pyproject.toml
 	$(PIP) install -e .
 	touch $@
 
-# verl and Ray for tests/integrations/test_verl.py (torch pinned as above).
+# verl and Ray for tests/integrations/test_verl.py (torch pinned as above), at the newest verl
+# the extra allows; $(VERL_VENV)/oldest layers the oldest (verl is pure Python) over it, for the
+# test that runs both ends of the range.
 $(VERL_VENV)/.verl: pyproject.toml
 	$(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_VENV)/bin/python -m pip --disable-pip-version-check -q install --upgrade pip
-	$(VERL_VENV)/bin/python -m pip --disable-pip-version-check -q install -e '.[verl]' $(TORCH)
+	$(VERL_VENV)/bin/python -m pip --disable-pip-version-check -q install -e '.[verl]' $(TORCH) verl==0.9.1 TransferQueue==0.1.8
+	rm -rf $(VERL_VENV)/oldest && $(PYTHON) -m venv $(VERL_VENV)/oldest
+	echo "import site; site.addsitedir('$$($(VERL_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$($(VERL_VENV)/oldest/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/verl-newest.pth"
+	$(VERL_VENV)/oldest/bin/python -m pip --disable-pip-version-check -q install --no-deps verl==0.9.0
 	touch $@
 
 # What `make test-quick` needs: pytest, hypothesis, import-linter. No torch, vLLM or verl (the
