@@ -36,3 +36,9 @@ elif [ "$gpus" -ge 2 ]; then
         --only transfer,staging > "$OUT/gpu_resize-$stamp-nccl.json"
 fi
 ls -1 "$OUT"/gpu_resize-"$stamp"* >&2
+
+# A real verl fully-async job with dynaresized deciding, where a verl GPU environment is at hand.
+if [ -x "${VERL_PY:-.venv-verl-gpu/bin/python}" ]; then
+    echo "== verl fully-async job with dynaresized (benchmarks/gpu_verl.sh)" >&2
+    OUT="$OUT" benchmarks/gpu_verl.sh || echo "gpu_verl.sh failed (exit $?)" >&2
+fi
