@@ -81,8 +81,9 @@ def render_status(data: dict[str, Any]) -> str:
         f"split       train {split['train']} : rollout {split['rollout']}",
         f"policy      {data['policy']}",
         f"last step   {'none' if data['last_step'] < 0 else data['last_step']}",
-        f"resizes     {data['resizes']['committed']} committed, {data['resizes']['rolled_back']} rolled back, "
-        f"{data['resizes']['started']} started",
+        f"resizes     {data['resizes']['started']} started: {data['resizes']['committed']} committed, "
+        f"{data['resizes']['rolled_back']} rolled back, {data['resizes'].get('degraded', 0)} degraded, "
+        f"{data['resizes'].get('in_flight', 0)} in flight",
     ]
     if data["degraded_reason"]:
         lines.append(f"DEGRADED    {data['degraded_reason']}")
@@ -231,6 +232,12 @@ def _cmd_events(args: argparse.Namespace) -> int:
         recorder.close()
 
 
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    from dynaresized.conformance import main
+
+    return main(args.args, prog="dynaresized conformance")
+
+
 def _cmd_keygen(args: argparse.Namespace) -> int:
     from dynaresized.daemon.security import keygen
 
@@ -328,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("drain", help="stop the daemon gracefully, like SIGTERM")
     client_args(p)
     p.set_defaults(run=_simple(lambda a: wire.DrainRequest()))
+
+    # every argument goes to the checker's own parser (it has its own --help and `-- COMMAND`)
+    p = sub.add_parser("conformance", add_help=False, prefix_chars="\0",
+                       help="check a worker against docs/protocol.md: play the daemon on ENDPOINT and drive it")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(run=_cmd_conformance)
 
     p = sub.add_parser("keygen", help="write a CurveZMQ key pair (for the daemon or a worker)")
     p.add_argument("name", help="key name; for a worker, its worker id")

@@ -81,6 +81,11 @@ class CurveKeys:
     def __init__(self, secret_key_file: str | Path, server_public_key_file: str | Path) -> None:
         import zmq.auth
 
+        for role, path in (("secret key", secret_key_file), ("daemon's public key", server_public_key_file)):
+            if not Path(path).is_file():  # zmq.auth calls a missing file an "Invalid certificate file"
+                missing = "is a directory" if Path(path).is_dir() else "does not exist"
+                raise ValueError(f"the worker's {role} file {path} {missing} "
+                                 "(`dynaresized keygen NAME --dir DIR` writes DIR/NAME.key and DIR/NAME.key_secret)")
         self.public, self.secret = zmq.auth.load_certificate(str(secret_key_file))
         self.server_public, _ = zmq.auth.load_certificate(str(server_public_key_file))
         if self.secret is None:

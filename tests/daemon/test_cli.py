@@ -179,3 +179,23 @@ def test_status_counts_each_pools_unknown_steps() -> None:
     text = render_status(data)
     assert "idle        rollout 10.0% (last step 20.0%), training 30.0% (last step 40.0%); " \
            "rollout 5 step(s) accounted, 0 unknown; training 2 step(s) accounted, 3 unknown" in text
+
+
+def test_status_text_accounts_every_resize_started() -> None:
+    from dynaresized.cli import render_status
+
+    data = {"phase": "steady", "paused": False, "stopping": False, "split": {"train": 1, "rollout": 1},
+            "policy": "hysteresis", "last_step": 4,
+            "resizes": {"started": 5, "committed": 2, "rolled_back": 1, "degraded": 1, "in_flight": 1},
+            "degraded_reason": "", "in_flight": None, "workers": [], "devices": {"a:gpu0": "training"},
+            "idle": {"pools": {}, "devices": {}}}
+    assert "resizes     5 started: 2 committed, 1 rolled back, 1 degraded, 1 in flight" in render_status(data)
+
+
+def test_conformance_is_a_subcommand_that_hands_every_argument_to_the_checker(capsys) -> None:
+    try:
+        main(["conformance", "--help"])
+    except SystemExit as exit_:
+        assert exit_.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dynaresized conformance ENDPOINT") and "-- COMMAND" in out

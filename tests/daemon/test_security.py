@@ -360,3 +360,11 @@ async def test_a_refused_curve_handshake_says_why_in_the_hello_timeout(make_daem
     assert good.registered and good.handshake_failure == ""
     await good.close()
     assert not good.registered
+
+
+def test_a_worker_whose_key_file_is_missing_is_told_which_and_how_to_make_one(tmp_path) -> None:
+    keygen(tmp_path, "w-a")
+    with pytest.raises(ValueError, match=r"secret key file .*nope\.key_secret does not exist .*dynaresized keygen"):
+        CurveKeys(tmp_path / "nope.key_secret", tmp_path / "w-a.key")
+    with pytest.raises(ValueError, match=r"daemon's public key file .* is a directory"):
+        CurveKeys(tmp_path / "w-a.key_secret", tmp_path)
