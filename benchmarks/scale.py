@@ -240,7 +240,7 @@ def host_main(args: dict[str, Any]) -> int:
                     w["token"] = msg.token
                 elif type(msg) is wire.Error:
                     errors[msg.reason or msg.code.value] = errors.get(msg.reason or msg.code.value, 0) + 1
-                    if msg.code.value in ("stale_token", "not_registered", "missing_token"):
+                    if msg.reason in ("stale_token", "not_registered", "missing_token"):
                         hello(w)
 
     for w in workers:

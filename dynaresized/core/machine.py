@@ -704,9 +704,10 @@ def _send(tx: _Tx, only: list[str] | None) -> None:
     # Where the moving devices land: their destination, or back home once rolling back; a
     # reconcile moves nothing.
     landing = None if fl.reconciling else plan.from_pool if fl.rolling_back else plan.to_pool
-    training = tuple(sorted(d for d, p in s.devices.items()
-                            if p.pool is Pool.TRAINING or (d in plan.devices and landing is Pool.TRAINING)))
-    rollout = tuple(sorted(d for d in s.devices if d not in training))
+    moving = set(plan.devices) if landing is Pool.TRAINING else set()
+    training = tuple(sorted(d for d, p in s.devices.items() if p.pool is Pool.TRAINING or d in moving))
+    in_training = set(training)  # membership in the tuple made this quadratic in the cluster
+    rollout = tuple(sorted(d for d in s.devices if d not in in_training))
     for w in only if only is not None else _pending(s):
         tx.commands.append(SendOp(worker_id=w, resize_id=plan.resize_id, op=fl.op, deadline=fl.op_deadline,
                                   training=training, rollout=rollout,
