@@ -19,7 +19,7 @@ from dynaresized.core import facts as f
 from dynaresized.core import guards
 from dynaresized.core.idle import step_period_s
 from dynaresized.core.policy import LoanCosts, LoanProposal, LoanView, ObservedView, Policy, Proposal, ResizeCosts
-from dynaresized.core.state import ClusterState, Phase, mutate
+from dynaresized.core.state import ClusterState, Phase, mutate, seen_at
 from dynaresized.domain import (
     UNDO,
     ActualState,
@@ -262,9 +262,7 @@ def _hello_again(core: Core, tx: _Tx, e: ev.WorkerHello) -> None:
 
 def on_heartbeat(core: Core, tx: _Tx, e: ev.Heartbeat) -> None:
     _require_worker(tx.state, e.worker_id)
-    last_seen = dict(tx.state.last_seen)
-    last_seen[e.worker_id] = e.at
-    tx.state = replace(tx.state, last_seen=last_seen)
+    tx.state = seen_at(tx.state, e.worker_id, e.at)
 
 
 def on_bye(core: Core, tx: _Tx, e: ev.WorkerBye) -> None:
@@ -443,7 +441,8 @@ def _credit_stall(core: Core, tx: _Tx, at: float) -> None:
     s = tx.state
     gap = at - s.last_tick
     if core.config.stall_s is not None and s.last_tick and gap > core.config.stall_s:
-        tx.state = replace(s, last_tick=at, last_seen={w: min(at, seen + gap) for w, seen in s.last_seen.items()})
+        tx.state = replace(s, last_tick=at, seen_base={w: min(at, seen + gap) for w, seen in s.last_seen.items()},
+                           seen_recent={})
         fl = tx.state.inflight
         if fl is not None and fl.op_deadline >= s.last_tick:  # the op was still in time when the stall began
             tx.emit(f.DaemonStalled(at=at, seconds=gap, op_deadline=fl.op_deadline + gap))

@@ -12,6 +12,7 @@ commands, not facts.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -160,7 +161,12 @@ class ClusterState(msgspec.Struct, frozen=True):
     degraded_reason: str = ""
     reconciles_started: int = 0
     unconverged: dict[WorkerId, Unconverged] = {}  # workers that could not converge: left out of plans
-    last_seen: dict[WorkerId, float] = {}  # soft state, see module docstring
+    # Soft state, see module docstring: when each live worker was last heard from, as an older
+    # map and a small overlay of the latest heartbeats (`last_seen` reads both). A heartbeat
+    # copies only the overlay, which is folded into the map once it holds about sqrt(workers)
+    # entries: a full copy per heartbeat made every second of heartbeats quadratic in the workers.
+    seen_base: dict[WorkerId, float] = {}
+    seen_recent: dict[WorkerId, float] = {}
     dry_step: int = -1  # the rollout step whose engines `dry` lists
     dry: tuple[DeviceId, ...] = ()  # devices whose engine has nothing left to do in `dry_step` (lendable)
     mini_batch: MiniBatch | None = None
@@ -230,8 +236,15 @@ class ClusterState(msgspec.Struct, frozen=True):
             return None
         return Holding.SERVING if pool is worker.kind.pool else Holding.RELEASED
 
+    @property
+    def last_seen(self) -> dict[WorkerId, float]:
+        """When each live worker was last heard from (a new dict: reading it is linear)."""
+        if not self.seen_recent:
+            return self.seen_base
+        return {**self.seen_base, **self.seen_recent}
+
     def durable(self) -> ClusterState:
-        return replace(self, last_seen={}, last_sent=0.0, last_audit=0.0, last_tick=0.0)
+        return replace(self, seen_base={}, seen_recent={}, last_sent=0.0, last_audit=0.0, last_tick=0.0)
 
 
 S = TypeVar("S", bound=f.Fact)
@@ -258,13 +271,31 @@ def fold(facts: Iterable[f.Fact], state: ClusterState | None = None) -> ClusterS
     return state
 
 
+def seen_at(state: ClusterState, worker_id: WorkerId, at: float) -> ClusterState:
+    """`state` with `worker_id` last heard from at `at` (see `ClusterState.seen_base`)."""
+    recent = dict(state.seen_recent)
+    recent[worker_id] = at
+    if len(recent) > max(32, math.isqrt(len(state.seen_base))):
+        base = dict(state.seen_base)
+        base.update(recent)
+        return replace(state, seen_base=base, seen_recent={})
+    return replace(state, seen_recent=recent)
+
+
+def _unseen(state: ClusterState, worker_id: WorkerId) -> ClusterState:
+    base, recent = state.seen_base, state.seen_recent
+    if worker_id in base:
+        base = {w: t for w, t in base.items() if w != worker_id}
+    if worker_id in recent:
+        recent = {w: t for w, t in recent.items() if w != worker_id}
+    return replace(state, seen_base=base, seen_recent=recent)
+
+
 def _set_worker(state: ClusterState, worker_id: WorkerId, status: WorkerStatus) -> ClusterState:
     w = state.workers[worker_id]
     workers = dict(state.workers)
     workers[worker_id] = replace(w, status=status)
-    last_seen = dict(state.last_seen)
-    last_seen.pop(worker_id, None)
-    return replace(state, workers=workers, last_seen=last_seen)
+    return _unseen(replace(state, workers=workers), worker_id)
 
 
 def _place(state: ClusterState, devices: Iterable[DeviceId], placement: Placement) -> ClusterState:
@@ -301,7 +332,7 @@ def _(s: ClusterState, e: f.DaemonRestarted) -> ClusterState:
     if inflight is not None and e.op_deadline is not None:
         inflight = replace(inflight, op_deadline=e.op_deadline)
     grace = {w.worker_id: e.at for w in s.workers.values() if w.status is WorkerStatus.LIVE}
-    return replace(s, inflight=inflight, stopping=False, last_seen=grace)
+    return replace(s, inflight=inflight, stopping=False, seen_base=grace, seen_recent={})
 
 
 @_on(f.DaemonStalled)
@@ -313,10 +344,9 @@ def _(s: ClusterState, e: f.DaemonStalled) -> ClusterState:
 def _(s: ClusterState, e: f.WorkerRegistered) -> ClusterState:
     workers = dict(s.workers)
     workers[e.worker.worker_id] = e.worker
-    last_seen = dict(s.last_seen)
-    last_seen[e.worker.worker_id] = e.at
     # A new registration is a new chance to converge.
-    return replace(s, workers=workers, last_seen=last_seen, unconverged=_without(s.unconverged, e.worker.worker_id))
+    return seen_at(replace(s, workers=workers, unconverged=_without(s.unconverged, e.worker.worker_id)),
+                   e.worker.worker_id, e.at)
 
 
 def _without(unconverged: dict[WorkerId, Unconverged], worker_id: WorkerId) -> dict[WorkerId, Unconverged]:

@@ -51,3 +51,20 @@ def test_an_op_is_pending_until_every_live_target_answered() -> None:
         assert _any_pending(d.state) == bool(_pending(d.state)) is True
         d.ack(w)
     assert d.state.inflight is None or d.state.inflight.op.op_id != op_id
+
+
+def test_heartbeats_of_many_workers_are_all_seen_and_a_silent_one_is_lost_on_time() -> None:
+    # 2 x 300 workers: the heartbeat overlay is folded into the older map many times over
+    d = boot(make_core(heartbeat_timeout_s=10.0), 150, 150)
+    silent = trainer(7)
+    for t in (1.0, 2.0, 3.0):
+        for w in sorted(d.state.workers):
+            if w != silent:
+                d.send(ev.Heartbeat(at=t, worker_id=w))
+        assert len(d.state.seen_recent) <= 32
+    seen = d.state.last_seen
+    assert seen[silent] == 0.0 and all(seen[w] == 3.0 for w in d.state.workers if w != silent)
+    facts, _ = d.send(ev.Tick(at=10.5))
+    assert [x.worker_id for x in facts if type(x).__name__ == "WorkerLost"] == [silent]
+    assert silent not in d.state.last_seen
+    assert d.state.durable().last_seen == {}
