@@ -67,12 +67,14 @@ HERE = Path(__file__).resolve()
 # -- the worker process -------------------------------------------------------------------------
 
 
-def worker_main(endpoint: str, device: str, pool: str, record: Path, loans: bool = False) -> int:
+def worker_main(endpoint: str, device: str, pool: str, record: Path, loans: bool = False,
+                curve_dir: Path | None = None, hello_timeout_s: float = 1.0) -> int:
     """One device's process: its engine and its trainer, holding what `pool` says at launch
     ("none": a restarted process, holding nothing). With `loans`, also the job's reports that
-    make the daemon lend (`job_reports`)."""
+    make the daemon lend (`job_reports`). With `curve_dir`, over CURVE: each worker's key pair
+    `<worker_id>.key_secret` and the daemon's `server.key` are there."""
     from dynaresized.backends.sim import HOLDING_AFTER as after
-    from dynaresized.client import OpRequest, WorkerClient
+    from dynaresized.client import CurveKeys, OpRequest, WorkerClient
     from dynaresized.domain import ActualState, Holding, OpKind, WorkerKind
 
     holding = {kind: Holding.SERVING if kind.pool.value == pool else Holding.RELEASED for kind in WorkerKind}
@@ -95,7 +97,9 @@ def worker_main(endpoint: str, device: str, pool: str, record: Path, loans: bool
                     save()
                 return f"{op.kind.value} on {device}"
 
-            client = WorkerClient(endpoint, name, kind, (device,), hello_timeout_s=1.0,
+            curve = None if curve_dir is None else CurveKeys(curve_dir / f"{name}.key_secret",
+                                                             curve_dir / "server.key")
+            client = WorkerClient(endpoint, name, kind, (device,), hello_timeout_s=hello_timeout_s, curve=curve,
                                   actual=lambda kind=kind: ActualState(holding=holding[kind]))
             client.on_all({k: handle for k in OpKind})
             clients.append(client)
@@ -190,10 +194,11 @@ class Faults(msgspec.Struct):
     daemon_kills: int = 0
     worker_kills: int = 0
     loans: bool = False  # the job reports and the policy lends (hysteresis, lending on)
+    partition: str = ""  # the network fault of a run across hosts (`HostRun`), one of PARTITIONS
 
     @property
     def messages_only(self) -> bool:
-        return self.fail == 0 and self.daemon_kills == 0 and self.worker_kills == 0
+        return self.fail == 0 and self.daemon_kills == 0 and self.worker_kills == 0 and not self.partition
 
 
 class Proxy:
@@ -672,6 +677,228 @@ class Run:
         }
 
 
+# -- partitions between hosts ----------------------------------------------------------------------
+
+# The network faults of a run across hosts (`--partitions`): one per run, `PARTITIONS[seed % 8]`,
+# so that any 8 consecutive seeds cover all of them; the host, the moment and the loss are drawn.
+PARTITIONS = ("partition_short", "partition_long", "one_way_to_daemon", "one_way_from_daemon", "delay", "loss",
+              "heal_mid_resize", "heal_mid_loan")
+FULL_PARTITIONS = ("partition_short", "partition_long", "heal_mid_resize", "heal_mid_loan")
+WORKER_HOSTS = (1, 2)  # host 0 runs the daemon; each worker host runs two devices' processes
+HOST_OF = {d: WORKER_HOSTS[i // 2] for i, d in enumerate(DEVICES)}
+DAEMON_PORT, RELAY_PORT = 5555, 5600
+HEARTBEAT_TIMEOUT_S = 3.0
+OP_TIMEOUT_S = 1.5
+DELAY_S = 1.0  # each way: an op's round trip (2 s) is longer than the op timeout, a heartbeat's is not lost
+HOSTS_CHAOS_S = 8.0
+# The client's default. A start() that timed out opens a new connection with the same identity,
+# which the daemon parks while it still holds the previous one (no ROUTER_HANDOVER); under heavy
+# load, with the relay between, a 1 s timeout made a worker's retries chase their own predecessors.
+HELLO_TIMEOUT_S = 5.0
+
+
+class Partition(msgspec.Struct):
+    kind: str
+    host: int  # the worker host it hits
+    start_s: float  # into the chaos window (the mid-resize and mid-loan kinds wait for one instead)
+    duration_s: float
+    loss: float = 0.0
+
+
+def draw_partition(seed: int, rng: random.Random) -> Partition:
+    kind = PARTITIONS[seed % len(PARTITIONS)]
+    host = rng.choice(WORKER_HOSTS)
+    start = rng.uniform(0.5, 2.0)
+    duration = {
+        "partition_short": HEARTBEAT_TIMEOUT_S / 3,  # under the heartbeat timeout: nobody is lost
+        "partition_long": HEARTBEAT_TIMEOUT_S * 1.5,  # over it: the host's workers are lost, then return
+        "one_way_to_daemon": HEARTBEAT_TIMEOUT_S * 1.3,
+        "one_way_from_daemon": HEARTBEAT_TIMEOUT_S * 1.3,
+        "delay": 3.0,
+        "loss": HOSTS_CHAOS_S - start,
+        "heal_mid_resize": rng.choice((HEARTBEAT_TIMEOUT_S / 3, HEARTBEAT_TIMEOUT_S * 1.5)),
+        "heal_mid_loan": rng.choice((HEARTBEAT_TIMEOUT_S / 3, HEARTBEAT_TIMEOUT_S * 1.5)),
+    }[kind]
+    return Partition(kind=kind, host=host, start_s=start, duration_s=duration,
+                     loss=rng.choice((0.05, 0.15, 0.3)) if kind == "loss" else 0.0)
+
+
+def host_config_text(state_dir: Path, keys: Path, control_ep: str, loans: bool) -> str:
+    """What an operator writes for a daemon on 10.77.0.1 serving workers on other hosts: a
+    non-loopback bind, CURVE (the daemon's key, the directory of allowed worker keys), a local
+    control endpoint. Times are shorter than production's so a run takes seconds."""
+    text = config_text(state_dir, f"tcp://10.77.0.1:{DAEMON_PORT}", control_ep, loans)
+    text = (text.replace("heartbeat_timeout_s = 1.5", f"heartbeat_timeout_s = {HEARTBEAT_TIMEOUT_S}")
+            .replace("op_timeout_s = 4.0", f"op_timeout_s = {OP_TIMEOUT_S}"))
+    return text + f"""
+[security]
+server_secret_key = "{keys / 'server.key_secret'}"
+authorized_keys_dir = "{keys / 'authorized'}"
+"""
+
+
+class HostRun(Run):
+    """A chaos run across hosts: the daemon on host 0 (a network namespace), two worker hosts of
+    two devices each, CURVE over TCP, one network fault (`Partition`) while resizes are forced
+    (and, with loans, while the job lends), then the same settling and checks as `Run`.
+
+    Each worker host reaches the daemon through its own `hosts.Relay` on host 0 (delay 0 but
+    during a `delay` fault): links, routes and the loss rule act on the path between the hosts."""
+
+    def __init__(self, seed: int, root: Path) -> None:
+        super().__init__(seed, root, kills=False)
+        rng = random.Random(seed * 104729 + 3)
+        self.partition = draw_partition(seed, rng)
+        loans = self.partition.kind == "heal_mid_loan" or rng.random() < 0.5
+        self.faults = Faults(loans=loans, partition=self.partition.kind)
+        self.proxy = _NoProxy()
+        self.applied_at: float | None = None
+        self.healed = False
+        self.cut_off_record: dict[str, dict[str, str]] = {}
+        self.unavailable = ""  # why the fault could not be applied on this machine
+
+    def start_daemon(self) -> None:
+        if not self.config_written:
+            self.config.write_text(host_config_text(self.dir / "state", self.dir / "keys", self.control_ep,
+                                                    self.faults.loans))
+            self.config_written = True
+        log = (self.dir / "daemon.log").open("ab")
+        self.daemon = self.net.popen(0, [sys.executable, "-m", "dynaresized.cli", "serve", "--config",
+                                         str(self.config)], stdout=log, stderr=subprocess.STDOUT)
+
+    def start_worker(self, device: str, pool: str) -> None:
+        record = self.dir / f"{device.replace(':', '-')}.json"
+        log = (self.dir / f"{device.replace(':', '-')}.log").open("ab")
+        host = HOST_OF[device]
+        endpoint = f"tcp://10.77.0.1:{RELAY_PORT + host}"
+        self.workers[device] = self.net.popen(
+            host, [sys.executable, str(HERE), "--worker", endpoint, device, pool, str(record),
+                   "--curve", str(self.dir / "keys"), "--hello-timeout", str(HELLO_TIMEOUT_S)]
+            + (["--loans"] if self.faults.loans else []),
+            stdout=log, stderr=subprocess.STDOUT)
+
+    def make_keys(self) -> None:
+        from dynaresized.daemon.security import keygen
+
+        keys = self.dir / "keys"
+        keygen(keys, "server")
+        for device in DEVICES:
+            for kind in _kinds():
+                public, _ = keygen(keys, worker_name(kind, device))
+                (keys / "authorized").mkdir(exist_ok=True)
+                (keys / "authorized" / public.name).write_bytes(public.read_bytes())
+
+    async def run(self) -> dict[str, Any]:
+        sys.path.insert(0, str(HERE.parent))
+        from hosts import Hosts
+
+        self.make_keys()
+        recovery = None
+        with Hosts(3, tag=str(self.seed)) as self.net:
+            for host in WORKER_HOSTS:
+                (self.dir / f"delay-{host}").write_text("0")
+                self.net.popen(0, [sys.executable, str(HERE.parent / "hosts.py"), "relay", "10.77.0.1",
+                                   str(RELAY_PORT + host), "10.77.0.1", str(DAEMON_PORT),
+                                   str(self.dir / f"delay-{host}")])
+            self.start_daemon()
+            for i, d in enumerate(DEVICES):
+                self.start_worker(d, "training" if i < 2 else "rollout")
+            ready = await self.wait_status(lambda st: sum(w["status"] == "live" for w in st["workers"]) == 8,
+                                           START_LIMIT_S)
+            if ready is None:
+                self.violate("start", f"the workers did not all register within {START_LIMIT_S:g} s")
+            else:
+                await self.chaos()
+                settled_from = time.monotonic()
+                st = await self.settle()
+                recovery = time.monotonic() - settled_from if st is not None else None
+                if st is not None:
+                    self.check_workers(st)
+                await self.stop_and_check(st)
+        return self.result(recovery)
+
+    def apply(self) -> None:
+        p, net = self.partition, self.net
+        if p.kind in FULL_PARTITIONS:
+            net.cut(p.host)
+            # what the cut-off workers hold now: nothing may change it until the link heals
+            self.cut_off_record = {d: rec for d, rec in self.truth().items() if HOST_OF[d] == p.host}
+        elif p.kind == "one_way_to_daemon":
+            net.block(p.host, 0)
+        elif p.kind == "one_way_from_daemon":
+            net.block(0, p.host)
+        elif p.kind == "delay":
+            (self.dir / f"delay-{p.host}").write_text(str(DELAY_S))
+        elif p.kind == "loss":
+            from hosts import nft_available
+
+            if not nft_available():  # the run goes on without it, and says so
+                self.unavailable = "packet loss needs nftables (`nft`), which is not installed"
+                return
+            net.loss(p.host, p.loss)
+
+    def heal(self) -> None:
+        p = self.partition
+        if p.kind in FULL_PARTITIONS:
+            now = {d: rec for d, rec in self.truth().items() if HOST_OF[d] == p.host}
+            if now != self.cut_off_record:
+                self.violate("cut_off", f"host {p.host}'s workers changed what they hold while cut off from the "
+                                        f"daemon: {self.cut_off_record} -> {now}")
+        (self.dir / f"delay-{p.host}").write_text("0")
+        self.net.heal(p.host)
+        self.healed = True
+
+    async def ready_to_apply(self, elapsed: float) -> bool:
+        kind = self.partition.kind
+        if kind not in ("heal_mid_resize", "heal_mid_loan"):
+            return elapsed >= self.partition.start_s
+        st = await self.status(0.5)
+        fl = None if st is None else st["in_flight"]
+        if fl is None:
+            return False
+        rid = fl["resize_id"]
+        return rid.startswith("r") if kind == "heal_mid_resize" else (rid.startswith("l") and "home" not in rid)
+
+    async def chaos(self) -> None:
+        from dynaresized import wire
+
+        rng = self.rng
+        start = time.monotonic()
+        next_resize = start + rng.uniform(0.0, 0.3)
+        while True:
+            now = time.monotonic()
+            elapsed = now - start
+            if self.applied_at is None and elapsed < HOSTS_CHAOS_S and await self.ready_to_apply(elapsed):
+                self.apply()
+                self.applied_at = time.monotonic()
+            if self.applied_at is not None and not self.healed and now - self.applied_at >= self.partition.duration_s:
+                self.heal()
+            if elapsed >= HOSTS_CHAOS_S and (self.applied_at is None or self.healed):
+                break
+            # mid-loan runs lend while nothing is forced: a forced resize would take the loan's place
+            if now >= next_resize and elapsed < HOSTS_CHAOS_S and self.partition.kind != "heal_mid_loan":
+                train, rollout = rng.choice(SPLITS)
+                await self.control(wire.ResizeRequest(train=train, rollout=rollout, reason="chaos"))
+                next_resize = now + rng.uniform(0.3, 1.0)
+            await asyncio.sleep(0.05)
+        (self.dir / "quiet").touch()
+
+    def result(self, recovery: float | None) -> dict[str, Any]:
+        out = super().result(recovery)
+        out["partition"] = {**msgspec.to_builtins(self.partition),
+                            "applied": self.applied_at is not None and not self.unavailable,
+                            "unavailable": self.unavailable}
+        return out
+
+
+class _NoProxy:
+    """What `Run` asks of its proxy, for runs whose network is real (`HostRun`)."""
+
+    counts: dict[str, int] = {}
+    alive = True
+    error = ""
+
+
 def _kinds() -> Any:
     from dynaresized.domain import WorkerKind
 
@@ -695,9 +922,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def run_one(seed: int, root: Path, kills: bool) -> dict[str, Any]:
+def run_one(seed: int, root: Path, kills: bool, partitions: bool = False) -> dict[str, Any]:
     """One run, in this process (its own event loop, proxy thread and checks)."""
-    run = Run(seed, root, kills=kills)
+    run = HostRun(seed, root) if partitions else Run(seed, root, kills=kills)
 
     async def go() -> dict[str, Any]:
         try:
@@ -709,7 +936,8 @@ def run_one(seed: int, root: Path, kills: bool) -> dict[str, Any]:
     return asyncio.run(go())
 
 
-async def run_all(seeds: list[int], jobs: int, root: Path, kills: bool = True) -> list[dict[str, Any]]:
+async def run_all(seeds: list[int], jobs: int, root: Path, kills: bool = True,
+                  partitions: bool = False) -> list[dict[str, Any]]:
     """Each run in a process of its own (this script with --one): runs side by side share no
     interpreter, so one run's checks never hold up another's proxy."""
     sem = asyncio.Semaphore(jobs)
@@ -718,7 +946,8 @@ async def run_all(seeds: list[int], jobs: int, root: Path, kills: bool = True) -
     async def one(seed: int) -> dict[str, Any]:
         nonlocal done
         async with sem:
-            argv = [sys.executable, str(HERE), "--one", str(seed), str(root)] + ([] if kills else ["--no-kills"])
+            argv = [sys.executable, str(HERE), "--one", str(seed), str(root)] + ([] if kills else ["--no-kills"]) \
+                + (["--partitions"] if partitions else [])
             proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
                                                         stderr=asyncio.subprocess.PIPE)
             out, err = await proc.communicate()
@@ -739,6 +968,28 @@ async def run_all(seeds: list[int], jobs: int, root: Path, kills: bool = True) -
         return result
 
     return await asyncio.gather(*(one(s) for s in seeds))
+
+
+def partition_summary(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per network fault (runs across hosts): runs, how many applied it (the mid-resize and
+    mid-loan ones wait for one), violations, and recovery p50 / max."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in results:
+        p = r.get("partition")
+        if not p:
+            continue
+        o = out.setdefault(p["kind"], {"runs": 0, "applied": 0, "violations": 0, "workers_lost": 0, "recovery_s": []})
+        o["runs"] += 1
+        o["applied"] += int(p["applied"])
+        o["violations"] += len(r["violations"])
+        o["workers_lost"] += r["workers_lost"]
+        if r["recovery_s"] is not None:
+            o["recovery_s"].append(r["recovery_s"])
+    for o in out.values():
+        rec = o.pop("recovery_s")
+        o["recovery_s_p50"] = round(percentile(rec, 0.5), 2) if rec else None
+        o["recovery_s_max"] = round(max(rec), 2) if rec else None
+    return out
 
 
 def summarize(results: list[dict[str, Any]], wall_s: float, jobs: int) -> dict[str, Any]:
@@ -771,6 +1022,7 @@ def summarize(results: list[dict[str, Any]], wall_s: float, jobs: int) -> dict[s
         "daemon_restarts": sum(r["daemon_restarts"] for r in results),
         "workers_lost": sum(r["workers_lost"] for r in results),
         "runs_with_loans": sum(1 for r in results if r["faults"].get("loans")),
+        "partitions": partition_summary(results),
         "loans_started": sum(r.get("loans_started", 0) for r in results),
         "loans_returned": sum(r.get("loans_returned", 0) for r in results),
         "messages_injected": injected,
@@ -784,10 +1036,15 @@ def summarize(results: list[dict[str, Any]], wall_s: float, jobs: int) -> dict[s
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
         endpoint, device, pool, record = sys.argv[2:6]
-        return worker_main(endpoint, device, pool, Path(record), loans="--loans" in sys.argv[6:])
+        rest = sys.argv[6:]
+        curve = Path(rest[rest.index("--curve") + 1]) if "--curve" in rest else None
+        hello = float(rest[rest.index("--hello-timeout") + 1]) if "--hello-timeout" in rest else 1.0
+        return worker_main(endpoint, device, pool, Path(record), loans="--loans" in rest, curve_dir=curve,
+                           hello_timeout_s=hello)
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--one":
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-        print(json.dumps(run_one(int(sys.argv[2]), Path(sys.argv[3]), kills="--no-kills" not in sys.argv)))
+        print(json.dumps(run_one(int(sys.argv[2]), Path(sys.argv[3]), kills="--no-kills" not in sys.argv,
+                                 partitions="--partitions" in sys.argv)))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=100)
@@ -795,13 +1052,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=4, help="runs at once (each is mostly waiting)")
     parser.add_argument("--keep", help="keep every run's logs under this directory")
     parser.add_argument("--no-kills", action="store_true", help="message faults only: no SIGKILLs")
+    parser.add_argument("--partitions", action="store_true",
+                        help="runs across hosts (network namespaces, CURVE over TCP; needs root): one network "
+                             "partition, one-way cut, delay or loss per run (PARTITIONS[seed %% 8])")
     args = parser.parse_args(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints where a stuck run waits
     seeds = [args.seed + i for i in range(args.runs)]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dynaresized-chaos-") as tmp:
         root = Path(args.keep) if args.keep else Path(tmp)
-        results = asyncio.run(run_all(seeds, args.jobs, root, kills=not args.no_kills))
+        results = asyncio.run(run_all(seeds, args.jobs, root, kills=not args.no_kills, partitions=args.partitions))
     print(json.dumps(summarize(results, time.monotonic() - started, args.jobs), indent=2))
     return 0
 

@@ -224,6 +224,23 @@ connection; ZeroMQ reconnects it. The daemon never dies of a bad message.
    `not_the_reporter` (the error names the reporter); once the reporter is lost or gone, the
    next worker to report takes over. A second report of a step is refused as `stale_step`. `progress`: per-sample completion on this worker. `bye` when
    leaving on purpose (your devices stay in their pools).
+7. **Cut off from the daemon** (a network partition, a one-way link, the daemon down): keep
+   doing what you hold. An engine keeps serving its requests and a trainer keeps training:
+   the job's own traffic (NCCL, gloo, vLLM) does not go through the daemon, and a device moves
+   only when an `op` says so, never because the daemon went quiet. An op you were running
+   finishes and its answer stays in your record. Keep heartbeating; once no `heartbeat_ack`
+   came for `welcome.heartbeat_timeout_s`, say `hello` again (on a new connection, with pauses
+   of at most a quarter of that timeout) for as long as the cut lasts; our client does all of
+   this. On its side, the daemon declares you lost after `heartbeat_timeout_s` of silence: a
+   resize or loan that still needs you rolls back (past its commit it finishes without you),
+   and your devices stay in the pool the log has them in, unless a later resize moves them
+   without you (a device moves only if the worker that takes it over is live). A cut shorter
+   than both timeouts costs nothing: re-sent ops and heartbeats make up for what was lost. When
+   the link heals, your `hello` carries your `actual` state and the daemon converges you with
+   the log (reconciliation, below): if it rolled back a resize you had acted on, it sends the
+   undo or converging ops then. `benchmarks/chaos.py --partitions` cuts worker hosts off
+   (network namespaces, CURVE over TCP) and checks that a cut-off worker's holding does not
+   change until the link heals.
 
 ## Reconciliation
 
