@@ -84,6 +84,7 @@ bench: $(VENV)/.test
 
 docs: $(VENV)/.base
 	$(PY) -m dynaresized.protocol_doc > docs/protocol.md
+	$(PY) -m dynaresized.fact_doc > docs/facts.md
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) build *.egg-info .pytest_cache .hypothesis
