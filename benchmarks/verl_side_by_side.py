@@ -1,10 +1,11 @@
 """Our policy against verl's own rules, side by side in the simulator (issue 24, item 2).
 
-For every built-in profile and scenario (seed 0): the best static split (hindsight), our
+For every built-in profile and scenario (seed 0): the best static configuration (split x engine
+size, hindsight) and the best split of TP-1 engines, our
 default policy (`hysteresis`, lending on), verl's `default` dynamic-scheduling rule
 (`verl-default`) and verl v1's step switch (`verl-v1-switch`), all from the profile's initial
 split on the same trace, devices and cost model; and, for reference, verl-default started from
-the best static split (a verl user who picked the split with hindsight).
+the best split of TP-1 engines (a verl user who picked the split with hindsight).
 
     python benchmarks/verl_side_by_side.py [--profiles a,b] [--scenarios x,y] [--steps K]
 
@@ -34,7 +35,8 @@ def row(profile_name: str, scenario: str, steps: int | None) -> dict:
     verl = verl_baselines(model)
     ours = simulate(trace, profile, "hysteresis", seed=0, model=model, base=base, verl=verl).report
     best = base.best_split
-    at_best = msgspec.structs.replace(profile, cluster=msgspec.structs.replace(profile.cluster, initial_train=best.train))
+    own = base.best_split_tp1 or best  # verl's rules run the profile's own engines: start them at its best split
+    at_best = msgspec.structs.replace(profile, cluster=msgspec.structs.replace(profile.cluster, initial_train=own.train))
     from_best = DynamicPipeline(StageModel(at_best, trace), load_policy("verl-default"),
                                 guards=verl_guards(at_best)).run().total_time_s
     return {
@@ -43,7 +45,10 @@ def row(profile_name: str, scenario: str, steps: int | None) -> dict:
         "steps": model.steps,
         "initial_split": str(profile.initial_split),
         "best_static_split": str(best),
+        "best_static_tp": base.best_tp,
         "best_static_s": round(base.best_static_s, 1),
+        "best_static_tp1_split": str(own),
+        "best_static_tp1_s": round(base.best_static_tp1_s or base.best_static_s, 1),
         "ours_s": ours.total_time_s,
         "ours_resizes": ours.resizes,
         "ours_loans": ours.loans,
@@ -52,6 +57,7 @@ def row(profile_name: str, scenario: str, steps: int | None) -> dict:
         "verl_dynamic_loans": sum(1 for _ in verl.runs["verl-default"].windows if _.lent),
         "verl_dynamic_from_best_static_s": round(from_best, 1),
         "speedup_vs_best_static": ours.speedup_vs_best_static,
+        "speedup_vs_best_static_tp1": ours.speedup_vs_best_static_tp1,
         "speedup_vs_verl_dynamic": ours.speedup_vs_verl_dynamic,
         "speedup_vs_verl_v1_switch": ours.speedup_vs_verl_v1_switch,
         "speedup_vs_verl_dynamic_from_best_static": round(from_best / ours.total_time_s, 4),

@@ -5,7 +5,9 @@ The derivation is in docs/simulator.md ("Lower bound"); in short, for N devices:
 * Rollout of step k on n devices takes at least `max(W_k / n, L_k)`: `W_k` is its work in
   device-seconds at full utilisation (every decode iteration runs a full batch, no engine
   waits for another; `StageModel.rollout_work`), `L_k` is the time of its longest request
-  decoded alone (no placement splits one request).
+  decoded alone (no placement splits one request), each over every engine size the profile
+  allows (`rollout.tp_sizes`) that fits: the least work, and each request on its fastest
+  engine (a wider engine decodes a lone request faster).
 * Training of step k on n devices takes `T_k(n)` (the training model has no slack to remove:
   it is already work over devices times the data-parallel efficiency, plus fixed overhead).
 * Disaggregated (static or dynamic, any policy, free and instant resizes): window w holds
@@ -31,13 +33,24 @@ class LowerBound(msgspec.Struct, frozen=True):
     colocated_s: float
 
 
+def longest_alone(models: list[StageModel]) -> np.ndarray:
+    """Per step, its longest request decoded alone on the fastest of `models`' engines for it
+    (the latency floor no placement on those engine sizes beats)."""
+    if len(models) == 1:
+        return models[0].longest_request_s
+    tables = [m.alone_s() for m in models]
+    return np.array([float(np.min([t[i] for t in tables], axis=0).max()) for i in range(models[0].steps)])
+
+
 def rollout_floor(model: StageModel, devices: int) -> np.ndarray:
-    """Per step, the least time any placement needs for the rollout on `devices` devices."""
-    engines = model.engines(devices)
-    work = np.array([model.rollout_work(k) for k in range(model.steps)])
-    if engines < 1:
+    """Per step, the least time any placement needs for the rollout on `devices` devices, on
+    engines of any size the profile allows that fits in them (`StageModel.variants`)."""
+    fits = [m for m in model.variants(devices) if m.engines(devices) >= 1]
+    if not fits:
         return np.full(model.steps, np.inf)
-    return np.maximum(work / (engines * model.profile.rollout.gpus_per_engine), model.longest_request_s)
+    work = np.min([m.rollout_work_table() / (m.engines(devices) * m.profile.rollout.gpus_per_engine)
+                   for m in fits], axis=0)
+    return np.maximum(work, longest_alone(fits))
 
 
 def lower_bound(model: StageModel, gpus: int) -> LowerBound:
@@ -64,14 +77,18 @@ def fluid_windows(model: StageModel, gpus: int) -> np.ndarray:
     critical chain (the step's longest request decoded alone; the training step's fixed
     overhead), whichever is longer, plus the weight sync."""
     k = model.steps
-    work = np.array([model.rollout_work(i) for i in range(k)])
+    # Any engine size the cluster allows: the least device-work per step, and the longest
+    # request decoded alone on the widest (fastest) engine for it.
+    models = model.variants(gpus)
+    work = np.min([m.rollout_work_table() for m in models], axis=0)
+    longest = longest_alone(models)
     train = np.array([model.train_work(i) for i in range(k)])
     overhead = model.profile.training.step_overhead_s
     out = np.empty(k + 1)
-    out[0] = max(work[0] / gpus, model.longest_request_s[0])
+    out[0] = max(work[0] / gpus, longest[0])
     if k > 1:
         out[1:k] = np.maximum((work[1:] + train[:-1]) / gpus,
-                              np.maximum(model.longest_request_s[1:], overhead)) + model.weight_sync_s
+                              np.maximum(longest[1:], overhead)) + model.weight_sync_s
     out[k] = max(train[k - 1] / gpus, overhead) + model.weight_sync_s
     return out
 

@@ -182,18 +182,21 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
 
 def summary(r: SimReport) -> str:
     b = r.best_static
+    t1 = r.best_static_tp1 or b
     rr = r.best_static_round_robin or b
     lines = [
         f"{r.workload} on {r.profile} ({r.gpus} devices, {r.steps} steps, {r.samples_per_step:g} samples/step), "
         f"policy {r.policy}, {r.cost_mode} resize costs",
         f"  total time           {r.total_time_s:12.1f} s   ({r.mean_step_s:.1f} s/step)",
         f"  resizes              {r.resizes:12d}     {r.initial_split} -> {r.final_split}",
-        f"  best static split    {b.total_time_s:12.1f} s   at {b.train}:{b.rollout}   "
+        f"  best static config   {b.total_time_s:12.1f} s   at {b.train}:{b.rollout}, TP-{b.tp} engines   "
         f"speedup {r.speedup_vs_best_static:.3f}x",
+        f"  best static, TP-{t1.tp:<3}  {t1.total_time_s:12.1f} s   at {t1.train}:{t1.rollout}   "
+        f"speedup {r.speedup_vs_best_static_tp1:.3f}x   (the profile's own engines; this run's: TP-{r.tp})",
         f"  initial split        {r.initial_split_total_time_s:12.1f} s   at {r.initial_split}   "
         f"speedup {r.speedup_vs_initial_split:.3f}x",
         f"  colocated            {r.colocated_total_time_s:12.1f} s   speedup {r.speedup_vs_colocated:.3f}x",
-        f"  per-step oracle      {r.oracle_total_time_s:12.1f} s   (best split every step, free resizes)",
+        f"  per-step oracle      {r.oracle_total_time_s:12.1f} s   (best split every step, free resizes, TP-{r.tp})",
         f"  best static, verl    {rr.total_time_s:12.1f} s   at {rr.train}:{rr.rollout}   "
         f"speedup {r.speedup_vs_best_static_round_robin:.3f}x   (verl's placement: chunks at submission)",
         f"  loans                {r.loans:12d}     {r.devices_lent} device-steps lent, {r.loans_refused} refused",
@@ -202,7 +205,7 @@ def summary(r: SimReport) -> str:
         f"  verl's own rule      {r.verl_dynamic_total_time_s:12.1f} s   speedup {r.speedup_vs_verl_dynamic:.3f}x   "
         f"(verl-default: its trainers lent to the rollout, from the same split)",
         f"  verl v1 switch       {r.verl_v1_switch_total_time_s:12.1f} s   speedup {r.speedup_vs_verl_v1_switch:.3f}x",
-        f"  headroom over best static: {r.headroom_vs_best_static:.3f}x with free resizes, "
+        f"  headroom over best static: {r.headroom_vs_best_static:.3f}x with free resizes (over the TP-{t1.tp} split), "
         f"{r.bound_vs_best_static:.3f}x for any step-boundary schedule",
     ]
     for e in r.resize_events:
@@ -234,14 +237,16 @@ def _bench(args: argparse.Namespace, out: TextIO) -> int:
         for row in rows:
             out.write(msgspec.json.encode(row).decode() + "\n")
         return 0
-    header = f"{'workload':<20} {'policy':<14} {'total_s':>11} {'resizes':>7} {'best':>5} {'vs best':>8} " \
-             f"{'vs init':>8} {'gap LB':>7} {'headroom':>8} {'loans':>6} {'vs RR':>6} {'gap FB':>7} " \
+    header = f"{'workload':<20} {'policy':<14} {'total_s':>11} {'resizes':>7} {'best':>9} {'vs best':>8} " \
+             f"{'vs TP1':>7} {'vs init':>8} {'gap LB':>7} {'headroom':>8} {'loans':>6} {'vs RR':>6} {'gap FB':>7} " \
              f"{'vs verl':>7} {'vs v1':>6}"
     out.write(header + "\n" + "-" * len(header) + "\n")
     for r in rows:
         b = r.best_static
-        out.write(f"{r.workload:<20} {r.policy:<14} {r.total_time_s:>11.0f} {r.resizes:>7d} {b.train}:{b.rollout:<3} "
-                  f"{r.speedup_vs_best_static:>8.3f} {r.speedup_vs_initial_split:>8.3f} {r.gap_to_lower_bound:>7.1%} "
+        best = f"{b.train}:{b.rollout}/{b.tp}"
+        out.write(f"{r.workload:<20} {r.policy:<14} {r.total_time_s:>11.0f} {r.resizes:>7d} {best:>9} "
+                  f"{r.speedup_vs_best_static:>8.3f} {r.speedup_vs_best_static_tp1:>7.3f} "
+                  f"{r.speedup_vs_initial_split:>8.3f} {r.gap_to_lower_bound:>7.1%} "
                   f"{r.headroom_vs_best_static:>8.3f} {r.loans:>6d} {r.speedup_vs_best_static_round_robin:>6.3f} "
                   f"{r.gap_to_fluid_bound:>7.1%} {r.speedup_vs_verl_dynamic:>7.3f} {r.speedup_vs_verl_v1_switch:>6.3f}\n")
     return 0

@@ -38,6 +38,7 @@ from dynaresized.core.guards import GuardConfig
 from dynaresized.core.policy import Policy, ResizeCosts
 from dynaresized.core.policy import LoanCosts
 from dynaresized.domain import FORWARD_ORDER, OpKind, PlanKind, Pool, ResizePlan, Split, StepTiming, WorkerKind
+from dynaresized.sim.profile import ProfileError
 from dynaresized.sim.stages import EngineSchedule, StageModel
 
 Progress = Callable[[int, int], None]
@@ -95,6 +96,63 @@ def best_static(model: StageModel, gpus: int) -> tuple[Split, float]:
     return best[1], best[0]
 
 
+def static_floor(model: StageModel, split: Split) -> float:
+    """A total no run of `split` on `model`'s engines beats (each step's rollout at least its
+    work over the devices, and at least its longest request decoded alone): what the
+    configuration search prunes with before simulating a split."""
+    k = model.steps
+    rollout = _own_floor(model, split.rollout)
+    train = model.train_table(split.train)
+    sync = model.weight_sync_s
+    total = float(rollout[0]) + float(train[k - 1] + sync)
+    if k > 1:
+        total += float((np.maximum(rollout[1:], train[:-1]) + sync).sum())
+    return total
+
+
+def _own_floor(model: StageModel, devices: int) -> np.ndarray:
+    """Per step, the least rollout seconds on `devices` devices of this model's engine size."""
+    engines = model.engines(devices)
+    if engines < 1:
+        return np.full(model.steps, np.inf)
+    return np.maximum(model.rollout_work_table() / (engines * model.profile.rollout.gpus_per_engine),
+                      model.longest_request_s)
+
+
+class StaticConfig(msgspec.Struct, frozen=True):
+    """A fixed configuration: the split and the devices of each rollout engine."""
+
+    split: Split
+    tp: int
+    total_s: float
+
+
+def best_static_config(model: StageModel, gpus: int) -> tuple[StaticConfig, StaticConfig]:
+    """The best fixed (split x engine size) with hindsight, and the best split on the profile's
+    own engine size (`best_static`). Engine sizes come from `RolloutSpec.engine_sizes`, each
+    only where it divides the rollout pool. Every split of the profile's own size is simulated;
+    another size's split is simulated only while its `static_floor` is below the best total so
+    far (in increasing order of floor), so the search is exact and simulates few of them."""
+    split, total = best_static(model, gpus)
+    own = StaticConfig(split, model.profile.rollout.gpus_per_engine, total)
+    best = own
+    pending: list[tuple[float, int, int]] = []
+    for m in model.variants(gpus - 1):
+        k = m.profile.rollout.gpus_per_engine
+        if m is model:
+            continue
+        for rollout in range(k, gpus, k):
+            pending.append((static_floor(m, Split(gpus - rollout, rollout)), k, rollout))
+    for floor, k, rollout in sorted(pending):
+        if floor >= best.total_s:
+            break
+        candidate = Split(gpus - rollout, rollout)
+        total = static_total(model.at_tp(k), candidate)
+        if total < best.total_s:
+            best = StaticConfig(candidate, k, total)
+    return best, own
+
+
 def colocated_steps(model: StageModel, gpus: int) -> np.ndarray:
     """Per-step seconds of the colocated (verl default) mode: generate, switch, train."""
     return model.rollout_table(gpus) + model.colocated_switch_s + model.train_table(gpus)
@@ -147,6 +205,11 @@ class DynamicPipeline:
         progress: Progress | None = None,
     ) -> None:
         profile = model.profile
+        gpe = profile.rollout.gpus_per_engine
+        if profile.initial_split.rollout < gpe:
+            raise ProfileError(f"profile {profile.name}: the initial rollout pool of {profile.initial_split.rollout} "
+                               f"device(s) is smaller than one engine of {gpe}; start with a larger rollout "
+                               f"pool or smaller engines")
         self.model = model
         self.policy = policy
         self.naive = naive

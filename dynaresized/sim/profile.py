@@ -8,6 +8,7 @@ documented here; docs/simulator.md explains where the built-in numbers come from
 
 from __future__ import annotations
 
+import math
 from importlib import resources
 from pathlib import Path
 
@@ -49,6 +50,52 @@ class RolloutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Per context token of a running request per iteration: reading its KV cache."""
     prefill_per_token_s: float = 0.00018
     """Per prompt token, once (prefill is compute-bound)."""
+    tp_sizes: tuple[int, ...] = ()
+    """Engine sizes (tensor-parallel degrees) the best static configuration may use, e.g.
+    [1, 2, 4, 8] (each must divide the model's attention heads); empty means only
+    `gpus_per_engine`. The costs above are those of an engine of `gpus_per_engine` devices;
+    `at_tp` derives an engine of k devices from them (docs/simulator.md, "Tensor parallelism")."""
+    iter_fixed_s: float = 0.0
+    """Of `iter_base_s`, what does not split across an engine's devices (kernel launches,
+    scheduling); the rest of it (reading the weights) splits k ways."""
+    layers: int = 0
+    """Transformer layers (each pays its tensor-parallel all-reduces once per iteration)."""
+    allreduce_s: float = 0.0
+    """Seconds one layer's all-reduces take per iteration at TP-2; at TP-k, `log2(k)` times
+    that (a latency-bound, tree-shaped all-reduce of a decode batch's activations)."""
+    weights_kv_tokens: int = 0
+    """The weights' size in tokens of KV cache: what an engine of k devices holds once, so its
+    KV capacity is k x (one device's) minus this."""
+
+    def comm_s(self, devices: int) -> float:
+        """Seconds of all-reduces per decode iteration of an engine of `devices` devices."""
+        return self.layers * self.allreduce_s * math.log2(devices) if devices > 1 else 0.0
+
+    def at_tp(self, devices: int) -> RolloutSpec:
+        """The same model on engines of `devices` devices: the weights' read, the per-sequence
+        compute, the KV reads and the prefill split `devices` ways; `iter_fixed_s` does not
+        split; the all-reduces grow with `comm_s`; the KV capacity is `devices` devices' memory
+        less one copy of the weights."""
+        g = self.gpus_per_engine
+        if devices == g:
+            return self
+        if devices < 1:
+            raise ProfileError(f"an engine needs at least one device, got {devices}")
+        scale = g / devices
+        split_base = max(self.iter_base_s - self.iter_fixed_s - self.comm_s(g), 0.0)
+        kv = int((self.kv_cache_tokens + self.weights_kv_tokens) * devices / g) - self.weights_kv_tokens
+        if kv < 1:
+            raise ProfileError(f"an engine of {devices} device(s) has no room for KV cache "
+                               f"({self.weights_kv_tokens} tokens of weights)")
+        return msgspec.structs.replace(
+            self, gpus_per_engine=devices, kv_cache_tokens=kv,
+            iter_base_s=split_base * scale + self.iter_fixed_s + self.comm_s(devices),
+            iter_per_seq_s=self.iter_per_seq_s * scale, iter_per_ctx_token_s=self.iter_per_ctx_token_s * scale,
+            prefill_per_token_s=self.prefill_per_token_s * scale)
+
+    def engine_sizes(self) -> tuple[int, ...]:
+        """The engine sizes a configuration may use (`tp_sizes`, or `gpus_per_engine`)."""
+        return tuple(sorted(set(self.tp_sizes))) if self.tp_sizes else (self.gpus_per_engine,)
 
 
 class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -199,6 +246,17 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return {OpKind.RELEASE: c.engine_release_s, OpKind.JOIN: c.trainer_join_s}.get(kind, 0.0)
         return {OpKind.RELEASE: c.trainer_leave_s, OpKind.JOIN: c.engine_wake_s}.get(kind, 0.0)
 
+    def with_tp(self, devices: int) -> Profile:
+        """The same profile with rollout engines of `devices` devices (`RolloutSpec.at_tp`)."""
+        if devices == self.rollout.gpus_per_engine:
+            return self
+        return msgspec.structs.replace(self, rollout=self.rollout.at_tp(devices))
+
+    def widest_engine(self) -> int:
+        """The most devices one engine may have on this cluster (for the fluid bound)."""
+        fits = [k for k in self.rollout.engine_sizes() if k <= self.cluster.gpus]
+        return max(fits, default=self.rollout.gpus_per_engine)
+
     def with_gpus(self, gpus: int) -> Profile:
         """The same profile on `gpus` devices, keeping the initial training share."""
         if gpus < 2:
@@ -271,6 +329,22 @@ def validate(p: Profile, source: str = "profile") -> None:
     r = p.rollout
     if r.gpus_per_engine < 1 or r.max_num_seqs < 1 or r.kv_cache_tokens < 1:
         raise ProfileError(f"{source}: rollout.gpus_per_engine, max_num_seqs and kv_cache_tokens must be >= 1")
+    rollouts = [p.initial_split.rollout, *(s.rollout for s in p.candidate_splits())]
+    if min(rollouts) < r.gpus_per_engine:
+        raise ProfileError(f"{source}: a rollout pool of {min(rollouts)} device(s) (the initial split or a "
+                           f"candidate) is smaller than one engine (rollout.gpus_per_engine = {r.gpus_per_engine})")
+    if any(k < 1 for k in r.tp_sizes) or r.layers < 0 or r.weights_kv_tokens < 0:
+        raise ProfileError(f"{source}: rollout.tp_sizes must be >= 1; layers, weights_kv_tokens >= 0")
+    if r.iter_fixed_s < 0 or r.allreduce_s < 0:
+        raise ProfileError(f"{source}: rollout.iter_fixed_s and allreduce_s must be >= 0")
+    if r.iter_fixed_s + r.comm_s(r.gpus_per_engine) > r.iter_base_s:
+        raise ProfileError(f"{source}: rollout.iter_fixed_s plus the all-reduces of an engine of "
+                           f"{r.gpus_per_engine} exceed iter_base_s")
+    for k in r.engine_sizes():
+        try:
+            r.at_tp(k)
+        except ProfileError as exc:
+            raise ProfileError(f"{source}: rollout.tp_sizes: {exc}") from None
     for name in ("iter_base_s", "iter_per_seq_s", "iter_per_ctx_token_s", "prefill_per_token_s"):
         if getattr(r, name) < 0:
             raise ProfileError(f"{source}: rollout.{name} must be >= 0")

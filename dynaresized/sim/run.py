@@ -26,6 +26,7 @@ from dynaresized.sim.pipeline import (
     DynamicRun,
     Progress,
     best_static,
+    best_static_config,
     colocated_total,
     static_total,
     static_windows,
@@ -39,6 +40,8 @@ class BestStatic(msgspec.Struct, frozen=True):
     train: int
     rollout: int
     total_time_s: float
+    tp: int = 1
+    """Devices per rollout engine (tensor-parallel degree) of the configuration."""
 
 
 class ResizeEvent(msgspec.Struct, frozen=True):
@@ -70,6 +73,7 @@ class SimReport(msgspec.Struct, frozen=True):
     resizes: int  # committed resizes
     resizes_started: int
     best_static: BestStatic
+    """The best static configuration with hindsight: split x devices per rollout engine."""
     initial_split_total_time_s: float
     colocated_total_time_s: float
     oracle_total_time_s: float
@@ -81,8 +85,9 @@ class SimReport(msgspec.Struct, frozen=True):
     speedup_vs_colocated: float
     gap_to_lower_bound: float
     headroom_vs_best_static: float
-    """`best_static / oracle`: the most resizing can gain over the best static split on this
-    workload and profile, with free, instant resizes (no policy's speedup exceeds it)."""
+    """`best_static_tp1 / oracle`: the most resizing can gain over the best static split of the
+    profile's own engines on this workload, with free, instant resizes (no step-boundary
+    policy's `speedup_vs_best_static_tp1` exceeds it)."""
     bound_vs_best_static: float
     """`best_static / lower_bound`: the most any schedule that moves devices only at step
     boundaries could gain over the best static split (loans inside a step: `fluid_bound_s`)."""
@@ -126,6 +131,12 @@ class SimReport(msgspec.Struct, frozen=True):
     verl_v1_switch_total_time_s: float = 0.0
     """...and with `verl-v1-switch`, verl v1's step switching; `speedup_vs_verl_v1_switch`."""
     speedup_vs_verl_v1_switch: float = 0.0
+    best_static_tp1: BestStatic | None = None
+    """The best fixed split on the profile's own engine size (`rollout.gpus_per_engine`, TP-1
+    in both 8B profiles): what `best_static` was before engine sizes were searched."""
+    speedup_vs_best_static_tp1: float = 0.0
+    tp: int = 1
+    """Devices per rollout engine of this run (the profile's `gpus_per_engine`)."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +152,10 @@ class Baselines:
     fluid_windows: np.ndarray | None = None
     best_split_round_robin: Split | None = None
     best_static_round_robin_s: float = 0.0
+    best_tp: int = 1
+    """Devices per rollout engine of the best static configuration (`best_split`)."""
+    best_split_tp1: Split | None = None
+    best_static_tp1_s: float = 0.0
 
 
 VERL_RULES: tuple[str, ...] = ("verl-default", "verl-v1-switch")
@@ -182,20 +197,26 @@ class SimRun:
 
 
 def baselines(model: StageModel) -> Baselines:
+    """The baselines of `model`: the best static configuration (split x engine size) and the
+    best split of the profile's own engines, the colocated mode, the per-step oracle (on the
+    profile's own engines), and the bounds (over every engine size the cluster allows)."""
     gpus = model.profile.cluster.gpus
     fluid = fluid_windows(model, gpus)
-    split, best = best_static(model, gpus)
+    best, own = best_static_config(model, gpus)
     per_split = [static_windows(model, Split(t, gpus - t)) for t in range(1, gpus)
                  if model.engines(gpus - t) >= 1]
     oracle = float(np.stack(per_split).min(axis=0).sum())
     return Baselines(
-        best_split=split,
-        best_static_s=best,
+        best_split=best.split,
+        best_static_s=best.total_s,
         colocated_s=colocated_total(model, gpus),
         oracle_s=oracle,
         lower_bound_s=lower_bound(model, gpus).total_s,
         fluid_bound_s=float(fluid.sum()),
         fluid_windows=fluid,
+        best_tp=best.tp,
+        best_split_tp1=own.split,
+        best_static_tp1_s=own.total_s,
         **_round_robin(model, gpus),
     )
 
@@ -281,6 +302,7 @@ def simulate(
     rejections = Counter(x.guard for x in run.facts if isinstance(x, f.ProposalRejected))
     gpus = profile.cluster.gpus
     initial_s = static_total(model, profile.initial_split)
+    own = base.best_split_tp1 or base.best_split
     total = run.total_time_s
     report = SimReport(
         policy=policy,
@@ -297,7 +319,7 @@ def simulate(
         mean_step_s=_r(total / model.steps),
         resizes=sum(e.outcome == "committed" for e in events),
         resizes_started=len(events),
-        best_static=BestStatic(base.best_split.train, base.best_split.rollout, _r(base.best_static_s)),
+        best_static=BestStatic(base.best_split.train, base.best_split.rollout, _r(base.best_static_s), base.best_tp),
         initial_split_total_time_s=_r(initial_s),
         colocated_total_time_s=_r(base.colocated_s),
         oracle_total_time_s=_r(base.oracle_s),
@@ -306,7 +328,7 @@ def simulate(
         speedup_vs_initial_split=_r(initial_s / total, 4),
         speedup_vs_colocated=_r(base.colocated_s / total, 4),
         gap_to_lower_bound=_r(total / base.lower_bound_s - 1.0, 4),
-        headroom_vs_best_static=_r(base.best_static_s / base.oracle_s, 4),
+        headroom_vs_best_static=_r(_tp1_s(base) / base.oracle_s, 4),
         bound_vs_best_static=_r(base.best_static_s / base.lower_bound_s, 4),
         cooldown_steps=guards.cooldown_steps,
         min_steps_between_resizes=spacing,
@@ -327,10 +349,17 @@ def simulate(
         loans=sum(isinstance(x, f.LoanLanded) for x in run.facts),
         devices_lent=sum(len(x.plan.devices) for x in run.facts if isinstance(x, f.LoanStarted)),
         loans_refused=sum(n for g, n in rejections.items() if g.startswith("loan")),
+        best_static_tp1=BestStatic(own.train, own.rollout, _r(_tp1_s(base)), profile.rollout.gpus_per_engine),
+        speedup_vs_best_static_tp1=_r(_tp1_s(base) / total, 4),
+        tp=profile.rollout.gpus_per_engine,
         **_fluid_gap(run, base),
         **_versus_verl(verl, total),
     )
     return SimRun(report=report, run=run, model=model)
+
+
+def _tp1_s(base: Baselines) -> float:
+    return base.best_static_tp1_s if base.best_split_tp1 is not None else base.best_static_s
 
 
 def _versus_verl(verl: VerlRuns | None, total: float) -> dict[str, float]:

@@ -78,6 +78,9 @@ def pull_schedule(lengths: list[int], engines: int, slots: int,
                   offsets: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`pull_placement`, with the iteration each request finishes at: (placement, done_at,
     finish), in iterations."""
+    if engines < 1 or slots < 1:
+        raise ValueError(f"a pull router needs at least one engine with a slot, got {engines} engine(s) "
+                         f"of {slots} slot(s): the rollout pool is smaller than one engine")
     n, width = len(lengths), engines * slots
     placement = np.empty(n, dtype=np.int64)
     done_at = np.empty(n, dtype=np.int64)
@@ -260,6 +263,45 @@ class StageModel:
         self._train_s_per_token = 1.0 / t.update_tokens_per_s + 1.0 / t.logprob_tokens_per_s
         self._rollout_cache: dict[int, np.ndarray] = {}
         self._train_cache: dict[int, np.ndarray] = {}
+        self._variants: dict[int, StageModel] = {self._gpe: self}
+        self._alone: list[np.ndarray] | None = None
+        self._work: np.ndarray | None = None
+
+    # -- engine sizes -------------------------------------------------------------------
+    def at_tp(self, devices: int) -> StageModel:
+        """The same trace and router on engines of `devices` devices (`Profile.with_tp`)."""
+        model = self._variants.get(devices)
+        if model is None:
+            model = StageModel(self.profile.with_tp(devices), self.trace, router=self.router)
+            model._variants = self._variants  # one family: every variant sees the same cache
+            self._variants[devices] = model
+        return model
+
+    def variants(self, most: int) -> list[StageModel]:
+        """This model on every engine size the profile allows (`RolloutSpec.engine_sizes`)
+        of at most `most` devices; the profile's own size when none is that small."""
+        sizes = [k for k in self.profile.rollout.engine_sizes() if k <= most]
+        return [self.at_tp(k) for k in sizes] if sizes else [self]
+
+    def alone_s(self) -> list[np.ndarray]:
+        """Per step, the seconds each request takes decoded alone on one engine (it still pays
+        the whole iteration cost for every token it generates)."""
+        if self._alone is None:
+            r = self.profile.rollout
+            self._alone = []
+            for b in self.trace:
+                p = b.prompt_tokens.astype(np.float64)
+                length = b.response_tokens.astype(np.float64)
+                ctx = p * length + length * (length - 1.0) / 2.0
+                self._alone.append((r.iter_base_s + r.iter_per_seq_s) * length + r.iter_per_ctx_token_s * ctx
+                                   + r.prefill_per_token_s * p)
+        return self._alone
+
+    def rollout_work_table(self) -> np.ndarray:
+        """`rollout_work` of every step."""
+        if self._work is None:
+            self._work = np.array([self.rollout_work(i) for i in range(self.steps)])
+        return self._work
 
     # -- rollout ------------------------------------------------------------------------
     def engines(self, devices: int) -> int:

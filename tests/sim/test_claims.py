@@ -45,7 +45,8 @@ def lending() -> dict[str, SimReport]:
 def test_longtail_drift_gets_close_to_the_lower_bound(drift):
     best = min(drift.values(), key=lambda r: r.total_time_s)
     assert best.steps == 200 and best.samples_per_step == 1024
-    assert best.gap_to_lower_bound <= 0.15
+    # Against the bound over every engine size (issue 22); against TP-1 engines only it was <= 0.15.
+    assert best.gap_to_lower_bound <= 0.20
     assert best.resizes >= 1
 
 
@@ -54,11 +55,13 @@ def test_longtail_drift_beats_the_initial_split_and_matches_the_best_static_spli
     # reach, and the lower bound the most any schedule can; on this workload the hindsight-best
     # static split is within ~1% of the oracle and 12% of the bound, so the issue's 1.3x over
     # best static is not reachable by any schedule (docs/simulator.md, "Headroom").
+    # These are the issue-4 claims, about splits of TP-1 engines: `headroom_vs_best_static` is
+    # the TP-1 split's over the TP-1 oracle (issue 22 made `best_static` a configuration).
     best = min(drift.values(), key=lambda r: r.total_time_s)
-    assert best.headroom_vs_best_static == round(best.best_static.total_time_s / best.oracle_total_time_s, 4)
-    assert best.speedup_vs_best_static <= best.headroom_vs_best_static <= best.bound_vs_best_static
+    assert best.headroom_vs_best_static == round(best.best_static_tp1.total_time_s / best.oracle_total_time_s, 4)
+    assert best.speedup_vs_best_static_tp1 <= best.headroom_vs_best_static
     assert best.bound_vs_best_static < 1.3
-    assert best.speedup_vs_best_static >= 0.98
+    assert best.speedup_vs_best_static_tp1 >= 0.98
     assert best.speedup_vs_initial_split >= 1.3
 
 
@@ -72,7 +75,7 @@ def test_noisy_hysteresis_does_not_thrash_and_stays_near_the_best_static_split()
     reports = run_all("noisy", ("greedy", "hysteresis"))
     greedy, hysteresis = reports["greedy"], reports["hysteresis"]
     assert greedy.resizes >= 5 * max(hysteresis.resizes, 1)
-    assert hysteresis.total_time_s <= 1.02 * hysteresis.best_static.total_time_s
+    assert hysteresis.total_time_s <= 1.02 * hysteresis.best_static_tp1.total_time_s
 
 
 def test_shrinking_moves_devices_back_to_training():
@@ -99,14 +102,14 @@ def test_same_seed_gives_the_same_json_bit_for_bit():
 
 def test_lending_gains_most_where_steps_vary(lending):
     noisy = lending["noisy"]
-    # Issue 11's target.
-    assert noisy.loans >= 100 and noisy.speedup_vs_best_static >= 1.08
-    assert noisy.speedup_vs_best_static == max(r.speedup_vs_best_static for r in lending.values())
+    # Issue 11's target, against the best split of TP-1 engines.
+    assert noisy.loans >= 100 and noisy.speedup_vs_best_static_tp1 >= 1.08
+    assert noisy.speedup_vs_best_static_tp1 == max(r.speedup_vs_best_static_tp1 for r in lending.values())
 
 
 def test_lending_on_longtail_drift_beats_both_best_static_splits(lending):
     drift = lending["longtail-drift"]
-    assert drift.speedup_vs_best_static >= 1.00
+    assert drift.speedup_vs_best_static_tp1 >= 1.00
     # Issue 11's target over what a verl user runs today: verl's dispatch places each step's
     # batch in contiguous chunks at submission, a prompt's samples together on one engine.
     assert drift.speedup_vs_best_static_round_robin >= 1.03
@@ -116,7 +119,7 @@ def test_the_verl_baseline_straggles_where_the_pull_router_does_not(lending):
     # The same fixed split placed as verl places it is slower than with our pull router, on
     # every scenario: a hard prompt's long responses decode together on one engine.
     for name, report in lending.items():
-        assert report.best_static_round_robin.total_time_s > report.best_static.total_time_s, name
+        assert report.best_static_round_robin.total_time_s > report.best_static_tp1.total_time_s, name
 
 
 def test_lending_never_costs_more_than_one_percent_and_never_beats_the_fluid_bound(lending):
@@ -126,7 +129,7 @@ def test_lending_never_costs_more_than_one_percent_and_never_beats_the_fluid_bou
         # every built-in scenario, the 20-step verl-dapo included: there the trainers, idle in
         # window 0 (nothing to train yet) and after step 0's training, serve the first rollouts
         # on the initial 6:2 split (docs/simulator.md, "Loans")
-        assert report.speedup_vs_best_static >= 0.99, name
+        assert report.speedup_vs_best_static_tp1 >= 0.99, name
         assert report.fluid_bound_s <= report.lower_bound_s, name
         assert report.gap_to_fluid_bound > 0, name
         assert report.gap_to_fluid_bound == round(report.total_time_s / report.fluid_bound_s - 1.0, 4)

@@ -35,21 +35,23 @@ def test_simulate_json_is_exactly_one_object_with_the_documented_fields():
     assert len(lines) == 1
     report = json.loads(lines[0])
     assert REQUIRED <= set(report)
-    assert set(report["best_static"]) == {"train", "rollout", "total_time_s"}
+    assert set(report["best_static"]) == {"train", "rollout", "total_time_s", "tp"}
+    assert set(report["best_static_tp1"]) == {"train", "rollout", "total_time_s", "tp"}
     assert report["steps"] == 30 and report["gpus"] == 8 and report["policy"] == "hysteresis"
     assert report["speedup_vs_best_static"] == pytest.approx(report["best_static"]["total_time_s"]
                                                              / report["total_time_s"], rel=1e-3)
     assert report["gap_to_lower_bound"] == pytest.approx(report["total_time_s"] / report["lower_bound_s"] - 1,
                                                          abs=1e-3)
     best = report["best_static"]["total_time_s"]
-    assert report["headroom_vs_best_static"] == pytest.approx(best / report["oracle_total_time_s"], rel=1e-3)
+    tp1 = report["best_static_tp1"]["total_time_s"]  # the resizing headroom is over splits of TP-1 engines
+    assert report["headroom_vs_best_static"] == pytest.approx(tp1 / report["oracle_total_time_s"], rel=1e-3)
     assert report["bound_vs_best_static"] == pytest.approx(best / report["lower_bound_s"], rel=1e-3)
 
 
 def test_simulate_summary_is_readable():
     code, text = cli("simulate", "--scenario", "noisy", "--policy", "greedy", "--steps", "12", "--gpus", "4")
     assert code == 0
-    assert "best static split" in text and "lower bound" in text and "resize r1" in text
+    assert "best static config" in text and "TP-1" in text and "lower bound" in text and "resize r1" in text
     assert "headroom over best static" in text
 
 
