@@ -163,3 +163,19 @@ def test_verl_profile_reproduces_the_published_colocated_step_times():
     for gpus, published in VERL_PUBLISHED.items():
         simulated = float(np.mean(colocated_steps(model, gpus)))
         assert abs(simulated / published - 1.0) <= VERL_TOLERANCE, (gpus, simulated, published)
+
+
+# -- issue 22: the best static configuration (split x engine size) ------------------------------
+
+
+def test_against_the_best_static_configuration_we_lose_where_the_tail_dominates(lending):
+    # Static TP-4 engines at 4:4 beat the best split of TP-1 engines on every scenario (the
+    # latency-bound tail decodes ~2x faster on them); our policy still runs TP-1 engines, and
+    # loses to them on these four (docs/simulator.md, "Against the best static configuration").
+    for name, report in lending.items():
+        assert (report.best_static.train, report.best_static.rollout, report.best_static.tp) == (4, 4, 4), name
+        assert report.best_static.total_time_s < report.best_static_tp1.total_time_s, name
+        assert report.speedup_vs_best_static < report.speedup_vs_best_static_tp1, name
+    losing = sorted(name for name, report in lending.items() if report.speedup_vs_best_static < 1.0)
+    assert losing == ["bimodal", "longtail-drift", "longtail-stationary", "verl-dapo"]
+    assert lending["noisy"].speedup_vs_best_static >= 1.0
