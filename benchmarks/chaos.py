@@ -691,6 +691,9 @@ HEARTBEAT_TIMEOUT_S = 3.0
 OP_TIMEOUT_S = 1.5
 DELAY_S = 1.0  # each way: an op's round trip (2 s) is longer than the op timeout, a heartbeat's is not lost
 HOSTS_CHAOS_S = 8.0
+# An op that reached a worker before its link went down (in its socket, or running: the sim
+# handlers take up to 50 ms) still runs; what the worker holds after that must not change.
+CUT_GRACE_S = 0.5
 # The client's default. A start() that timed out opens a new connection with the same identity,
 # which the daemon parks while it still holds the previous one (no ROUTER_HANDOVER); under heavy
 # load, with the relay between, a 1 s timeout made a worker's retries chase their own predecessors.
@@ -755,6 +758,7 @@ class HostRun(Run):
         self.applied_at: float | None = None
         self.healed = False
         self.cut_off_record: dict[str, dict[str, str]] = {}
+        self.cut_off_recorded = False
         self.unavailable = ""  # why the fault could not be applied on this machine
 
     def start_daemon(self) -> None:
@@ -821,8 +825,6 @@ class HostRun(Run):
         p, net = self.partition, self.net
         if p.kind in FULL_PARTITIONS:
             net.cut(p.host)
-            # what the cut-off workers hold now: nothing may change it until the link heals
-            self.cut_off_record = {d: rec for d, rec in self.truth().items() if HOST_OF[d] == p.host}
         elif p.kind == "one_way_to_daemon":
             net.block(p.host, 0)
         elif p.kind == "one_way_from_daemon":
@@ -837,9 +839,15 @@ class HostRun(Run):
                 return
             net.loss(p.host, p.loss)
 
+    def record_cut_off(self) -> None:
+        """What the cut-off workers hold once the ops that reached them before the cut have run
+        (`CUT_GRACE_S`): nothing may change it until the link heals."""
+        self.cut_off_record = {d: rec for d, rec in self.truth().items() if HOST_OF[d] == self.partition.host}
+        self.cut_off_recorded = True
+
     def heal(self) -> None:
         p = self.partition
-        if p.kind in FULL_PARTITIONS:
+        if p.kind in FULL_PARTITIONS and self.cut_off_recorded:
             now = {d: rec for d, rec in self.truth().items() if HOST_OF[d] == p.host}
             if now != self.cut_off_record:
                 self.violate("cut_off", f"host {p.host}'s workers changed what they hold while cut off from the "
@@ -871,6 +879,9 @@ class HostRun(Run):
             if self.applied_at is None and elapsed < HOSTS_CHAOS_S and await self.ready_to_apply(elapsed):
                 self.apply()
                 self.applied_at = time.monotonic()
+            if (self.applied_at is not None and not self.cut_off_recorded and self.partition.kind in FULL_PARTITIONS
+                    and now - self.applied_at >= CUT_GRACE_S):
+                self.record_cut_off()
             if self.applied_at is not None and not self.healed and now - self.applied_at >= self.partition.duration_s:
                 self.heal()
             if elapsed >= HOSTS_CHAOS_S and (self.applied_at is None or self.healed):
