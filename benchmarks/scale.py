@@ -84,9 +84,8 @@ def bench_core(n: int, max_events: int) -> dict[str, Any]:
     """Time `Core.step()` per event over the workload the daemon sees, in virtual time."""
     from dynaresized.core import ClusterState, Core, CoreConfig
     from dynaresized.core import events as ev
-    from dynaresized.core.guards import GuardConfig
     from dynaresized.core.policy import load_policy
-    from dynaresized.domain import Pool, StepTiming, WorkerKind
+    from dynaresized.domain import Pool, WorkerKind
 
     devices = device_names(n)
     core = Core(CoreConfig(guards=open_guards(), heartbeat_timeout_s=10.0, op_resend_s=2.0),
