@@ -52,6 +52,10 @@ $(VENV)/.test: $(VENV)/.quick $(VENV)/.example $(VERL_VENV)/.verl
 	@command -v systemd-analyze >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get -qq update && \
 		DEBIAN_FRONTEND=noninteractive apt-get -qq install -y systemd >/dev/null; } || \
 		echo "note: systemd-analyze missing; the unit-verify test will skip (install Debian package systemd)"
+	@# the chaos runs across network namespaces make packet loss with nft (tests/test_hosts.py)
+	@command -v nft >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get -qq update && \
+		DEBIAN_FRONTEND=noninteractive apt-get -qq install -y nftables >/dev/null; } || \
+		echo "note: nft missing; the cross-host chaos slice cannot inject packet loss (install Debian package nftables)"
 	touch $@
 
 setup: $(VENV)/.base

@@ -328,7 +328,7 @@ def simulate(
         speedup_vs_initial_split=_r(initial_s / total, 4),
         speedup_vs_colocated=_r(base.colocated_s / total, 4),
         gap_to_lower_bound=_r(total / base.lower_bound_s - 1.0, 4),
-        headroom_vs_best_static=_r(_tp1_s(base) / base.oracle_s, 4),
+        headroom_vs_best_static=_r(tp1_static_s(base) / base.oracle_s, 4),
         bound_vs_best_static=_r(base.best_static_s / base.lower_bound_s, 4),
         cooldown_steps=guards.cooldown_steps,
         min_steps_between_resizes=spacing,
@@ -349,8 +349,8 @@ def simulate(
         loans=sum(isinstance(x, f.LoanLanded) for x in run.facts),
         devices_lent=sum(len(x.plan.devices) for x in run.facts if isinstance(x, f.LoanStarted)),
         loans_refused=sum(n for g, n in rejections.items() if g.startswith("loan")),
-        best_static_tp1=BestStatic(own.train, own.rollout, _r(_tp1_s(base)), profile.rollout.gpus_per_engine),
-        speedup_vs_best_static_tp1=_r(_tp1_s(base) / total, 4),
+        best_static_tp1=BestStatic(own.train, own.rollout, _r(tp1_static_s(base)), profile.rollout.gpus_per_engine),
+        speedup_vs_best_static_tp1=_r(tp1_static_s(base) / total, 4),
         tp=profile.rollout.gpus_per_engine,
         **_fluid_gap(run, base),
         **_versus_verl(verl, total),
@@ -358,7 +358,8 @@ def simulate(
     return SimRun(report=report, run=run, model=model)
 
 
-def _tp1_s(base: Baselines) -> float:
+def tp1_static_s(base: Baselines) -> float:
+    """The best static split of the profile's own engine size (what every TP-1 comparison is against)."""
     return base.best_static_tp1_s if base.best_split_tp1 is not None else base.best_static_s
 
 
