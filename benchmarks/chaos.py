@@ -455,26 +455,10 @@ class Run:
 
     # -- the run
     async def run(self) -> dict[str, Any]:
-        from dynaresized import wire
-
         self.proxy = Proxy(self.worker_ep, self.faults, self.seed * 7919 + 1)
-        self.start_daemon()
-        for i, d in enumerate(DEVICES):
-            self.start_worker(d, "training" if i < 2 else "rollout")
         recovery = None
         try:
-            ready = await self.wait_status(lambda st: sum(w["status"] == "live" for w in st["workers"]) == 8,
-                                           START_LIMIT_S)
-            if ready is None:
-                self.violate("start", f"the workers did not all register within {START_LIMIT_S:g} s")
-            else:
-                await self.chaos()
-                settled_from = time.monotonic()
-                st = await self.settle()
-                recovery = time.monotonic() - settled_from if st is not None else None
-                if st is not None:
-                    self.check_workers(st)
-                await self.stop_and_check(st)
+            recovery = await self.start_and_check()
         finally:
             for proc in [*self.workers.values(), self.daemon]:
                 if proc is not None and proc.poll() is None:
@@ -484,6 +468,26 @@ class Run:
             if self.proxy.error:  # the network died with it: what else failed follows from this
                 self.violate("harness", f"the proxy failed: {self.proxy.error}")
         return self.result(recovery)
+
+    async def start_and_check(self) -> float | None:
+        """Start the daemon and a worker process per device, run the faults, let the cluster settle and
+        check every invariant: the recovery time, or None where it never started or never settled."""
+        self.start_daemon()
+        for i, d in enumerate(DEVICES):
+            self.start_worker(d, "training" if i < 2 else "rollout")
+        ready = await self.wait_status(lambda st: sum(w["status"] == "live" for w in st["workers"]) == 8,
+                                       START_LIMIT_S)
+        if ready is None:
+            self.violate("start", f"the workers did not all register within {START_LIMIT_S:g} s")
+            return None
+        await self.chaos()
+        settled_from = time.monotonic()
+        st = await self.settle()
+        recovery = time.monotonic() - settled_from if st is not None else None
+        if st is not None:
+            self.check_workers(st)
+        await self.stop_and_check(st)
+        return recovery
 
     async def chaos(self) -> None:
         from dynaresized import wire
@@ -804,21 +808,7 @@ class HostRun(Run):
                 self.net.popen(0, [sys.executable, str(HERE.parent / "hosts.py"), "relay", "10.77.0.1",
                                    str(RELAY_PORT + host), "10.77.0.1", str(DAEMON_PORT),
                                    str(self.dir / f"delay-{host}")])
-            self.start_daemon()
-            for i, d in enumerate(DEVICES):
-                self.start_worker(d, "training" if i < 2 else "rollout")
-            ready = await self.wait_status(lambda st: sum(w["status"] == "live" for w in st["workers"]) == 8,
-                                           START_LIMIT_S)
-            if ready is None:
-                self.violate("start", f"the workers did not all register within {START_LIMIT_S:g} s")
-            else:
-                await self.chaos()
-                settled_from = time.monotonic()
-                st = await self.settle()
-                recovery = time.monotonic() - settled_from if st is not None else None
-                if st is not None:
-                    self.check_workers(st)
-                await self.stop_and_check(st)
+            recovery = await self.start_and_check()
         return self.result(recovery)
 
     def apply(self) -> None:
