@@ -260,9 +260,16 @@ class WorkerClient:
         loop = asyncio.get_running_loop()
         self._welcome = loop.create_future()
         self._later = None
-        await self._send(self._hello_message())
+        welcome_future = self._welcome
+
+        async def say_hello() -> wire.Welcome:
+            # the send is inside the deadline too: a DEALER with no usable connection (a CURVE
+            # handshake that keeps failing, say) may block on it, and start() must still end in time
+            await self._send(self._hello_message())
+            return await asyncio.shield(welcome_future)
+
         try:
-            welcome = await asyncio.wait_for(self._welcome, timeout)
+            welcome = await asyncio.wait_for(say_hello(), timeout)
         except TimeoutError:
             why = f": {self.handshake_failure}" if self.handshake_failure else ""
             raise DaemonUnavailable(f"no answer from the daemon at {self.endpoint} within {timeout:g}s{why}") from None

@@ -353,12 +353,12 @@ async def test_a_refused_curve_handshake_says_why_in_the_hello_timeout(make_daem
         client = WorkerClient(daemon.worker_endpoint, "trainer0", WorkerKind.TRAINER_RANK, ("node0:cpu0",),
                               curve=curve, hello_timeout_s=1.5)
         with pytest.raises(DaemonUnavailable, match=why):
-            await client.start()
+            await asyncio.wait_for(client.start(), 30)  # start() ends by its own hello timeout, never hangs
     good = WorkerClient(daemon.worker_endpoint, "trainer0", WorkerKind.TRAINER_RANK, ("node0:cpu0",),
                         curve=CurveKeys(root / "workers" / "trainer0.key_secret", server_pub))
-    await good.start()
+    await asyncio.wait_for(good.start(), 30)
     assert good.registered and good.handshake_failure == ""
-    await good.close()
+    await asyncio.wait_for(good.close(), 30)
     assert not good.registered
 
 
