@@ -10,7 +10,6 @@ import asyncio
 from typing import Any
 
 import msgspec
-import zmq
 
 from dynaresized import wire
 from dynaresized.client import WorkerClient
@@ -19,19 +18,11 @@ from dynaresized.domain import WorkerKind
 
 from .conftest import DEVICES, read_facts, until
 from .literal_worker import LiteralWorker
-from .test_bad_input import metric
+from .test_bad_input import RawPeer, metric
 
 
-class Peer:
+class Peer(RawPeer):
     """A bare DEALER under a chosen identity: what another local user can open."""
-
-    def __init__(self, endpoint: str, identity: bytes) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, identity)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.decoder = wire.daemon_decoder()
 
     def ask(self, msg: dict[str, Any], timeout_s: float = 3.0) -> Any:
         """Send one message; the first answer that is not a heartbeat ack, or None."""
@@ -42,10 +33,6 @@ class Peer:
             if not isinstance(answer, wire.HeartbeatAck):
                 return answer
         return None
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
 
 
 def hello(worker_id: str, process: str, devices: list[str], secret: str = "") -> dict[str, Any]:
@@ -155,19 +142,29 @@ def test_a_hello_from_a_new_process_on_a_registered_connection_is_refused(make_d
         peer.close()
 
 
+def literal_pair(daemon: Any) -> tuple[LiteralWorker, LiteralWorker]:
+    """An engine and a trainer on one device, written from the docs; the engine withholds its drain answer."""
+    engine = LiteralWorker(daemon.worker_endpoint, "eng-3", "rollout-engine", [DEVICES[3]])
+    trainer = LiteralWorker(daemon.worker_endpoint, "tr-3", "trainer-rank", [DEVICES[3]])
+    engine.withhold = {"drain"}
+    return engine, trainer
+
+
+def start_a_resize_whose_drain_answer_is_lost(daemon: Any, engine: LiteralWorker, trainer: LiteralWorker) -> None:
+    engine.start()
+    trainer.start()
+    assert daemon.control(wire.ResizeRequest(train=3, rollout=1, reason="test")).ok
+
+
 async def test_a_worker_written_from_the_docs_answers_a_re_sent_op_across_a_daemon_restart(make_daemon) -> None:
     """The engine runs `drain`, its answer is lost, the daemon restarts. Both workers say hello
     again, the daemon re-sends the pending `drain`, and the engine answers from its record with
     the current token (the old one is refused `stale_token` after a restart): the resize
     commits instead of timing out and rolling back."""
     daemon = make_daemon()
-    engine = LiteralWorker(daemon.worker_endpoint, "eng-3", "rollout-engine", [DEVICES[3]])
-    trainer = LiteralWorker(daemon.worker_endpoint, "tr-3", "trainer-rank", [DEVICES[3]])
-    engine.withhold = {"drain"}
+    engine, trainer = literal_pair(daemon)
     try:
-        engine.start()
-        trainer.start()
-        assert daemon.control(wire.ResizeRequest(train=3, rollout=1, reason="test")).ok
+        start_a_resize_whose_drain_answer_is_lost(daemon, engine, trainer)
         await until(lambda: [op["kind"] for op in engine.ops] == ["drain"], what="the drain")
         first_token = engine.token
         daemon.kill()
@@ -192,13 +189,9 @@ def test_a_re_sent_answer_under_the_old_token_is_refused_after_a_restart(make_da
     """The other half of the rule: the recorded answer sent unchanged (the token of the
     registration before the restart) is refused `stale_token`, that token in `error.token`."""
     daemon = make_daemon()
-    engine = LiteralWorker(daemon.worker_endpoint, "eng-3", "rollout-engine", [DEVICES[3]])
-    trainer = LiteralWorker(daemon.worker_endpoint, "tr-3", "trainer-rank", [DEVICES[3]])
-    engine.withhold = {"drain"}
+    engine, trainer = literal_pair(daemon)
     try:
-        engine.start()
-        trainer.start()
-        assert daemon.control(wire.ResizeRequest(train=3, rollout=1, reason="test")).ok
+        start_a_resize_whose_drain_answer_is_lost(daemon, engine, trainer)
         asyncio.run(until(lambda: engine.records, what="the drain"))
         engine.pause()  # from here the test reads the engine's socket itself
         old = next(iter(engine.records.values()))
