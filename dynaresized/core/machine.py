@@ -650,14 +650,6 @@ def _pending(state: ClusterState) -> list[str]:
     return [w for w in fl.op.targets if w not in acked and state.is_live(w)]
 
 
-def _any_pending(state: ClusterState) -> bool:
-    """Whether `_pending` is not empty, in time linear in the op's targets (a set difference,
-    then the liveness of the unanswered ones only until one is live): asked after every answer."""
-    fl = state.inflight
-    assert fl is not None
-    return any(state.is_live(w) for w in set(fl.op.targets).difference(fl.acked))
-
-
 def _current_op_id(state: ClusterState) -> str | None:
     fl = state.inflight
     if fl is None or fl.index >= len(fl.ops):
@@ -672,7 +664,7 @@ def _advance(core: Core, tx: _Tx, at: float, *, fresh: bool = False) -> None:
     while tx.state.inflight is not None:
         fl = tx.state.inflight
         if fl.index < len(fl.ops):
-            if _any_pending(tx.state):
+            if _pending(tx.state):  # linear in the op's targets: asked after every answer
                 break
             last = fl.index + 1 >= len(fl.ops)
             tx.emit(f.OpCompleted(at=at, op_id=fl.op.op_id, duration_s=at - fl.op_started_at,
