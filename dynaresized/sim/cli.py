@@ -17,9 +17,9 @@ import msgspec
 from dynaresized.core.idle import percent
 from dynaresized.core.policy import UnknownPolicyError, available_policies
 from dynaresized.sim.plot import PlotUnavailable
-from dynaresized.sim.profile import ProfileError, builtin_profiles, load_profile
+from dynaresized.sim.profile import ProfileError, builtin_profiles, load_profile, parse_split
 from dynaresized.sim.stages import ROUTERS, StageModel
-from dynaresized.sim.run import BENCH_POLICIES, SimReport, bench, scenario_shape, simulate
+from dynaresized.sim.run import BENCH_POLICIES, SimReport, baselines, bench, scenario_shape, simulate
 from dynaresized.sim.workload import (
     DYNAMIC_SCENARIOS,
     SCENARIOS,
@@ -90,6 +90,10 @@ def add_parsers(subparsers: Any) -> None:
                      help="installed policy (static, greedy, hysteresis, planner, ...); default hysteresis")
     sim.add_argument("--gpus", type=int, metavar="N", help="devices in the cluster (default: the profile's)")
     sim.add_argument("--steps", type=int, metavar="K", help="simulate only the first K steps")
+    sim.add_argument("--tp", type=int, metavar="K",
+                     help="run the policy on rollout engines of K devices (one of the profile's tp_sizes); the "
+                          "baselines stay those of the profile (best static configuration, TP-1 split)")
+    sim.add_argument("--initial-split", metavar="T:R", help="start the run at Train:Rollout T:R (default: the profile's)")
     sim.add_argument("--samples", type=int, metavar="S", help="samples per step of a built-in scenario")
     sim.add_argument("--seed", type=int, default=0, help="seed of a built-in scenario (default 0)")
     sim.add_argument("--naive", action="store_true",
@@ -158,10 +162,16 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
         trace = scenario_trace(args.scenario, scenario_shape(profile), seed=args.seed, steps=args.steps)
         seed = args.seed
     _require_policies([args.policy])
+    # The baselines are the profile's (its best static configuration and its own engines' best
+    # split), whatever layout the run itself starts from.
+    base = baselines(StageModel(profile, trace, router=args.router))
+    initial = parse_split(args.initial_split) if args.initial_split is not None else None
+    profile = profile.with_layout(args.tp, initial)
     result = simulate(
         trace,
         profile,
         args.policy,
+        base=base,
         policy_options=_key_values(args.policy_option, "--policy-option"),
         guard_overrides=_key_values(args.guard, "--guard"),
         naive=args.naive,
@@ -196,7 +206,7 @@ def summary(r: SimReport) -> str:
         f"  initial split        {r.initial_split_total_time_s:12.1f} s   at {r.initial_split}   "
         f"speedup {r.speedup_vs_initial_split:.3f}x",
         f"  colocated            {r.colocated_total_time_s:12.1f} s   speedup {r.speedup_vs_colocated:.3f}x",
-        f"  per-step oracle      {r.oracle_total_time_s:12.1f} s   (best split every step, free resizes, TP-{r.tp})",
+        f"  per-step oracle      {r.oracle_total_time_s:12.1f} s   (best split every step, free resizes, TP-{t1.tp})",
         f"  best static, verl    {rr.total_time_s:12.1f} s   at {rr.train}:{rr.rollout}   "
         f"speedup {r.speedup_vs_best_static_round_robin:.3f}x   (verl's placement: chunks at submission)",
         f"  loans                {r.loans:12d}     {r.devices_lent} device-steps lent, {r.loans_refused} refused",

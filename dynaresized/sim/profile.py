@@ -252,6 +252,23 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return self
         return msgspec.structs.replace(self, rollout=self.rollout.at_tp(devices))
 
+    def with_layout(self, tp: int | None = None, initial: Split | None = None) -> Profile:
+        """The same profile with engines of `tp` devices (one of `rollout.tp_sizes`) and/or
+        starting at the split `initial` (its devices must add up to the cluster's)."""
+        out = self
+        if tp is not None:
+            sizes = self.rollout.engine_sizes()
+            if tp not in sizes:
+                raise ProfileError(f"profile {self.name}: engines of {tp} device(s) are not allowed "
+                                   f"(rollout.tp_sizes: {list(sizes)})")
+            out = out.with_tp(tp)
+        if initial is not None:
+            if initial.train + initial.rollout != self.cluster.gpus or initial.train < 1 or initial.rollout < 1:
+                raise ProfileError(f"profile {self.name}: initial split {initial} must cover the cluster's "
+                                   f"{self.cluster.gpus} devices with at least one in each pool")
+            out = msgspec.structs.replace(out, cluster=msgspec.structs.replace(out.cluster, initial_train=initial.train))
+        return out
+
     def widest_engine(self) -> int:
         """The most devices one engine may have on this cluster (for the fluid bound)."""
         fits = [k for k in self.rollout.engine_sizes() if k <= self.cluster.gpus]

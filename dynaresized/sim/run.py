@@ -136,7 +136,7 @@ class SimReport(msgspec.Struct, frozen=True):
     in both 8B profiles): what `best_static` was before engine sizes were searched."""
     speedup_vs_best_static_tp1: float = 0.0
     tp: int = 1
-    """Devices per rollout engine of this run (the profile's `gpus_per_engine`)."""
+    """Devices per rollout engine of this run (the profile's `gpus_per_engine`, or `simulate --tp`)."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,8 @@ class Baselines:
     """Devices per rollout engine of the best static configuration (`best_split`)."""
     best_split_tp1: Split | None = None
     best_static_tp1_s: float = 0.0
+    tp1_engine: int = 1
+    """Devices per engine of `best_split_tp1` (the profile's own `gpus_per_engine`)."""
 
 
 VERL_RULES: tuple[str, ...] = ("verl-default", "verl-v1-switch")
@@ -217,6 +219,7 @@ def baselines(model: StageModel) -> Baselines:
         best_tp=best.tp,
         best_split_tp1=own.split,
         best_static_tp1_s=own.total_s,
+        tp1_engine=model.profile.rollout.gpus_per_engine,
         **_round_robin(model, gpus),
     )
 
@@ -349,7 +352,7 @@ def simulate(
         loans=sum(isinstance(x, f.LoanLanded) for x in run.facts),
         devices_lent=sum(len(x.plan.devices) for x in run.facts if isinstance(x, f.LoanStarted)),
         loans_refused=sum(n for g, n in rejections.items() if g.startswith("loan")),
-        best_static_tp1=BestStatic(own.train, own.rollout, _r(tp1_static_s(base)), profile.rollout.gpus_per_engine),
+        best_static_tp1=BestStatic(own.train, own.rollout, _r(tp1_static_s(base)), base.tp1_engine),
         speedup_vs_best_static_tp1=_r(tp1_static_s(base) / total, 4),
         tp=profile.rollout.gpus_per_engine,
         **_fluid_gap(run, base),

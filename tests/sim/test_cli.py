@@ -48,6 +48,23 @@ def test_simulate_json_is_exactly_one_object_with_the_documented_fields():
     assert report["bound_vs_best_static"] == pytest.approx(best / report["lower_bound_s"], rel=1e-3)
 
 
+def test_a_run_on_wider_engines_keeps_the_profiles_baselines():
+    """`--tp` and `--initial-split` change the run's layout, not what it is compared with."""
+    argv = ("simulate", "--scenario", "longtail-drift", "--steps", "20", "--json")
+    _, plain_text = cli(*argv)
+    code, text = cli(*argv, "--tp", "2", "--initial-split", "4:4")
+    assert code == 0
+    plain, wide = json.loads(plain_text), json.loads(text)
+    assert (plain["tp"], plain["initial_split"]) == (1, "6:2")
+    assert (wide["tp"], wide["initial_split"]) == (2, "4:4")
+    for key in ("best_static", "best_static_tp1", "oracle_total_time_s", "fluid_bound_s", "lower_bound_s"):
+        assert wide[key] == plain[key], key
+    assert wide["best_static_tp1"]["tp"] == 1
+    assert wide["total_time_s"] != plain["total_time_s"]
+    assert wide["speedup_vs_best_static"] == pytest.approx(wide["best_static"]["total_time_s"]
+                                                           / wide["total_time_s"], rel=1e-3)
+
+
 def test_simulate_summary_is_readable():
     code, text = cli("simulate", "--scenario", "noisy", "--policy", "greedy", "--steps", "12", "--gpus", "4")
     assert code == 0
@@ -86,6 +103,11 @@ def test_a_bad_trace_line_is_an_error_naming_the_line(tmp_path, capsys):
         (("simulate", "--scenario", "noisy", "--policy", "planner", "--policy-option", "nope=1", "--steps", "2"),
          "bad options for policy"),
         (("bench", "--policies", "static,nope"), "unknown policy"),
+        (("simulate", "--scenario", "noisy", "--steps", "2", "--tp", "3"), "engines of 3 device(s) are not allowed"),
+        (("simulate", "--scenario", "noisy", "--steps", "2", "--tp", "4", "--initial-split", "6:2"),
+         "smaller than one engine of 4"),
+        (("simulate", "--scenario", "noisy", "--steps", "2", "--initial-split", "9:2"), "must cover the cluster's 8"),
+        (("simulate", "--scenario", "noisy", "--steps", "2", "--initial-split", "4-4"), "4-4"),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, message, capsys):
