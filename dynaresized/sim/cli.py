@@ -163,10 +163,13 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
         seed = args.seed
     _require_policies([args.policy])
     # The baselines are the profile's (its best static configuration and its own engines' best
-    # split), whatever layout the run itself starts from.
-    base = baselines(StageModel(profile, trace, router=args.router))
-    initial = parse_split(args.initial_split) if args.initial_split is not None else None
-    profile = profile.with_layout(args.tp, initial)
+    # split), whatever layout the run itself starts from; without a layout, simulate() computes
+    # them on the run's own model (sharing its caches).
+    base = None
+    if args.tp is not None or args.initial_split is not None:
+        base = baselines(StageModel(profile, trace, router=args.router))
+        initial = parse_split(args.initial_split) if args.initial_split is not None else None
+        profile = profile.with_layout(args.tp, initial)
     result = simulate(
         trace,
         profile,
