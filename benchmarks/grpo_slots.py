@@ -15,6 +15,11 @@ trains, so a move back to rollout costs a resume and a weight reload, not an eng
 
 * `speedup_vs_initial_split` = static run on the initial split / the run with the policy;
 * `speedup_vs_best_static` = the fastest static run (hindsight-best) / the run with the policy;
+* `speedup_vs_verl_dynamic` = the run with verl's own rule (`verl-default`: it lends the trainers
+  to the rollout between training steps, as verl's hybrid replicas) / the run with the policy,
+  both from the initial split; the policy's moves and loans and verl's loans are listed;
+  `speedup_vs_verl_dynamic_seeded`: the same against verl's rule with its starting switch-cost
+  estimate (10 s, more than any saving on these seconds-long steps) set to this machine's;
 * `per_phase_best_split`: per phase of the workload, which static run's steps were fastest and
   by how much (mean step period), i.e. how far the best split per phase is from the best static;
 * `sim_vs_measured_total_time_error`: the simulator (`dynaresized simulate`, the same core and
@@ -25,8 +30,9 @@ trains, so a move back to rollout costs a resume and a weight reload, not an eng
 Usage: python benchmarks/grpo_slots.py [--steps 24] [--prompts 64] [--slots 0.5] [--weight N]
                                        [--initial-train 2] [--mini-batches M] [--work DIR] [--quick]
        python benchmarks/grpo_slots.py --work DIR --resimulate RESULT.json   # the sim side again
-Needs root (or a delegated cgroup), the torch and vllm extras. Runs the policy run and one
-static run per split (3 runs for 3 devices), each 1.5-2 minutes at 24-32 steps on 2 cores.
+Needs root (or a delegated cgroup), the torch and vllm extras. Runs the policy run, verl's rule
+twice (as shipped, and seeded) and one static run per split (6 runs for 3 devices), each
+1.5-2 minutes at 24-32 steps on 2 cores.
 """
 
 from __future__ import annotations
@@ -109,6 +115,8 @@ def fit(static_runs: list[dict[str, Any]], phase_of: Any) -> dict[str, Any]:
     tokens: dict[int, float] = {}
     for run in static_runs:
         for d in run["_detail"][1:]:  # step 0: the engines' first step, and no training time
+            if d["rollout_s"] <= 0:
+                continue  # not reported (the run's last step ends on training)
             rows.append([max(d["response_tokens"]), sum(d["response_tokens"]) / d["rollout"]])
             ys.append(d["rollout_s"])
             if d["train_s"] > 0 and d["step"] > 1:
@@ -176,7 +184,8 @@ prompt_median_tokens = 6.0
 
 
 def simulate_by_phase(detail: list[dict[str, Any]], params: dict[str, Any], switch: int, devices: int,
-                      initial_train: int, samples: int, resize_s: dict[str, float], base: Path) -> dict[str, Any]:
+                      initial_train: int, samples: int, resize_s: dict[str, float], base: Path,
+                      mini_batches: int = 1) -> dict[str, Any]:
     """The policy run through `dynaresized simulate`: a profile has one training rate, so each
     phase is simulated on its own profile, phase 2 starting from the split phase 1 ended on.
     What the two halves cannot carry over: a resize in flight at the switch, and the guards'
@@ -189,7 +198,7 @@ def simulate_by_phase(detail: list[dict[str, Any]], params: dict[str, Any], swit
         trace = write_trace(rows, base / f"policy-trace-phase{phase}.jsonl")
         profile = base / f"tiny-llama-cpu-slots-phase{phase}.toml"
         profile.write_text(profile_text(params, params["train_s_per_token"][phase], devices, train, samples, resize_s))
-        sim = simulate(trace, profile, GUARDS)
+        sim = simulate(trace, profile, GUARDS, mini_batches)
         out["phases"].append({"phase": phase, "initial_split": sim["initial_split"], "final_split": sim["final_split"],
                               "total_time_s": round(sim["total_time_s"], 2), "resizes": sim["resizes"],
                               "best_static": sim["best_static"],
@@ -217,11 +226,13 @@ def resize_seconds(events: list[str]) -> dict[str, float]:
     return out
 
 
-def simulate(trace: Path, profile: Path, guards: dict[str, Any]) -> dict[str, Any]:
+def simulate(trace: Path, profile: Path, guards: dict[str, Any], mini_batches: int) -> dict[str, Any]:
     import subprocess
 
+    # the policy as the example's daemon runs it: trainers lent to the rollout, engines lent to
+    # training only with a boundary inside the training step (examples/grpo_tiny/run.py)
     cmd = [sys.executable, "-m", "dynaresized.cli", "simulate", "--trace", str(trace), "--profile", str(profile),
-           "--policy", "hysteresis", "--policy-option", "lending=false", "--json"]
+           "--policy", "hysteresis", "--policy-option", f"lend_engines={str(mini_batches >= 2).lower()}", "--json"]
     for k, v in guards.items():
         cmd += ["--guard", f"{k}={v}"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
@@ -242,11 +253,14 @@ def detail_from_log(work: Path, tokens: list[dict[str, Any]]) -> list[dict[str, 
                 if isinstance(x, f.StepObserved)}
     finally:
         recorder.close()
-    return [{"step": t["step"], "prompt_tokens": t["prompt_tokens"], "response_tokens": t["response_tokens"],
-             "rollout_s": seen[t["step"]].rollout_s if t["step"] in seen else 0.0,
-             "train_s": seen[t["step"]].train_s if t["step"] in seen else 0.0,
-             "rollout": seen[t["step"]].rollout_devices if t["step"] in seen else 1,
-             "train": seen[t["step"]].train_devices if t["step"] in seen else 1} for t in tokens]
+    # A step report carries one RL step's rollout and its training; the example's lines (and
+    # `fit`) pair step k's rollout with step k-1's training, which ran alongside it.
+    return [{"step": k, "prompt_tokens": t["prompt_tokens"], "response_tokens": t["response_tokens"],
+             "rollout_s": seen[k].rollout_s if k in seen else 0.0,
+             "train_s": seen[k - 1].train_s if k - 1 in seen else 0.0,
+             "rollout": seen[k].rollout_devices if k in seen else 1,
+             "train": seen[k - 1].train_devices if k - 1 in seen else 1}
+            for k, t in ((t["step"], t) for t in tokens)]
 
 
 def resimulate(base: Path, result: dict[str, Any]) -> dict[str, Any]:
@@ -259,7 +273,7 @@ def resimulate(base: Path, result: dict[str, Any]) -> dict[str, Any]:
     policy = runs["policy"]
     sim = simulate_by_phase(detail_from_log(base / "policy", tokens), params, wl.switch_step, result["devices"],
                             int(policy["initial_split"].split(":")[0]), result["prompts"] * 8,
-                            resize_seconds(policy["events"]), base)
+                            resize_seconds(policy["events"]), base, result.get("mini_batches", 1))
     measured = policy["loop_s"]
     per = policy["step_periods_s"]
     for ph, m in zip(sim["phases"], (sum(per[:wl.switch_step]), sum(per[wl.switch_step:])), strict=True):
@@ -312,6 +326,15 @@ def main() -> int:
                   slots=args.slots, slot_weight=args.weight, guards=GUARDS, micro_batches=micro,
                   mini_batches=args.mini_batches)
     runs = [one_run(base, "policy", {**common, "policy": "hysteresis", "initial_train": args.initial_train}, shared)]
+    verl = one_run(base, "verl-default", {**common, "policy": "verl-default", "initial_train": args.initial_train},
+                   shared)
+    # verl's rule assumes a switch costs 10 s until it has measured one; on steps of seconds no
+    # saving exceeds that, so as shipped it never lends here. Seeded with what a switch costs on
+    # these slots (the daemon's loan costs), it does: a variant, reported apart.
+    seed_s = RunConfig().loan_costs["to_rollout_s"] + RunConfig().loan_costs["return_s"]
+    verl_seeded = one_run(base, "verl-default-seeded", {**common, "policy": "verl-default",
+                                                        "initial_train": args.initial_train,
+                                                        "policy_options": {"switch_cost_s": seed_s}}, shared)
     splits = [args.initial_train] + [t for t in range(1, args.devices) if t != args.initial_train]
     for t in splits:
         runs.append(one_run(base, f"static-{t}", {**common, "policy": "static", "initial_train": t}, shared))
@@ -335,7 +358,21 @@ def main() -> int:
         "engines_kept_loaded": True, "per_phase_best_split": phases,
         "mini_batches": args.mini_batches, "micro_batches": micro,
         "loans": sum(e.startswith("LoanStarted") for e in policy["events"]),
+        # verl's own rule (`verl-default`: its hybrid replicas are our trainers lent to the
+        # rollout) on the same slots, workload, seeds and initial split
+        "speedup_vs_verl_dynamic": round(verl["loop_s"] / policy["loop_s"], 3),
+        "verl_dynamic_loop_s": verl["loop_s"], "policy_loop_s": policy["loop_s"],
+        "policy_moves": [e for e in policy["events"] if e.startswith("ResizeStarted")],
+        "policy_loans": [e for e in policy["events"] if e.startswith("LoanStarted")],
+        "verl_dynamic_loans": [e for e in verl["events"] if e.startswith("LoanStarted")],
+        "speedup_vs_verl_dynamic_seeded": round(verl_seeded["loop_s"] / policy["loop_s"], 3),
+        "verl_dynamic_seeded_loop_s": verl_seeded["loop_s"],
+        "verl_dynamic_seeded_switch_cost_s": seed_s,
+        "verl_dynamic_seeded_loans": [e for e in verl_seeded["events"] if e.startswith("LoanStarted")],
+        "verl_runs_ledger_ok": verl["ledger_ok"] and verl_seeded["ledger_ok"],
+        "verl_runs_same_params": verl["params_sha_last"] == verl_seeded["params_sha_last"] == policy["params_sha_last"],
     }
+    runs[1:1] = [verl, verl_seeded]
     write_trace(policy["_detail"], base / "policy-trace.jsonl")
     result["runs"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs]
     try:

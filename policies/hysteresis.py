@@ -35,9 +35,10 @@ class HysteresisPolicy(Lending):
     guarded = True
 
     def __init__(self, window: int = 3, max_move: int | None = None, lending: bool = True,
-                 lend_trainers: bool = True) -> None:
+                 lend_trainers: bool = True, lend_engines: bool = True) -> None:
         self.lends = bool(lending)
         self.lends_trainers = bool(lend_trainers)
+        self.lends_engines = bool(lend_engines)
         if window < 1:
             raise ValueError("window must be >= 1")
         self.window = window

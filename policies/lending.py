@@ -37,9 +37,11 @@ class Lending:
 
     lends: bool = True
     lends_trainers: bool = True
-    """Trainers to the rollout too (`lend_trainers=false` turns that way off alone). The sim
-    workers take such loans; the torch and vLLM backends do not yet (an engine joined with plan
-    LOAN is not admitted by the router), so their daemons set `lend_trainers = false`."""
+    """Trainers to the rollout (`lend_trainers=false` turns that way off alone). The sim workers,
+    and the torch trainer with the vLLM engine on its device, take such loans."""
+    lends_engines: bool = True
+    """Idle engines to the training step (`lend_engines=false` turns that way off alone: a job
+    with one mini-batch per RL step has no boundary inside the step for a lent engine to join)."""
     unmeasured_rollout_s: float = 300.0
     """The rollout ahead, in seconds, before any step is measured (a first RL rollout of long
     responses takes minutes)."""
@@ -49,7 +51,7 @@ class Lending:
             return None
         if self.lends_trainers and view.free_trainers and not view.queue_empty:
             return self._lend_trainers(view)
-        if not view.idle_engines or view.mini_batch_total == 0:
+        if not self.lends_engines or not view.idle_engines or view.mini_batch_total == 0:
             return None
         left = view.mini_batch_total - view.mini_batch_done
         if left <= 0 or view.mini_batch_s <= 0:

@@ -86,9 +86,11 @@ class PlannerPolicy(Lending):
         ridge: float = 0.001,
         lending: bool = True,
         lend_trainers: bool = True,
+        lend_engines: bool = True,
     ) -> None:
         self.lends = bool(lending)
         self.lends_trainers = bool(lend_trainers)
+        self.lends_engines = bool(lend_engines)
         if memory_steps < 2 or half_life_steps <= 0 or horizon_steps < 1 or min_gain < 0 or ridge < 0:
             raise ValueError("planner options: memory_steps >= 2, half_life_steps > 0, horizon_steps >= 1, "
                              "min_gain >= 0, ridge >= 0")

@@ -178,8 +178,15 @@ class VerlDefaultPolicy(VerlRule):
     name = "verl-default"
 
     def __init__(self, deactivate_ratio: float = 0.3, only_hybrid: bool = False,
-                 enable_rebalance: bool = True) -> None:
+                 enable_rebalance: bool = True, switch_cost_s: float = DEFAULT_SWITCH_THRESHOLD_S) -> None:
         super().__init__()
+        if switch_cost_s < 0:
+            raise ValueError("switch_cost_s must be >= 0")
+        self.initial_switch_cost_s = float(switch_cost_s)
+        """The switch cost assumed until one is measured: verl's constant (10 s). Its steps are
+        minutes; on a workload of seconds-long steps (the CPU example) no saving ever exceeds it
+        and the rule never activates. A lower value seeds the rule with a known switch cost, as
+        if it had measured one already: a variant of verl's rule, named as such where used."""
         self.rebalances = bool(enable_rebalance)
         """`dynamic_schedule_enable_rebalance` (default True): after activation, every running
         request is aborted and resumed on the least-loaded replica (the simulator does it)."""
@@ -194,7 +201,7 @@ class VerlDefaultPolicy(VerlRule):
         if self.switch_overheads:
             recent = self.switch_overheads[-SWITCH_OVERHEAD_WINDOW_SIZE:]
             return sum(recent) / len(recent)
-        return DEFAULT_SWITCH_THRESHOLD_S
+        return self.initial_switch_cost_s
 
     def _after_training(self, view: LoanView, cycle: Collection) -> LoanProposal | None:
         S = view.samples_total  # required_samples x trigger_parameter_sync_step

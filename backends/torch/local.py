@@ -6,7 +6,9 @@ calls; only the transport differs (a pipe instead of ZeroMQ). Used by the runnab
 standalone mode, the benchmark and the tests. The sequences are the core's
 (`plan_resize`): JOIN, RESTORE, COMMIT to grow; DRAIN, RELEASE, COMMIT to shrink; and on a
 failure the undo ops in reverse (EVICT; RECLAIM, RESUME). A loan (`plan_loan`, trainer side)
-is a JOIN with plan LOAN, and its return DRAIN, RELEASE with plan RETURN; no commit.
+is a JOIN with plan LOAN, and its return DRAIN, RELEASE with plan RETURN; no commit. A trainer
+lent to the rollout (`lend_to_rollout`) is DRAIN, RELEASE with plan LOAN, and home JOIN with
+plan RETURN.
 """
 
 from __future__ import annotations
@@ -361,6 +363,38 @@ class LocalJob:
         ops: list[OpOutcome] = []
         for i, kind in enumerate((OpKind.DRAIN, OpKind.RELEASE)):
             ops += self._send(rid, i, kind, devices, devices, Pool.TRAINING, self.training, PlanKind.RETURN)
+        outcome = ResizeOutcome(rid, all(o.ok for o in ops), self.training, tuple(ops), time.perf_counter() - started)
+        self.resizes.append(outcome)
+        return outcome
+
+    def lend_to_rollout(self, *devices: str) -> ResizeOutcome:
+        """Lend training `devices` to the rollout until the next RL step (the trainer side of the
+        core's `plan_loan` to the rollout): DRAIN and RELEASE with plan LOAN; the ranks stay
+        members, parked before the next RL step (lending.py). On a failure, the undo ops."""
+        started = time.perf_counter()
+        rid = f"t{next(self._resizes)}"
+        devices = tuple(sorted(devices))
+        forward = [(OpKind.DRAIN, devices), (OpKind.RELEASE, devices)]
+        ops: list[OpOutcome] = []
+        for i, (kind, targets) in enumerate(forward):
+            outcomes = self._send(rid, i, kind, devices, targets, Pool.TRAINING, self.training, PlanKind.LOAN)
+            ops += outcomes
+            if not all(o.ok for o in outcomes):
+                undo = {OpKind.DRAIN: OpKind.RESUME, OpKind.RELEASE: OpKind.RECLAIM}
+                for j, (done, _) in enumerate(reversed(forward[: i + 1])):
+                    ops += self._send(rid, 100 + j, undo[done], devices, devices, Pool.TRAINING, self.training,
+                                      PlanKind.LOAN)
+                break
+        outcome = ResizeOutcome(rid, all(o.ok for o in ops), self.training, tuple(ops), time.perf_counter() - started)
+        self.resizes.append(outcome)
+        return outcome
+
+    def home_from_rollout(self, *devices: str) -> ResizeOutcome:
+        """The trainers lent to the rollout come home at the step boundary: JOIN with plan RETURN."""
+        started = time.perf_counter()
+        rid = f"t{next(self._resizes)}-home"
+        devices = tuple(sorted(devices))
+        ops = self._send(rid, 2, OpKind.JOIN, devices, devices, Pool.ROLLOUT, self.training, PlanKind.RETURN)
         outcome = ResizeOutcome(rid, all(o.ok for o in ops), self.training, tuple(ops), time.perf_counter() - started)
         self.resizes.append(outcome)
         return outcome

@@ -219,6 +219,14 @@ class Registry:
         stored = self._cas(self._k("rec", proposal.from_epoch), b"", _enc.encode(proposal))
         return msgspec.msgpack.decode(stored, type=Recovery)
 
+    # -- trainers lent to the rollout (lending.py) ----------------------------------------
+    def set_lent_out(self, rank: int, lent: bool) -> None:
+        self.store.set(self._k("lentout", rank), b"1" if lent else b"0")
+
+    def lent_out(self, ranks: Members) -> list[int]:
+        """The ranks of `ranks` whose device serves the rollout now (parked between RL steps)."""
+        return [r for r in ranks if self._get(self._k("lentout", r)) == b"1"]
+
     # -- barriers, stop, end -----------------------------------------------------------
     def arrive(self, tag: str, rank: int) -> None:
         self.store.set(self._k("bar", tag, rank), b"1")

@@ -27,7 +27,7 @@ OpHandler = Callable[[Any], Awaitable[str]]
 
 
 class _Intent(msgspec.Struct):
-    kind: str  # "join" | "release" | "reclaim"
+    kind: str  # "join" | "release" | "reclaim" | "home" (lending.py)
     future: concurrent.futures.Future  # type: ignore[type-arg]
     change: Change | None = None
     deadline: float = 0.0
@@ -47,6 +47,8 @@ class DaemonOps:
             elif intent.kind == "reclaim":
                 detail = self._reclaim_storage()
                 self._set_view(RankState.DRAINED)
+            elif intent.kind == "home":
+                detail = self._come_home()
             else:
                 raise ValueError(f"unknown intent {intent.kind!r}")
         except Exception as exc:
@@ -129,7 +131,10 @@ class DaemonOps:
     async def join(self, op: Any) -> str:
         """JOIN: enter the training group at the members' next step boundary. With plan LOAN the
         rank is lent for the rest of the RL step: it enters at the next boundary inside the step
-        (refused if none is left) and leaves by itself at the step's end."""
+        (refused if none is left) and leaves by itself at the step's end. A rank lent to the
+        rollout (parked) comes home instead (lending.py)."""
+        if self.parked:
+            return await self._unpark(op)
         movers = self._movers(op)
         expect = self._expect(op)
         if self._view.state is RankState.TRAINING and self.rank in self._view.members:
@@ -171,7 +176,10 @@ class DaemonOps:
             await asyncio.sleep(0.01)
 
     async def drain(self, op: Any) -> str:
-        """DRAIN: leave the training group at the next optimizer-step boundary."""
+        """DRAIN: leave the training group at the next optimizer-step boundary. With plan LOAN
+        the rank is lent to the rollout between two RL steps and stays a member (lending.py)."""
+        if op.plan is PlanKind.LOAN:
+            return await self._park(op)
         movers = self._movers(op)
         if self._view.state is RankState.DRAINED:
             return f"already drained at step {self._view.step}"
@@ -231,7 +239,10 @@ class DaemonOps:
 
     async def resume(self, op: Any) -> str:
         """RESUME (undo DRAIN): train again; a pending drain is cancelled, a done one is
-        undone by re-joining with a state transfer (the others may have stepped on)."""
+        undone by re-joining with a state transfer (the others may have stepped on). A rank
+        lent to the rollout comes home."""
+        if self.parked:
+            return await self._unpark(op)
         movers = self._movers(op)
         if await self._cancel_if_pending(f"{op.resize_id}/drain", op) and self._view.state is RankState.TRAINING:
             return "drain cancelled before it took effect; still training"
@@ -247,8 +258,11 @@ class DaemonOps:
         return await asyncio.wrap_future(self._submit("join", change, deadline=time.time() + op.timeout_s))
 
     async def evict(self, op: Any) -> str:
-        """EVICT (undo JOIN): a pending join is cancelled; a done one leaves at the next boundary."""
+        """EVICT (undo JOIN): a pending join is cancelled; a done one leaves at the next boundary.
+        With plan RETURN a rank home from the rollout whose step has not begun is lent again."""
         self._movers(op)
+        if op.plan is PlanKind.RETURN and (again := await self._park_again(op)):
+            return again
         if await self._cancel_if_pending(f"{op.resize_id}/join", op):
             return "join cancelled before it took effect"
         deadline = time.monotonic() + op.timeout_s

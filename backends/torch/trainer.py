@@ -15,6 +15,7 @@ loop an intent, and await the outcome.
 | `StateTransfer` | `transfer` | donor and joiner sides of a join, the lazy optimizer restore |
 | `GroupRecovery` | `recovery` | survivors agree, re-synchronise and carry on after a failed collective |
 | `DaemonOps` | `op_handlers` | the daemon's ops (join, drain, release, ..., evict) and the intents they hand the loop |
+| `LentToRollout` | `lending` | the gate before each RL step, where a rank lent to the rollout waits to come home |
 
 This module holds what ties them together: start-up (`prepare`), the loop (`_run`), the
 rank's view for the daemon (`actual`), and the public names the rest of the package uses.
@@ -37,6 +38,7 @@ import torch
 from dynaresized.backends.torch.boundary import StepBoundary
 from dynaresized.backends.torch.communicators import Communicators, Group, members_of
 from dynaresized.backends.torch.jobs import TrainingJob
+from dynaresized.backends.torch.lending import LentToRollout
 from dynaresized.backends.torch.liveness import Heartbeat, LivenessWatch
 from dynaresized.backends.torch.membership import Members, Registry, Topology
 from dynaresized.backends.torch.op_handlers import DaemonOps, OpHandler, _Intent, _resolve
@@ -68,7 +70,7 @@ __all__ = ["JoinFailed", "NotReady", "OpHandler", "RankState", "RankView", "Rest
 log = structlog.get_logger("dynaresized.backends.torch")
 
 
-class TrainerRank(StepLoop, StepBoundary, StateTransfer, GroupRecovery, DaemonOps):
+class TrainerRank(StepLoop, StepBoundary, StateTransfer, GroupRecovery, DaemonOps, LentToRollout):
     def __init__(self, config: TrainerConfig, job: TrainingJob, store: StoreAddress, *,
                  on_step: Callable[[StepRecord], None] | None = None) -> None:
         config.validate()
@@ -98,6 +100,7 @@ class TrainerRank(StepLoop, StepBoundary, StateTransfer, GroupRecovery, DaemonOp
         self._recovered = False
         self._joined_at_boundary = False
         self._joined_by: dict[str, str] = {}  # change id -> outcome detail, for evict/restore
+        self._init_lending()
 
     # -- start-up (blocking; off the critical path) -----------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -219,6 +222,8 @@ class TrainerRank(StepLoop, StepBoundary, StateTransfer, GroupRecovery, DaemonOp
                     # After a recovery every survivor starts over with a boundary, whichever
                     # collective it was in when the group failed.
                     if self._view.state is RankState.TRAINING and not self._recovered:
+                        if self.step % self.config.mini_batches == 0 and not self._gate():
+                            break  # closing while it waited for the step's samples or a lent member
                         self._train_step()
                 else:
                     try:

@@ -45,6 +45,7 @@ log = structlog.get_logger("dynaresized.backends.vllm")
 SampleListener = Callable[[SampleResult, int], None]  # (result, samples in the step)
 LossListener = Callable[[str, str], None]  # (engine id, reason)
 DryListener = Callable[[str, int, int, int], None]  # (engine id, step, running, tokens left)
+StartListener = Callable[[int, int], None]  # (step, samples in the step)
 
 
 class DrainReport(msgspec.Struct, frozen=True):
@@ -62,6 +63,9 @@ class StepResult(msgspec.Struct, frozen=True):
     rollout_s: float  # from the step's start to its last sample, weight sync included
     weight_sync_s: float
     engines: tuple[str, ...]  # engines that produced at least one sample
+    # engine-seconds admitted during the step: an engine that joined mid-step (a trainer's
+    # device lent to the rollout) or left it (drained) counts for the part it was there
+    rollout_device_s: float = 0.0
 
     def timing(self, train_s: float = 0.0, train_devices: int = 0) -> StepTiming:
         """The step's timing as the daemon takes it; the trainer side supplies `train_s`."""
@@ -74,6 +78,7 @@ class StepResult(msgspec.Struct, frozen=True):
             train_devices=train_devices,
             samples=len(self.samples),
             response_tokens=self.ledger.response_tokens,
+            rollout_device_s=self.rollout_device_s,
         )
 
 
@@ -87,6 +92,8 @@ class _Step:
         self.finished = asyncio.Event()
         self.failure: BaseException | None = None
         self.told_dry: dict[str, int] = {}  # engine -> the running count its dry report said
+        self.admitted_since: dict[str, float] = {}  # engine -> when it was admitted (or the step began)
+        self.device_s = 0.0  # engine-seconds admitted, of engines no longer admitted
         if not requests:
             self.finished.set()
 
@@ -116,6 +123,7 @@ class RequestRouter:
         self._sample_listeners: list[SampleListener] = []
         self._loss_listeners: list[LossListener] = []
         self._dry_listeners: list[DryListener] = []
+        self._start_listeners: list[StartListener] = []
         self._cancelled: list[asyncio.Task[None]] = []
 
     # -- membership --------------------------------------------------------------------
@@ -148,6 +156,10 @@ class RequestRouter:
     def on_lost(self, listener: LossListener) -> None:
         self._loss_listeners.append(listener)
 
+    def on_step_start(self, listener: StartListener) -> None:
+        """`listener(step, samples)` when a step's samples are queued, before any is placed."""
+        self._start_listeners.append(listener)
+
     def on_dry(self, listener: DryListener) -> None:
         """`listener(engine, step, running, tokens_left)` once the step's queue holds nothing
         for an admitted engine, and again with running 0 when that engine is idle."""
@@ -167,6 +179,8 @@ class RequestRouter:
             if target is not None and engine.loaded_version != target:
                 seconds = await engine.reload(target, self.weights.path(target))
             self.admitted.add(engine_id)
+            if self._step is not None:
+                self._step.admitted_since.setdefault(engine_id, time.perf_counter())
         log.info("engine admitted", engine=engine_id, version=engine.loaded_version)
         self._dispatch()
         return seconds
@@ -178,7 +192,7 @@ class RequestRouter:
         """
         engine = self._engine(engine_id)
         started = time.perf_counter()
-        self.admitted.discard(engine_id)
+        self._leave(engine_id)
         step = self._step
         if step is None:
             return DrainReport(engine_id, 0, 0, time.perf_counter() - started)
@@ -205,6 +219,13 @@ class RequestRouter:
                  finished=report.finished, seconds=round(report.seconds, 3))
         return report
 
+    def _leave(self, engine_id: str) -> None:
+        """The engine admits nothing more; the step counts the time it was there."""
+        self.admitted.discard(engine_id)
+        step = self._step
+        if step is not None and engine_id in step.admitted_since:
+            step.device_s += time.perf_counter() - step.admitted_since.pop(engine_id)
+
     def _tasks_on(self, step: _Step, engine_id: str) -> set[asyncio.Task[None]]:
         return {t for a, t in step.tasks.items() if a.engine_id == engine_id}
 
@@ -225,7 +246,7 @@ class RequestRouter:
         engine = self._engine(engine_id)
         engine.mark_dead()
         was_admitted = engine_id in self.admitted
-        self.admitted.discard(engine_id)
+        self._leave(engine_id)
         moved = 0
         step = self._step
         if step is not None:
@@ -265,7 +286,10 @@ class RequestRouter:
                 raise outcome
         weight_sync_s = time.perf_counter() - started
         current = _Step(ledger, requests)
+        current.admitted_since = {e: started for e in self.admitted}
         self._step = current
+        for listener in self._start_listeners:
+            listener(step, len(requests))
         try:
             self._dispatch()
             await current.finished.wait()
@@ -279,14 +303,17 @@ class RequestRouter:
                 self._cancelled.append(task)
             await self._reap()
         results = tuple(ledger.results())
+        ended = time.perf_counter()
+        device_s = current.device_s + sum(ended - t for t in current.admitted_since.values())
         return StepResult(
             step=step,
             policy_version=policy_version,
             samples=results,
             ledger=summary,
-            rollout_s=time.perf_counter() - started,
+            rollout_s=ended - started,
             weight_sync_s=weight_sync_s,
             engines=tuple(sorted({r.engine_id for r in results})),
+            rollout_device_s=device_s,
         )
 
     async def _reap(self) -> None:

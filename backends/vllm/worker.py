@@ -15,16 +15,19 @@ Each op is one async method taking the daemon's `OpRequest` and returning a shor
 | reclaim | undo release: wake/start + reload           |                                                  |
 | evict   |                                             | undo join: leave the router, sleep/shut down     |
 
-A loan (`op.plan` LOAN: lent to the training step in progress; RETURN: its way home at the
-step boundary) is drain, release and join with no restore or commit, and takes the cheap path:
+A loan (`op.plan` LOAN: lent to the other stage until the step boundary; RETURN: its way
+home) is drain, release and join with no restore or commit, and takes the cheap path. Both
+ways: an engine lent to the training step, and the engine on a trainer's device when that
+trainer is lent to the rollout (verl's hybrid replicas; the trainer's side is
+backends/torch/lending.py):
 
-| op (plan)       | what the engine does                                                          |
-|-----------------|-------------------------------------------------------------------------------|
-| drain (LOAN)    | as for a resize: admit nothing more, near-done requests finish, the rest move  |
-| release (LOAN)  | `engine.lend()`: GPU sleep; CPU pause (loaded, admitting nothing, CPU unused)  |
-| join (RETURN)   | resume (or wake/start), load the current policy version, admitted again        |
-| reclaim (LOAN)  | undo release: resume and bring the weights up to date                          |
-| evict (RETURN)  | undo join: leave the router and pause again (the device stays lent)            |
+| op (plan)              | what the engine does                                                   |
+|------------------------|------------------------------------------------------------------------|
+| drain (LOAN or RETURN) | as for a resize: admit nothing more, near-done requests finish, the rest move |
+| release (LOAN, RETURN) | `engine.lend()`: GPU sleep; CPU pause (loaded, admitting nothing, CPU unused) |
+| join (RETURN or LOAN)  | resume (or wake/start), load the current policy version, admitted     |
+| reclaim                | undo release: resume and bring the weights up to date                 |
+| evict (RETURN or LOAN) | undo join: leave the router and pause again (the device stays lent)   |
 
 With `keep_loaded=True` (for CPU devices, which are short of CPU time, not memory) a resize
 takes the loan's cheap path too: release and evict pause the engine instead of shutting it
@@ -60,6 +63,7 @@ from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, Ste
 log = structlog.get_logger("dynaresized.backends.vllm")
 
 OpHandler = Callable[[Any], Awaitable[str]]
+_LOANS = (PlanKind.LOAN, PlanKind.RETURN)  # ops of a loan or its way home: no restore or commit follows
 
 
 class Progress(msgspec.Struct, frozen=True):
@@ -119,6 +123,7 @@ class EngineWorker:
         self._reporter: asyncio.Task[None] | None = None
         router.add(engine)
         router.on_sample(self._sample_done)
+        router.on_step_start(self._step_started)
         router.on_dry(self._ran_dry)
         router.on_lost(self._engine_lost)
 
@@ -159,7 +164,7 @@ class EngineWorker:
         self._check(op, leaving=True)
         if self.engine.engine_id in self.router.admitted:
             raise RuntimeError(f"release before drain: {self.engine.engine_id} is still admitting samples")
-        if op.plan is PlanKind.LOAN or self._stays_loaded():
+        if op.plan in _LOANS or self._stays_loaded():
             return await self._lend()
         # a resize takes the device for good: a paused (lent) engine is shut down too
         if self.engine.state in (EngineState.STOPPED, EngineState.SLEEPING):
@@ -180,23 +185,25 @@ class EngineWorker:
 
     async def join(self, op: Any) -> str:
         self._check(op, leaving=False)
-        if op.plan is PlanKind.RETURN:
-            return await self._come_home()
+        if op.plan in _LOANS:
+            return await self._start_serving(op.plan)
         if self.engine.state is EngineState.RUNNING:
             return f"{self.engine.engine_id} already running"
         seconds = await self.engine.join()
         self.lost_reason = None
         return f"{self.engine.engine_id} up ({self.engine.device_type.value}) in {seconds:.3f}s"
 
-    async def _come_home(self) -> str:
-        """A loan's way home: no restore or commit follows, so join does all three: resume (or
-        wake, or start) the engine, bring it to the current policy version, admit it."""
+    async def _start_serving(self, plan: PlanKind) -> str:
+        """A loan's way home, or a trainer's device lent to the rollout: no restore or commit
+        follows, so join does all three: resume (or wake, or start) the engine, bring it to the
+        current policy version, admit it."""
+        how = "home" if plan is PlanKind.RETURN else "lent to the rollout"
         if self.engine.engine_id in self.router.admitted:
-            return f"{self.engine.engine_id} already home and admitting"
+            return f"{self.engine.engine_id} already {how} and admitting"
         was = self.engine.state.value
         seconds, restored = await self._start_at_current_version()
         await self.router.admit(self.engine.engine_id)
-        return f"{self.engine.engine_id} home (it was {was}) in {seconds:.3f}s; {restored}; admitting"
+        return f"{self.engine.engine_id} {how} (it was {was}) in {seconds:.3f}s; {restored}; admitting"
 
     async def restore(self, op: Any) -> str:
         self._check(op, leaving=False)
@@ -269,7 +276,7 @@ class EngineWorker:
         self._check(op, leaving=False)
         if self.engine.engine_id in self.router.admitted:
             await self.router.drain(self.engine.engine_id, timeout_s=0.0)
-        if op.plan is PlanKind.RETURN or self._stays_loaded():
+        if op.plan in _LOANS or self._stays_loaded():
             return await self._lend()
         if self.engine.state in (EngineState.STOPPED, EngineState.SLEEPING):
             return f"{self.engine.engine_id} already released"
@@ -302,6 +309,14 @@ class EngineWorker:
             f", lost: {self.lost_reason}" if self.lost_reason else ""))
 
     # -- reporting ---------------------------------------------------------------------------
+    def _step_started(self, step: int, total: int) -> None:
+        """An admitted engine says at once that it has done none of the step's samples yet: what
+        verl's rule reads after a training step (the next batch's samples done) is then known
+        before the first sample finishes."""
+        if self.engine.engine_id in self.router.admitted:
+            self.progress = Progress(step=step, done=0, total=total, tokens=0)
+            self._reports_waiting.set()
+
     def _sample_done(self, result: SampleResult, total: int) -> None:
         if result.engine_id != self.engine.engine_id:
             return

@@ -136,6 +136,7 @@ class GRPOJob:
         self._cache: dict[int, StepSamples] = {}
         # seconds this rank waited for each step's file: the step's time minus this is training
         self.waited_s: dict[int, float] = {}
+        self._asked: dict[int, float] = {}  # step -> when `ready` was first asked about it
 
     def build_model(self) -> nn.Module:
         from transformers import LlamaForCausalLM
@@ -159,6 +160,18 @@ class GRPOJob:
             self.waited_s = {step: time.monotonic() - began}
             self._cache = {step: msgspec.msgpack.decode(path.read_bytes(), type=StepSamples)}
         return self._cache[step]
+
+    def ready(self, step: int) -> bool:
+        """The driver wrote step `step`'s samples (the rank waits for them between RL steps, where
+        a rank lent to the rollout comes home); raises once it has waited `wait_timeout_s`."""
+        if step in self._cache or step_path(self.samples_dir, step).exists():
+            self._asked.pop(step, None)
+            return True
+        began = self._asked.setdefault(step, time.monotonic())
+        if time.monotonic() - began > self.wait_timeout_s:
+            raise TimeoutError(f"no samples for step {step} at {step_path(self.samples_dir, step)} after "
+                               f"{self.wait_timeout_s}s")
+        return False
 
     def micro_batch_ids(self, step: int, micro_batch: int) -> list[str]:
         batch = self.samples(step)

@@ -93,6 +93,10 @@ class RunConfig:
     slots: float = 0.0  # > 0: each device a cgroup slot of this many cores (docs/device-slots.md); 0: shared cores
     slot_weight: int = 8192  # the slots' cpu.shares: they get their quota before unrelated load does
     keep_loaded: bool = True  # with slots: an engine whose device trains stays loaded, paused (no restart)
+    # the hysteresis policy lends trainers with nothing to train to the rollout (their device's
+    # engine serves until the step boundary: backends/torch/lending.py)
+    lend_trainers: bool = True
+    policy_options: dict[str, Any] = field(default_factory=dict)  # the daemon's [policy] options (more)
     loan_costs: dict[str, float] = field(default_factory=lambda: {  # the daemon's [loan_costs], measured here
         "to_training_s": 0.15, "to_rollout_s": 0.15, "return_s": 0.25, "lead_s": 0.1})
 
@@ -112,6 +116,7 @@ class StepLine:
     ended_s: float = 0.0  # seconds from the loop's start to this step's samples being written
     prompt_tokens: list[int] = field(default_factory=list)  # per sample (a trace for `dynaresized simulate`)
     decoded_tokens: list[int] = field(default_factory=list)  # per sample, tokens the engines generated
+    engines: list[str] = field(default_factory=list)  # the engines that generated the step's samples
 
 
 Hook = Callable[["Driver", int], Awaitable[None]]
@@ -193,12 +198,11 @@ def _reported_steps_router_class() -> Any:
     from dynaresized.backends.vllm.router import RequestRouter
 
     class ReportedStepsRouter(RequestRouter):
-        """A router whose engines tell the daemon they ran dry only in steps whose report follows.
+        """A router whose engines tell the daemon they ran dry only in the run's own steps.
 
-        The daemon forgets its idle engines at a step report. Step 0 (no training time yet), the
-        last step (the run ends on training) and the held-out evaluations are never reported: an
-        engine dry in one of them would still look idle, and lendable, while it serves the next
-        step's rollout."""
+        The daemon forgets its idle engines at a step report. The held-out evaluations are never
+        reported: an engine dry in one of them would still look idle, and lendable, while it
+        serves the next step's rollout."""
 
         def __init__(self, *args: Any, reported: Callable[[int], bool], **kw: Any) -> None:
             super().__init__(*args, **kw)
@@ -265,13 +269,15 @@ class Driver:
         n = len(self.devices)
         candidates = [f"{t}:{n - t}" for t in range(1, n)]
         guards = "\n".join(f"{k} = {json.dumps(v)}" for k, v in self.cfg.guards.items())
-        # Loans need a boundary inside the training step: with one mini-batch per RL step a
-        # trainer joins only between RL steps, so an engine lent mid-step would idle until then.
-        lends = self.cfg.mini_batches >= 2
-        # Trainers lent to the rollout (`lend_trainers`) need engines that serve on a loan, which
-        # the vLLM backend does not yet do (docs/configuration.md).
-        policy_options = (f"options = {{ lending = {json.dumps(lends)}, lend_trainers = false }}"
-                          if self.cfg.policy == "hysteresis" else "")
+        # Engines lent to training need a boundary inside the training step: with one mini-batch
+        # per RL step a trainer joins only between RL steps, so an engine lent mid-step would idle
+        # until then. Trainers lent to the rollout need none: they serve until the step boundary.
+        lend_engines = self.cfg.mini_batches >= 2
+        options = ({"lending": lend_engines or self.cfg.lend_trainers, "lend_engines": lend_engines,
+                    "lend_trainers": self.cfg.lend_trainers} if self.cfg.policy == "hysteresis" else {})
+        options.update(self.cfg.policy_options)
+        policy_options = ("options = { " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in options.items()) + " }"
+                          if options else "")
         # What a loan costs here, as measured on slots (docs/e2e.md): pausing the engine ~0.02 s
         # and the rank's join ~0.1 s once it reaches the next mini-batch boundary (the wait for
         # that boundary is the lending policy's own term); the way home at the step boundary is
@@ -359,7 +365,7 @@ op_timeout_s = 240.0
 
         self.weights = WeightStore(self.work / "weights")
         self.router = _reported_steps_router_class()(self.weights, max_inflight=64, finish_within_tokens=4,
-                                                     reported=lambda step: 0 < step < self.cfg.steps - 1)
+                                                     reported=lambda step: step < self.cfg.steps)
         config = EngineConfig(model=str(self.work / "model"), kv_cache_memory_bytes=self.cfg.kv_cache_bytes,
                               seed=self.cfg.seed, max_model_len=64)
         self.engines: dict[str, Any] = {}
@@ -599,6 +605,7 @@ op_timeout_s = 240.0
         curriculum = self.curriculum
         self._loop_started = time.monotonic()
         forced = dict(cfg.force)
+        previous: Any = None  # the last iteration's rollout: its step is reported with its training
         for step in range(cfg.steps):
             version = max(step - 1, 0)  # one step off-policy: step k+1 generates while step k trains
             await self.wait_version(version)
@@ -632,9 +639,14 @@ op_timeout_s = 240.0
             train_s = trained["seconds"] if trained else 0.0
             train_n = len(trained["members"]) if trained else len(self.training0)
             decided = "not reported: no training time yet"
-            if trained is not None:  # step 0 has no training time yet: a 0 s report would mislead the policy
-                await self.report(result, train_s, train_n)
-                decided = await self.decision(step)
+            if trained is not None:
+                # Step k-1 is done now: its rollout (the previous iteration's) and its training,
+                # which ran alongside this rollout. A step report carries one RL step's two
+                # stages (StepTiming), as the simulator's do; this boundary is where the daemon
+                # brings lent devices home and decides.
+                await self.report(previous, train_s, train_n)
+                decided = await self.decision(step - 1)
+            previous = result
             line = StepLine(step=step, version=version, reward=sum(rewards) / len(rewards), rollout_s=result.rollout_s,
                             train_s=train_s, train=train_n, rollout=len(result.engines),
                             response_tokens=result.ledger.response_tokens,
@@ -642,7 +654,7 @@ op_timeout_s = 240.0
                                     for r, s in zip(requests, ordered, strict=True)],
                             ended_s=time.monotonic() - self._loop_started,
                             prompt_tokens=[len(r.prompt_token_ids) for r in requests],
-                            decoded_tokens=[len(s.token_ids) for s in ordered])
+                            decoded_tokens=[len(s.token_ids) for s in ordered], engines=list(result.engines))
             self.lines.append(line)
             self.say(f"step {step:3d}  v{version:<3d} reward {line.reward:5.3f}  tokens {line.response_tokens:5d}  "
                      f"rollout {line.rollout_s:6.2f}s on {line.rollout}  train(k-1) {train_s:6.2f}s on {train_n}  "
@@ -746,7 +758,8 @@ op_timeout_s = 240.0
                         "pools": [(x.train, x.rollout) for x in self.lines],
                         "steps_detail": [{"step": x.step, "ended_s": round(x.ended_s, 3), "rollout_s": x.rollout_s,
                                           "train_s": x.train_s, "train": x.train, "rollout": x.rollout,
-                                          "prompt_tokens": x.prompt_tokens, "response_tokens": x.decoded_tokens}
+                                          "prompt_tokens": x.prompt_tokens, "response_tokens": x.decoded_tokens,
+                                          "engines": x.engines}
                                          for x in self.lines]}
         self.say(f"\ndone: {cfg.steps} steps in {loop_s:.1f}s; resizes {summary['resizes']}; "
                  f"final split {summary['final_split']}")
@@ -832,9 +845,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--restart-engines", action="store_true",
                    help="with --slots: shut an engine down when its device moves to training and start it on the "
                         "way back (default: keep it loaded, paused, and resume it)")
+    p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the daemon's policy, e.g. switch_cost_s=0.35 for verl-default (repeatable)")
+    p.add_argument("--no-lend-trainers", action="store_true",
+                   help="the hysteresis policy does not lend trainers with nothing to train to the rollout "
+                        "(default: it does, and the engine on a lent trainer's device serves until the step boundary)")
     p.add_argument("--verbose", action="store_true",
                    help="leave vLLM's, torch's and the libraries' logs on this terminal (default: <work>/engines.log)")
     return p.parse_args(argv)
+
+
+def policy_option(text: str) -> tuple[str, Any]:
+    """KEY=VALUE with VALUE as JSON where it parses (numbers, true/false), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--policy-option wants KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 def quiet_output(work: Path) -> Path:
@@ -911,7 +940,8 @@ def main(argv: list[str] | None = None) -> int:
                     deterministic=args.deterministic, force=tuple(force), work=work, keep=True,
                     daemon=args.daemon, control=args.control, gpu=args.gpu, kv_cache_bytes=args.kv_cache_mib << 20,
                     workload=args.workload, slots=args.slots, slot_weight=args.slot_weight,
-                    keep_loaded=not args.restart_engines)
+                    keep_loaded=not args.restart_engines, lend_trainers=not args.no_lend_trainers,
+                    policy_options=dict(policy_option(o) for o in args.policy_option))
     try:
         summary = asyncio.run(run_once(cfg))
     except BaseException:

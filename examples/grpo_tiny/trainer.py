@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         if record.members[0] == config.rank and loop is not None and client is not None:
             # the daemon's view of the step in progress: a loan joins at the next of these boundaries
             asyncio.run_coroutine_threadsafe(
-                client.report_mini_batch(step + 1, record.mini_batch + 1, record.mini_batches), loop)
+                client.report_mini_batch(step, record.mini_batch + 1, record.mini_batches), loop)
         first_members.setdefault(step, tuple(record.members))
         lent.setdefault(step, set()).update(rank.lent)  # read on the step loop's thread, which changes it
         step_seconds[step] = step_seconds.get(step, 0.0) + record.seconds

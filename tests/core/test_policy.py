@@ -85,7 +85,7 @@ def test_unknown_policy_names_the_installed_ones() -> None:
     "name,options,words",
     [("hysteresis", {"windw": 3}, ["bad options for policy 'hysteresis': unknown option(s) 'windw'; valid options: "
                                    "window (default 3), max_move (default None), lending (default True), "
-                                   "lend_trainers (default True)"]),
+                                   "lend_trainers (default True), lend_engines (default True)"]),
      ("static", {"window": 3}, ["bad options for policy 'static': unknown option(s) 'window'; valid options: none"]),
      ("hysteresis", {"window": 0}, ["window must be >= 1"])],
     ids=["misspelt", "static-takes-none", "out-of-range"],

@@ -14,6 +14,10 @@ sample was produced exactly once and trained on exactly once; the run with moves
 static run bitwise (per-sample hashes and parameter digests after every step); the held-out
 reward improved. Timings are not asserted here (benchmarks/grpo_slots.py measures them).
 
+A third run, verl's own rule (`verl-default`, its switch cost seeded with this machine's), lends
+the one trainer to the rollout between training steps: the engine on its device generates part
+of those steps' samples, the trainer comes home before it trains, and the RL is the static run's.
+
 Two shorter runs check loans inside steps (`--mini-batches 8`, lending on): in the first phase
 the engines run dry while the one trainer is still in its RL step, the daemon lends them, their
 ranks join that step at a mini-batch boundary and go home at its end. Against the same seeds on
@@ -48,6 +52,9 @@ STEPS = 16
 PROMPTS = 64  # x 8 samples: steps of one to a few seconds on half-core slots
 LOAN_STEPS = 6  # the loan runs: three steps of the training-heavy first phase are enough
 MINI = dict(micro_batches=32, mini_batches=8)  # mini-batches of 4 micro-batches: room for 3 ranks
+# verl's rule with its switch cost seeded with what a switch costs here (its 10 s constant
+# exceeds any saving on steps of seconds, so as shipped it never lends on this workload)
+VERL_SEEDED = {"switch_cost_s": 0.35}
 
 
 def config(work: Path, **kw: Any) -> RunConfig:
@@ -81,7 +88,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     moved = asyncio.run(run_once(config(moved_work)))
     static = asyncio.run(run_once(config(warm_started(moved_work, tmp_path_factory.mktemp("static")),
                                          policy="static")))
-    return {"moved": moved, "static": static}
+    verl = asyncio.run(run_once(config(warm_started(moved_work, tmp_path_factory.mktemp("verl")),
+                                       policy="verl-default", policy_options=VERL_SEEDED)))
+    return {"moved": moved, "static": static, "verl": verl}
 
 
 def test_the_policy_moved_devices_both_ways_by_itself(runs: dict[str, dict[str, Any]]) -> None:
@@ -105,6 +114,26 @@ def test_every_sample_is_produced_once_and_trained_on_once(runs: dict[str, dict[
 
 def test_moves_change_nothing_the_rl_loop_sees(runs: dict[str, dict[str, Any]]) -> None:
     assert_same_rl(runs["moved"], runs["static"], STEPS)
+
+
+def test_verl_lends_the_trainer_to_the_rollout_where_its_engine_generates_and_it_comes_home(
+        runs: dict[str, dict[str, Any]]) -> None:
+    """verl's own rule on real engines: its hybrid replica is our trainer on cpu0 lent to the
+    rollout (drain, release; the engine on cpu0 joins and is admitted at the step's version);
+    that engine generates part of the step's samples; the trainer comes home before it trains
+    (backends/torch/lending.py). Every sample once, and the same RL as the static run, bitwise."""
+    verl = runs["verl"]
+    events = verl["events"]
+    started = [i for i, e in enumerate(events) if e.startswith("LoanStarted") and "verl-default" in e]
+    assert started, events
+    home = [i for i, e in enumerate(events) if e.startswith("LoanReturned")]
+    assert all(any(j > i for j in home) for i in started), events  # every loan came home
+    assert verl["resizes"]["started"] == 0  # verl's rules lend; they never resize
+    trainer_engine = "engine0"  # node0:cpu0, the training pool of the 1:2 split all run long
+    lent_steps = [d["step"] for d in verl["steps_detail"] if trainer_engine in d["engines"]]
+    assert lent_steps, [d["engines"] for d in verl["steps_detail"]]
+    assert all(pool[0] == 1 for pool in verl["pools"]), verl["pools"]  # one trainer: home for every step
+    assert_same_rl(verl, runs["static"], STEPS)
 
 
 def test_reward_improves(runs: dict[str, dict[str, Any]]) -> None:

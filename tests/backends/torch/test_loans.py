@@ -227,3 +227,49 @@ def test_a_resume_after_a_half_posted_return_rejoins_a_rank_that_went_home_meanw
     got = digests(histories)
     assert sorted(got) == list(range(1, 6 * MINI + 1))
     assert all(got[step] == reference[step] for step in got), "the resumed ranks changed the parameters"
+
+
+def test_a_rank_lent_to_the_rollout_between_steps_holds_the_group_at_the_gate_and_changes_nothing(
+        reference, tmp_path):
+    """The other way (verl's hybrid replicas): a member waiting for the next RL step's samples
+    is lent to the rollout (drain, release with plan LOAN). It stays a member; the group waits at
+    the start of the step, even once the samples are there, until the rank is home (join with
+    plan RETURN); inside a step the loan is refused. The run equals the run without the loan."""
+    from dynaresized.backends.torch.local import LocalJob
+
+    from .cluster import JOB, JOB_OPTIONS
+
+    def samples_ready(step: int) -> None:
+        (tmp_path / f"step-{step}").touch()
+
+    for step in (0, 1):
+        samples_ready(step)
+    job = LocalJob(loan_config(devices=DEVICES[:2], candidates=()), JOB, {**JOB_OPTIONS, "ready_dir": str(tmp_path)})
+    try:
+        job.start()
+        leader = job.ranks[D0]
+        wait_for(lambda: leader.view()["step"] == 2 * MINI, what="two RL steps, then the wait for step 2's samples")
+        loan = job.lend_to_rollout(D1)
+        assert loan.ok, loan.ops
+        drain = next(o for o in loan.ops if o.kind is OpKind.DRAIN)
+        assert "parked before RL step 2 (it waits for its samples)" in drain.detail, drain.detail
+        assert job.ranks[D1].view()["state"] == "idle"  # holds nothing: what the log wants of a lent device
+        samples_ready(2)
+        time.sleep(1.5)  # the samples are there, but a member is lent: nobody starts the step
+        assert leader.view()["step"] == 2 * MINI and job.ranks[D1].view()["step"] == 2 * MINI
+        home = job.home_from_rollout(D1)
+        assert home.ok and "home from the rollout before RL step 2" in home.ops[0].detail, home.ops
+        # inside a step (mini-batch 2 of 3 of RL step 3) a trainer has work of its own: refused
+        samples_ready(3)
+        in_mini_batch(job, 1, 2)
+        inside = job.lend_to_rollout(D1)
+        assert not inside.ok and "is training RL step 3" in inside.ops[0].detail, inside.ops
+        assert [o.kind for o in inside.ops] == [OpKind.DRAIN, OpKind.RESUME]  # the undo finds nothing to undo
+        for step in range(4, RL_STEPS):
+            samples_ready(step)
+        histories = run_to_end(job)
+    finally:
+        job.close()
+    assert assert_lockstep(histories, micro_batches=MICRO) == [(0, 1)]  # one group all along
+    got = digests(histories)
+    assert got == reference, "a loan to the rollout changed what the group trained"

@@ -134,6 +134,59 @@ async def test_a_loan_rolled_back_serves_again(rollout: Rollout) -> None:
     assert engine.core_pids == [pid], "no restart anywhere in a loan or its undo"
 
 
+def trainer_loan_op(kind: OpKind, plan: PlanKind) -> OpCommand:
+    """An op of a loan of trainer device cpu1 to the rollout (plan LOAN: training -> rollout), or
+    of its way home (RETURN: rollout -> training), as the engine on cpu1 gets it."""
+    lending = plan is PlanKind.LOAN
+    return OpCommand(op_id=f"t/{kind.value}", resize_id="t", kind=kind, devices=(CPU1,),
+                     from_pool=Pool.TRAINING if lending else Pool.ROLLOUT,
+                     to_pool=Pool.ROLLOUT if lending else Pool.TRAINING,
+                     timeout_s=30.0, training=(CPU1, CPU2), rollout=(CPU0,), plan=plan)
+
+
+async def test_the_engine_on_a_trainer_lent_to_the_rollout_serves_the_step_and_goes_back_to_sleep(
+        rollout: Rollout) -> None:
+    """verl's hybrid replica: the trainer on cpu1 is lent to the rollout (its side is
+    backends/torch/lending.py); the paused engine there joins with plan LOAN, which has no
+    restore or commit after it, so the join admits it at the step's version; it pulls the running
+    step's queued requests; its way home (drain, release with plan RETURN) pauses it again."""
+    await ready(rollout)
+    worker, engine = rollout.workers["e1"], rollout.engines["e1"]
+    [pid] = engine.core_pids
+    # cpu1 trains: its engine is paused (kept loaded), admitting nothing, at an older version
+    await worker.drain(loan_op(OpKind.DRAIN, PlanKind.LOAN))
+    await worker.release(loan_op(OpKind.RELEASE, PlanKind.LOAN))
+    assert engine.state is EngineState.PAUSED
+    version = 1 if engine.loaded_version == 2 else 2  # a step at a version it does not hold
+    requests = make_requests(48, 24, random.Random(48), long=3, long_tokens=120)
+    rollout.router.max_inflight = 4  # the queue still holds requests when the lent engine arrives
+    try:
+        step = asyncio.create_task(rollout.router.run_step(48, version, requests))
+        await wait_for_progress(rollout, "e0", tokens=5)
+        detail = await worker.join(trainer_loan_op(OpKind.JOIN, PlanKind.LOAN))
+        result = await step
+    finally:
+        rollout.router.max_inflight = 64
+    assert detail.startswith("e1 lent to the rollout (it was paused)") and detail.endswith("admitting"), detail
+    assert f"reloaded policy version {version}" in detail, "a lent engine serves the step's version, no other"
+    assert "e1" in rollout.router.admitted and engine.core_pids == [pid]
+    assert "already lent to the rollout" in await worker.join(trainer_loan_op(OpKind.JOIN, PlanKind.LOAN))
+    assert_exactly_once(result, requests, version)
+    assert "e1" in result.engines, "the lent engine generated part of the step's samples"
+
+    # the step boundary: home to its trainer, paused, the device's CPU the trainer's again
+    detail = await worker.drain(trainer_loan_op(OpKind.DRAIN, PlanKind.RETURN))
+    assert detail.startswith("drained e1"), detail
+    detail = await worker.release(trainer_loan_op(OpKind.RELEASE, PlanKind.RETURN))
+    assert detail.startswith("lent e1 (paused)"), detail
+    assert engine.state is EngineState.PAUSED and worker.actual().holding.value == "released"
+    # a loan whose later op failed: evict (plan LOAN) undoes the join and pauses it again
+    await worker.join(trainer_loan_op(OpKind.JOIN, PlanKind.LOAN))
+    detail = await worker.evict(trainer_loan_op(OpKind.EVICT, PlanKind.LOAN))
+    assert detail.startswith("lent e1 (paused)") and "e1" not in rollout.router.admitted, detail
+    assert engine.core_pids == [pid], "no restart anywhere in a trainer's loan"
+
+
 def resize_op(kind: OpKind, *, leaving: bool) -> OpCommand:
     """An op of a plain resize of cpu1: to training (`leaving`, split 2:1 after) or back (1:2)."""
     return OpCommand(op_id=f"r/{kind.value}", resize_id="r", kind=kind, devices=(CPU1,),
