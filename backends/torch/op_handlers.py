@@ -244,6 +244,8 @@ class DaemonOps:
         if self.parked:
             return await self._unpark(op)
         movers = self._movers(op)
+        if self._view.state is RankState.FINISHED:
+            return f"training finished at step {self._view.step}: nothing to resume"
         if await self._cancel_if_pending(f"{op.resize_id}/drain", op) and self._view.state is RankState.TRAINING:
             return "drain cancelled before it took effect; still training"
         # (a cancelled drain whose rank left by another change meanwhile, a lent rank gone

@@ -902,7 +902,9 @@ def loan_view(core: Core, state: ClusterState, now: float) -> LoanView:
     held_back = state.held_back()
     placed_home = {d for d, p in state.devices.items() if p.home is None and p.pool is not None and d not in held_back}
     idle = tuple(d for d in state.dry if d in placed_home and state.devices[d].pool is Pool.ROLLOUT)
-    free = tuple(d for d in state.pool_devices(Pool.TRAINING) if d in placed_home) if done else ()
+    # no rollout step left to serve (the run's last training step): no trainer is free to lend
+    last = core.config.steps_total is not None and rollout_step >= core.config.steps_total
+    free = tuple(d for d in state.pool_devices(Pool.TRAINING) if d in placed_home) if done and not last else ()
     return LoanView(
         now=now,
         split=state.split,

@@ -198,11 +198,13 @@ def _reported_steps_router_class() -> Any:
     from dynaresized.backends.vllm.router import RequestRouter
 
     class ReportedStepsRouter(RequestRouter):
-        """A router whose engines tell the daemon they ran dry only in the run's own steps.
+        """A router whose engines tell the daemon they ran dry only in steps whose dry report a
+        step report clears before the next rollout.
 
-        The daemon forgets its idle engines at a step report. The held-out evaluations are never
-        reported: an engine dry in one of them would still look idle, and lendable, while it
-        serves the next step's rollout."""
+        The daemon forgets its idle engines at a step report, and step k-1 is reported at the
+        end of rollout k. Rollout 0 has no report before rollout 1 (nothing trained yet), and the
+        held-out evaluations are never reported: an engine dry in one of them would still look
+        idle, and lendable, while it serves the next step's rollout."""
 
         def __init__(self, *args: Any, reported: Callable[[int], bool], **kw: Any) -> None:
             super().__init__(*args, **kw)
@@ -365,7 +367,7 @@ op_timeout_s = 240.0
 
         self.weights = WeightStore(self.work / "weights")
         self.router = _reported_steps_router_class()(self.weights, max_inflight=64, finish_within_tokens=4,
-                                                     reported=lambda step: step < self.cfg.steps)
+                                                     reported=lambda step: 0 < step < self.cfg.steps)
         config = EngineConfig(model=str(self.work / "model"), kv_cache_memory_bytes=self.cfg.kv_cache_bytes,
                               seed=self.cfg.seed, max_model_len=64)
         self.engines: dict[str, Any] = {}
