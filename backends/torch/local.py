@@ -330,12 +330,12 @@ class LocalJob:
         return outcome
 
     def _roll_back(self, rid: str, done: list[tuple[OpKind, tuple[str, ...]]], devices: tuple[str, ...],
-                   from_pool: Pool, before: tuple[str, ...]) -> list[OpOutcome]:
+                   from_pool: Pool, before: tuple[str, ...], plan: PlanKind = PlanKind.RESIZE) -> list[OpOutcome]:
         undo = {OpKind.DRAIN: OpKind.RESUME, OpKind.RELEASE: OpKind.RECLAIM, OpKind.JOIN: OpKind.EVICT}
         ops: list[OpOutcome] = []
         for i, (kind, targets) in enumerate(reversed(done)):
             if kind in undo:
-                ops += self._send(rid, 100 + i, undo[kind], devices, targets, from_pool, before)
+                ops += self._send(rid, 100 + i, undo[kind], devices, targets, from_pool, before, plan)
         return ops
 
     def lend(self, *devices: str, abort: bool = False) -> ResizeOutcome:
@@ -380,10 +380,7 @@ class LocalJob:
             outcomes = self._send(rid, i, kind, devices, targets, Pool.TRAINING, self.training, PlanKind.LOAN)
             ops += outcomes
             if not all(o.ok for o in outcomes):
-                undo = {OpKind.DRAIN: OpKind.RESUME, OpKind.RELEASE: OpKind.RECLAIM}
-                for j, (done, _) in enumerate(reversed(forward[: i + 1])):
-                    ops += self._send(rid, 100 + j, undo[done], devices, devices, Pool.TRAINING, self.training,
-                                      PlanKind.LOAN)
+                ops += self._roll_back(rid, forward[: i + 1], devices, Pool.TRAINING, self.training, PlanKind.LOAN)
                 break
         outcome = ResizeOutcome(rid, all(o.ok for o in ops), self.training, tuple(ops), time.perf_counter() - started)
         self.resizes.append(outcome)

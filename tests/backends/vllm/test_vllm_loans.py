@@ -106,15 +106,22 @@ async def test_a_lent_engine_hands_over_pauses_without_spinning_and_comes_home_c
     assert {s.sample_id: s.token_ids for s in both.samples} == {s.sample_id: s.token_ids for s in on_e0.samples}
 
 
-async def test_a_loan_rolled_back_serves_again(rollout: Rollout) -> None:
-    """A loan that fails (reclaim, resume) and a return that fails (evict: lent again) both
-    leave the engine loaded, in the same process, and the first serves the next step."""
+async def lent_e1(rollout: Rollout):
+    """From the ready state, e1 lent to training (drain, release with plan LOAN): paused.
+    Returns its worker, engine and engine-core pid."""
     await ready(rollout)
     worker, engine = rollout.workers["e1"], rollout.engines["e1"]
     [pid] = engine.core_pids
     await worker.drain(loan_op(OpKind.DRAIN, PlanKind.LOAN))
     await worker.release(loan_op(OpKind.RELEASE, PlanKind.LOAN))
     assert engine.state is EngineState.PAUSED
+    return worker, engine, pid
+
+
+async def test_a_loan_rolled_back_serves_again(rollout: Rollout) -> None:
+    """A loan that fails (reclaim, resume) and a return that fails (evict: lent again) both
+    leave the engine loaded, in the same process, and the first serves the next step."""
+    worker, engine, pid = await lent_e1(rollout)
     detail = await worker.reclaim(loan_op(OpKind.RECLAIM, PlanKind.LOAN))
     assert detail.startswith("e1 reclaimed in ") and engine.state is EngineState.RUNNING, detail
     assert "e1 admitting again" in await worker.resume(loan_op(OpKind.RESUME, PlanKind.LOAN))
@@ -150,13 +157,8 @@ async def test_the_engine_on_a_trainer_lent_to_the_rollout_serves_the_step_and_g
     backends/torch/lending.py); the paused engine there joins with plan LOAN, which has no
     restore or commit after it, so the join admits it at the step's version; it pulls the running
     step's queued requests; its way home (drain, release with plan RETURN) pauses it again."""
-    await ready(rollout)
-    worker, engine = rollout.workers["e1"], rollout.engines["e1"]
-    [pid] = engine.core_pids
     # cpu1 trains: its engine is paused (kept loaded), admitting nothing, at an older version
-    await worker.drain(loan_op(OpKind.DRAIN, PlanKind.LOAN))
-    await worker.release(loan_op(OpKind.RELEASE, PlanKind.LOAN))
-    assert engine.state is EngineState.PAUSED
+    worker, engine, pid = await lent_e1(rollout)
     version = 1 if engine.loaded_version == 2 else 2  # a step at a version it does not hold
     requests = make_requests(48, 24, random.Random(48), long=3, long_tokens=120)
     rollout.router.max_inflight = 4  # the queue still holds requests when the lent engine arrives
