@@ -79,8 +79,9 @@ class Lending:
             ahead = rollout_work / n - trained
         free = tuple(sorted(view.free_trainers))
         k = len(free)
-        saves = max(ahead - view.costs.lead_s, 0.0) * k / (n + k)
-        cost = view.costs.to_rollout_s + view.costs.return_s / max(view.training_devices, 1) * k
+        costs = view.costs_to(Pool.ROLLOUT)
+        saves = max(ahead - costs.lead_s, 0.0) * k / (n + k)
+        cost = costs.to_rollout_s + costs.return_s / max(view.training_devices, 1) * k
         what = ("nothing to train yet" if view.mini_batch_total == 0
                 else f"training step done ({view.mini_batch_done}/{view.mini_batch_total})")
         why = (f"lent {', '.join(free)} to the rollout: {what}, rollout queue not empty, "

@@ -34,9 +34,11 @@ the samples of the rollout step in progress that are done are verl's surplus
 `total_generated_samples - expected_samples`; the trainer waits for a batch from the end of its
 previous training step (or from when its loan goes home) until the batch's last sample, and the
 samples it waits for are those not done when it starts waiting (`step_wait_times`,
-`step_wait_samples`, one collection per cycle). Switch durations are the loan op seconds the
-core is configured with (`LoanCosts`): becoming an engine `return_s` (trainer leave + engine
-wake in the simulator), going home `lead_s` (engine release + trainer join).
+`step_wait_samples`, one collection per cycle). Switch durations are the loan seconds of the
+core's view for loans to the rollout (`LoanView.costs_to`): becoming an engine `return_s`
+(trainer leave + engine wake in the simulator), going home `lead_s` (engine release + trainer
+join). The daemon measures them from its loans, as verl times its switches
+(`core.learn_loan_costs`); the simulator's are the profile's.
 
 Both rules adapt state across steps, as verl's policy objects do; it is soft state (a daemon
 restart starts it afresh, as verl's does).
@@ -217,7 +219,8 @@ class VerlDefaultPolicy(VerlRule):
             benefit = max(0.0, gap) * self.per_sample_time_s
             activate = benefit - cost > 0
         # update_after_step: this cycle's switch durations, then the ratio
-        overhead = (view.costs.return_s if activate else 0.0) + (view.costs.lead_s if cycle.lent else 0.0)
+        costs = view.costs_to(Pool.ROLLOUT)
+        overhead = (costs.return_s if activate else 0.0) + (costs.lead_s if cycle.lent else 0.0)
         if overhead > 0:
             self.switch_overheads.append(overhead)
         if wait_samples > 0:
@@ -284,7 +287,7 @@ class VerlV1SwitchPolicy(VerlRule):
     def observe_progress(self, view: LoanView) -> str | None:
         why = super().observe_progress(view)
         if why:
-            self.to_trainer_costs.append(view.costs.lead_s)  # switch_to_trainer, timed
+            self.to_trainer_costs.append(view.costs_to(Pool.ROLLOUT).lead_s)  # switch_to_trainer, timed
         return why
 
     def _adapt(self, had_idle: bool) -> None:
@@ -319,7 +322,7 @@ class VerlV1SwitchPolicy(VerlRule):
         benefit = remaining * per_sample * (1.0 - 1.0 / scaling) if per_sample is not None else None
         if remaining <= 0 or (benefit is not None and cost is not None and benefit <= cost):
             return None
-        self.to_rollout_costs.append(view.costs.return_s)
+        self.to_rollout_costs.append(view.costs_to(Pool.ROLLOUT).return_s)
         if benefit is None or cost is None:
             why = (f"{view.samples_done} of {S} samples of step {view.rollout_step} sampleable, {remaining} short of "
                    f"the threshold {threshold} (ratio {self.ratio:.2f}); no {'wait' if benefit is None else 'switch'} "

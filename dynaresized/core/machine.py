@@ -57,7 +57,13 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A worker that could not be converged is tried again this long after (its devices stay
     out of resize plans meanwhile)."""
     loan_costs: LoanCosts = LoanCosts()
-    """What a loan adds to the critical path, for the lending policy's estimate."""
+    """What a loan adds to the critical path, for the lending policy's estimate, before any
+    loan that way has been measured."""
+    learn_loan_costs: bool = True
+    """After loans of a direction have landed and come home, their measured seconds (the mean of
+    the last `state.LOAN_TIMES_KEPT`) replace the configured ones (`LoanCosts.learned`), as the
+    measured resize costs replace `costs`. False: always the configured ones (the simulator,
+    whose configured costs are the profile's own)."""
     stall_s: float | None = None
     """A tick that comes more than this after the one before means the daemon itself was not
     running (starved of CPU, or waiting on a slow disk): that blind time does not count as the
@@ -650,6 +656,20 @@ def _pending(state: ClusterState) -> list[str]:
     return [w for w in fl.op.targets if w not in acked and state.is_live(w)]
 
 
+def _owed(state: ClusterState) -> bool:
+    """Whether any live target of the current op has not answered: what `_advance` asks after
+    every answer. It stops at the first one found, looking from the last target (answers come
+    mostly in the order ops were sent), so the answers of an op to T targets cost about T
+    liveness checks in all, where listing the pending ones after each cost T^2 / 2."""
+    fl = state.inflight
+    assert fl is not None
+    targets = fl.op.targets
+    acked = set(fl.acked)
+    if len(acked) >= len(targets) and acked.issuperset(targets):
+        return False
+    return any(w not in acked and state.is_live(w) for w in reversed(targets))
+
+
 def _current_op_id(state: ClusterState) -> str | None:
     fl = state.inflight
     if fl is None or fl.index >= len(fl.ops):
@@ -664,7 +684,7 @@ def _advance(core: Core, tx: _Tx, at: float, *, fresh: bool = False) -> None:
     while tx.state.inflight is not None:
         fl = tx.state.inflight
         if fl.index < len(fl.ops):
-            if _pending(tx.state):  # linear in the op's targets: asked after every answer
+            if _owed(tx.state):
                 break
             last = fl.index + 1 >= len(fl.ops)
             tx.emit(f.OpCompleted(at=at, op_id=fl.op.op_id, duration_s=at - fl.op_started_at,
@@ -915,12 +935,20 @@ def loan_view(core: Core, state: ClusterState, now: float) -> LoanView:
         mini_batch_total=mb.total if mb is not None else 0,
         mini_batch_s=mb.last_s if mb is not None else 0.0,
         queue_empty=state.dry_step >= rollout_step,
-        costs=core.config.loan_costs,
+        costs=_loan_costs(core, state, Pool.TRAINING),
+        rollout_costs=_loan_costs(core, state, Pool.ROLLOUT),
         recent=state.recent,
         rollout_step=rollout_step,
         samples_done=sum(p.done for p in state.progress.values() if p.step == rollout_step),
         samples_total=max((p.total for p in state.progress.values() if p.step == rollout_step), default=0),
     )
+
+
+def _loan_costs(core: Core, state: ClusterState, to_pool: Pool) -> LoanCosts:
+    """Configured, or learned from the last loans to `to_pool` (`CoreConfig.learn_loan_costs`)."""
+    if not core.config.learn_loan_costs:
+        return core.config.loan_costs
+    return core.config.loan_costs.learned(state.loan_times, to_pool)
 
 
 def _consider_loan(core: Core, tx: _Tx, at: float) -> None:

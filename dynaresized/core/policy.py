@@ -8,13 +8,13 @@ Policies never see the daemon, the clock or the network: everything they may use
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from dynaresized.domain import Split, StepTiming
+from dynaresized.domain import Pool, Split, StepTiming
 
 ENTRY_POINT_GROUP = "dynaresized.policies"
 
@@ -143,6 +143,24 @@ class LoanCosts(msgspec.Struct, frozen=True):
     lead_s: float = 6.0
     """Seconds from lending until the device can join the other pool (its release and join)."""
 
+    def learned(self, times: Sequence[Any], to_pool: Pool) -> LoanCosts:
+        """These costs with what the last loans to `to_pool` measured (`state.LoanTime`s): the
+        mean landing replaces the lead (and, to the rollout, `to_rollout_s`: a done trainer
+        leaving and its engine joining is the landing), the mean way home `return_s`. The
+        group change and first mini-batch of a loan to training (`to_training_s`) is no op's
+        duration and stays configured. Nothing measured that way: these, unchanged."""
+        landed = [t.landed_s for t in times if t.to_pool is to_pool]
+        back = [t.returned_s for t in times if t.to_pool is to_pool and t.returned_s >= 0]
+        if not landed:
+            return self
+        lead = sum(landed) / len(landed)
+        costs = msgspec.structs.replace(self, lead_s=lead)
+        if to_pool is Pool.ROLLOUT:
+            costs = msgspec.structs.replace(costs, to_rollout_s=lead)
+        if back:
+            costs = msgspec.structs.replace(costs, return_s=sum(back) / len(back))
+        return costs
+
 
 class LoanView(msgspec.Struct, frozen=True):
     """What a lending decision may look at: measured progress of the step in progress, never
@@ -158,12 +176,21 @@ class LoanView(msgspec.Struct, frozen=True):
     mini_batch_s: float  # last measured seconds per mini-batch on the current group (0: unknown)
     queue_empty: bool  # an engine reported that the rollout step's queue is empty
     costs: LoanCosts
+    """Of a loan to training: configured, or learned from the last loans that way (`learned`)."""
     recent: tuple[StepTiming, ...] = ()
     rollout_step: int = -1  # the rollout step in progress (the one idle_engines and samples_* are of)
     samples_done: int = 0
     """Samples of `rollout_step` the engines have reported finished (`ProgressReported`, summed
     over engines; lent devices serving the rollout included)."""
     samples_total: int = 0  # the step's samples, as the engines report it (0: no report yet)
+    rollout_costs: LoanCosts | None = None
+    """Of a loan to the rollout, configured or learned likewise (None: `costs`)."""
+
+    def costs_to(self, pool: Pool) -> LoanCosts:
+        """The loan costs a loan to `pool` is estimated with."""
+        if pool is Pool.ROLLOUT and self.rollout_costs is not None:
+            return self.rollout_costs
+        return self.costs
 
 
 class LoanProposal(msgspec.Struct, frozen=True):

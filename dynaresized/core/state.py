@@ -134,6 +134,39 @@ class MiniBatch(msgspec.Struct, frozen=True, array_like=True):
     last_s: float  # seconds between the last two reports of this step (0: only one so far)
 
 
+_DERIVED: dict[object, tuple[object, object]] = {}
+_T = TypeVar("_T")
+
+
+def derived(source: object, key: object, compute: Callable[[], _T]) -> _T:
+    """`compute()`, a pure function of `source` (one of a state's maps), remembered for the
+    latest `source` object per `key`. A state's maps are never changed in place (every fact
+    makes new ones), so the same object means the same answer: the split and the pools are
+    asked for several times per event and cost a pass over every device each (at 1,024
+    devices most of a simulated run, `docs/simulator.md`). The entry holds `source`, so its
+    identity cannot be reused while remembered."""
+    hit = _DERIVED.get(key)
+    if hit is not None and hit[0] is source:
+        return hit[1]  # type: ignore[return-value]
+    value = compute()
+    _DERIVED[key] = (source, value)
+    return value
+
+
+LOAN_TIMES_KEPT = 3
+"""Measured loans kept per direction: what the lending policy's cost estimate averages (verl
+averages its last 3 switch durations the same way)."""
+
+
+class LoanTime(msgspec.Struct, frozen=True, array_like=True):
+    """One loan as measured: seconds from its start until it landed, and of its way home
+    (`returned_s` < 0 while it is out)."""
+
+    to_pool: Pool
+    landed_s: float
+    returned_s: float = -1.0
+
+
 class ClusterState(msgspec.Struct, frozen=True):
     version: int = 0  # facts folded so far
     configured: bool = False
@@ -172,6 +205,7 @@ class ClusterState(msgspec.Struct, frozen=True):
     mini_batch: MiniBatch | None = None
     loans_started: int = 0
     loans_landed: int = 0
+    loan_times: tuple[LoanTime, ...] = ()  # the last LOAN_TIMES_KEPT measured loans per direction
     step_reporter: WorkerId = ""  # the worker whose step reports the job counts (the first to send one)
     last_sent: float = 0.0  # soft: when the pending op was last sent
     last_audit: float = 0.0  # soft: when every live worker was last asked for its state
@@ -179,12 +213,16 @@ class ClusterState(msgspec.Struct, frozen=True):
 
     # -- derived views -------------------------------------------------------------
     def pool_devices(self, pool: Pool) -> tuple[DeviceId, ...]:
-        return tuple(d for d, p in self.devices.items() if p.pool is pool)
+        return derived(self.devices, ("pool", pool),
+                       lambda: tuple(d for d, p in self.devices.items() if p.pool is pool))
 
     @property
     def split(self) -> Split:
         """Devices per pool; a lent device counts in its home pool (a loan lasts one step);
         a moving device counts in neither."""
+        return derived(self.devices, "split", self._split)
+
+    def _split(self) -> Split:
         train = rollout = 0
         for p in self.devices.values():
             pool = p.pool if p.home is None or p.pool is None else p.home
@@ -644,7 +682,8 @@ def _(s: ClusterState, e: f.LoanStarted) -> ClusterState:
 def _(s: ClusterState, e: f.LoanLanded) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
     s = _place(s, plan.devices, placed(plan.to_pool, home=plan.from_pool))
-    return replace(s, inflight=None, phase=Phase.STEADY, loans_landed=s.loans_landed + 1)
+    times = _kept(s.loan_times + (LoanTime(plan.to_pool, e.duration_s),), plan.to_pool)
+    return replace(s, inflight=None, phase=Phase.STEADY, loans_landed=s.loans_landed + 1, loan_times=times)
 
 
 @_on(f.LoanReturnStarted)
@@ -656,7 +695,20 @@ def _(s: ClusterState, e: f.LoanReturnStarted) -> ClusterState:
 def _(s: ClusterState, e: f.LoanReturned) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
     s = _place(s, plan.devices, placed(plan.to_pool))
-    return replace(s, inflight=None, phase=Phase.STEADY)
+    # the loan that went home is the latest one out of this direction (the pool it served)
+    times = list(s.loan_times)
+    for i in range(len(times) - 1, -1, -1):
+        if times[i].to_pool is plan.from_pool and times[i].returned_s < 0:
+            times[i] = replace(times[i], returned_s=e.duration_s)
+            break
+    return replace(s, inflight=None, phase=Phase.STEADY, loan_times=tuple(times))
+
+
+def _kept(times: tuple[LoanTime, ...], pool: Pool) -> tuple[LoanTime, ...]:
+    """The last LOAN_TIMES_KEPT loans to `pool`, and every loan the other way."""
+    mine = [i for i, t in enumerate(times) if t.to_pool is pool]
+    drop = set(mine[:-LOAN_TIMES_KEPT])
+    return tuple(t for i, t in enumerate(times) if i not in drop)
 
 
 missing = set(f.FACT_TYPES) - set(_MUTATORS)

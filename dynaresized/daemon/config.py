@@ -38,6 +38,9 @@ class DaemonSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     drain_timeout_s: float = 60.0
     snapshot_every: int = 10_000
     max_message_bytes: int = 64 * 1024
+    # Worker messages are taken in batches at most this often (0: as each arrives). A busy
+    # cluster's messages then wake the reactor and the log writer once per window, not once each.
+    batch_window_ms: float = 5.0
     log_format: str = "auto"  # auto | json | console
     log_level: str = "info"
     time_scale: float = 1.0  # demos and replays only: the daemon's clock runs this many times faster
@@ -67,6 +70,7 @@ class CoreSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     op_resend_s: float = 2.0  # a pending op is re-sent to live targets that have not answered this often
     audit_interval_s: float = 30.0  # every live worker is asked for its actual state this often; 0: never
     reconcile_retry_s: float = 30.0  # a worker that could not be converged is tried again this long after
+    learn_loan_costs: bool = True  # measured loans replace [loan_costs]' estimates (core.CoreConfig)
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -90,6 +94,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             audit_interval_s=self.core.audit_interval_s or None,
             reconcile_retry_s=self.core.reconcile_retry_s,
             loan_costs=self.loan_costs,
+            learn_loan_costs=self.core.learn_loan_costs,
             # ticks come every tick_interval_s; ten missed in a row is the daemon stalling
             stall_s=max(10 * self.daemon.tick_interval_s, 0.5),
         )
@@ -156,6 +161,8 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
          f"must exceed daemon.heartbeat_interval_s ({d.heartbeat_interval_s})")
     need(math.isfinite(d.time_scale) and d.time_scale > 0, "daemon.time_scale", "must be > 0")
     need(d.snapshot_every > 0, "daemon.snapshot_every", "must be > 0")
+    need(math.isfinite(d.batch_window_ms) and 0 <= d.batch_window_ms <= 100, "daemon.batch_window_ms",
+         "must be in [0, 100] milliseconds")
     need(1024 <= d.max_message_bytes <= 64 * 1024 * 1024, "daemon.max_message_bytes", "must be in [1 KiB, 64 MiB]")
     need(0 <= d.metrics_port <= 65535, "daemon.metrics_port", "must be a TCP port or 0 to disable")
     need(d.log_format in ("auto", "json", "console"), "daemon.log_format", "must be auto, json or console")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import math
 import secrets
 import signal
 import time
@@ -316,13 +317,26 @@ class Daemon:
     # -- ingress: frames in, events out (never touches the state) ---------------------
     async def _ingress_workers(self) -> None:
         """Wait for readability once, then drain what is there without blocking: per-message
-        awaits through zmq.asyncio cost more than decoding and recording the message."""
+        awaits through zmq.asyncio cost more than decoding and recording the message.
+
+        Batches are handed on at most every `daemon.batch_window_ms`: a message that arrives
+        within the window after the last batch waits for the window's end, with the others that
+        arrive meanwhile. On a quiet cluster that costs nothing (the message is taken at once);
+        on a busy one it makes the reactor, the log writer's thread and the fsync run once per
+        window instead of once per message, the largest part of the daemon's CPU at scale
+        (docs/benchmarks.md)."""
         assert self.workers_sock is not None
         sock = self.workers_sock
         raw = zmq.Socket.shadow(sock.underlying)
+        loop = asyncio.get_running_loop()
+        handed = -math.inf  # when the last batch was handed on (-inf: take the next one at once)
         while True:
             await sock.poll(flags=zmq.POLLIN)
+            wait = handed + self.config.daemon.batch_window_ms / 1000.0 - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
             batch: list[_WorkerIn] = []
+            drained = False
             for _ in range(_BATCH):
                 try:
                     # A ROUTER delivers a message whole, as the sender's routing id and at least
@@ -332,6 +346,7 @@ class Daemon:
                     identity = raw.recv(_NOBLOCK)
                     payload = raw.recv(_NOBLOCK, copy=False)
                 except zmq.Again:
+                    drained = True
                     break
                 if payload.more:
                     self._refuse_extra_frames(raw, identity)
@@ -341,6 +356,7 @@ class Daemon:
                     batch.append(item)
             if batch:
                 self.queue.put_nowait(batch)
+            handed = loop.time() if drained else -math.inf  # a full batch: the rest are taken at once
 
     def _refuse_extra_frames(self, raw: zmq.Socket, identity: bytes) -> None:
         """Read and drop the rest of a message of several payload frames, and say so."""

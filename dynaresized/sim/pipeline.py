@@ -81,33 +81,66 @@ def static_total(model: StageModel, split: Split) -> float:
     return float(static_windows(model, split).sum())
 
 
+def splits_of(model: StageModel, gpus: int) -> list[Split]:
+    """Every split of `gpus` devices whose rollout pool holds at least one engine."""
+    return [Split(train=t, rollout=gpus - t) for t in range(1, gpus) if model.engines(gpus - t) >= 1]
+
+
 def best_static(model: StageModel, gpus: int) -> tuple[Split, float]:
-    """The fixed split with the least total time, found by trying every split (hindsight)."""
-    best: tuple[float, Split] | None = None
-    for train in range(1, gpus):
-        split = Split(train=train, rollout=gpus - train)
-        if model.engines(split.rollout) < 1:
-            continue
-        total = static_total(model, split)
-        if best is None or total < best[0]:
-            best = (total, split)
-    if best is None:
+    """The fixed split with the least total time (hindsight), the smallest training pool among
+    equals. Exact without simulating every split: splits are simulated in increasing order of
+    `static_floor` (a total no run of the split beats) until the floor exceeds the best total
+    found, so on a cluster of hundreds of devices a few dozen are (docs/simulator.md)."""
+    splits = splits_of(model, gpus)
+    if not splits:
         raise ValueError(f"no split of {gpus} devices leaves room for one rollout engine")
-    return best[1], best[0]
+    best: tuple[float, int] | None = None
+    for floor, train in sorted((static_floor(model, s), s.train) for s in splits):
+        if best is not None and floor > best[0]:
+            break
+        total = static_total(model, Split(train, gpus - train))
+        if best is None or (total, train) < best:
+            best = (total, train)
+    assert best is not None
+    return Split(best[1], gpus - best[1]), best[0]
 
 
-def static_floor(model: StageModel, split: Split) -> float:
-    """A total no run of `split` on `model`'s engines beats (each step's rollout at least its
-    work over the devices, and at least its longest request decoded alone): what the
-    configuration search prunes with before simulating a split."""
+def oracle_total(model: StageModel, gpus: int) -> float:
+    """The per-step oracle: every window on its own best split (hindsight, free resizes), the
+    sum over windows of the least window time over splits. Exact without simulating every
+    split: a split is simulated only where its window floors (`static_floor_windows`) are
+    below the best window times found so far somewhere, lowest total floor first."""
+    splits = splits_of(model, gpus)
+    floors = [(static_floor_windows(model, s), s) for s in splits]
+    floors.sort(key=lambda fs: (float(fs[0].sum()), fs[1].train))
+    best = np.full(model.steps + 1, np.inf)
+    for floor, split in floors:
+        if bool(np.all(floor >= best)):
+            continue
+        best = np.minimum(best, static_windows(model, split))
+    return float(best.sum())
+
+
+def static_floor_windows(model: StageModel, split: Split) -> np.ndarray:
+    """Per window, a time no run of `split` on `model`'s engines beats: `static_windows` with
+    each step's rollout at its floor (its work over the devices, and at least its longest
+    request decoded alone); training is exact already."""
     k = model.steps
     rollout = _own_floor(model, split.rollout)
     train = model.train_table(split.train)
     sync = model.weight_sync_s
-    total = float(rollout[0]) + float(train[k - 1] + sync)
+    out = np.empty(k + 1)
+    out[0] = rollout[0]
     if k > 1:
-        total += float((np.maximum(rollout[1:], train[:-1]) + sync).sum())
-    return total
+        out[1:k] = np.maximum(rollout[1:], train[:-1]) + sync
+    out[k] = train[k - 1] + sync
+    return out
+
+
+def static_floor(model: StageModel, split: Split) -> float:
+    """A total no run of `split` on `model`'s engines beats: what the static searches prune
+    with before simulating a split."""
+    return float(static_floor_windows(model, split).sum())
 
 
 def _own_floor(model: StageModel, devices: int) -> np.ndarray:
@@ -235,8 +268,11 @@ class DynamicPipeline:
             back = (loan.trainer_leave_s + loan.engine_wake_s if not naive
                     else sum(profile.loan_op_seconds(k, Pool.ROLLOUT, naive=True) for k in FORWARD_ORDER))
             lead = sum(profile.loan_op_seconds(k, Pool.TRAINING, naive=naive) for k in FORWARD_ORDER)
+            # The profile's own loan costs, exact: the core does not re-learn them from the
+            # loans' op seconds (`learn_loan_costs`; the daemon does, from real loans).
             config = msgspec.structs.replace(config, loan_costs=LoanCosts(
-                to_training_s=to_training, to_rollout_s=to_training, return_s=back, lead_s=lead))
+                to_training_s=to_training, to_rollout_s=to_training, return_s=back, lead_s=lead),
+                learn_loan_costs=False)
         self.core = Core(config, policy)
         self._late: dict[str, float] = {}  # device -> seconds its engine starts late next window
         self._joins: list[SendOp] = []  # loan JOIN ops waiting for a mini-batch boundary

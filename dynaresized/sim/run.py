@@ -28,8 +28,8 @@ from dynaresized.sim.pipeline import (
     best_static,
     best_static_config,
     colocated_total,
+    oracle_total,
     static_total,
-    static_windows,
 )
 from dynaresized.sim.profile import Profile
 from dynaresized.sim.stages import StageModel
@@ -205,9 +205,7 @@ def baselines(model: StageModel) -> Baselines:
     gpus = model.profile.cluster.gpus
     fluid = fluid_windows(model, gpus)
     best, own = best_static_config(model, gpus)
-    per_split = [static_windows(model, Split(t, gpus - t)) for t in range(1, gpus)
-                 if model.engines(gpus - t) >= 1]
-    oracle = float(np.stack(per_split).min(axis=0).sum())
+    oracle = oracle_total(model, gpus)
     return Baselines(
         best_split=best.split,
         best_static_s=best.total_s,

@@ -60,9 +60,28 @@ def placement_at_submission(n: int, engines: int, router: str) -> np.ndarray:
     if router == "round-robin":
         return np.arange(n, dtype=np.int64) % engines
     if router == "verl":
-        return np.concatenate([np.full(len(c), e, dtype=np.int64)
-                               for e, c in enumerate(np.array_split(np.arange(n), engines))])
+        # np.array_split's chunks: the first n % engines one request longer
+        sizes = np.full(engines, n // engines, dtype=np.int64)
+        sizes[: n % engines] += 1
+        return np.repeat(np.arange(engines, dtype=np.int64), sizes)
     raise ValueError(f"router {router!r} does not place at submission")
+
+
+def submitted_makespans(lengths: np.ndarray, placement: np.ndarray, engines: int, slots: int) -> np.ndarray:
+    """Each engine's makespan in iterations (`fifo_makespan`) when request j, of `lengths[j]`
+    tokens, was placed on engine `placement[j]` and each engine runs its own FIFO in request
+    order. An engine with no more requests than slots runs them all at once (its longest), so
+    only the others are queued one by one: at hundreds of engines that is most of them."""
+    order = lengths[np.argsort(placement, kind="stable")]
+    counts = np.bincount(placement, minlength=engines)
+    starts = np.cumsum(counts) - counts
+    tau = np.zeros(engines, dtype=np.float64)
+    held = counts > 0
+    if held.any():
+        tau[held] = np.maximum.reduceat(order, starts[held])
+    for e in np.nonzero(counts > slots)[0]:
+        tau[e] = fifo_makespan(order[starts[e]:starts[e] + counts[e]].tolist(), slots)
+    return tau
 
 
 def pull_placement(lengths: list[int], engines: int, slots: int, offsets: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -340,9 +359,7 @@ class StageModel:
         ctx = np.bincount(placement, pf * lf + lf * (lf - 1.0) / 2.0, engines)
         slots = int(self.batch_limit[i])
         # each engine's requests in submission order (a stable sort keeps trace order)
-        order = length[np.argsort(placement, kind="stable")]
-        mine = np.split(order, np.cumsum(np.bincount(placement, minlength=engines))[:-1])
-        tau = np.array([fifo_makespan(m.tolist(), slots) for m in mine], dtype=np.float64)
+        tau = submitted_makespans(length, placement, engines, slots)
         return (r.iter_base_s * tau + r.iter_per_seq_s * sum_l + r.iter_per_ctx_token_s * ctx
                 + r.prefill_per_token_s * sum_p)
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from msgspec.structs import replace
 
-from dynaresized.core import IllegalTransition, Phase, Refused, fold
+from dynaresized.core import Core, IllegalTransition, Phase, Refused, fold
 from dynaresized.core.machine import loan_view
+from dynaresized.core.policy import LoanCosts
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, Split, StepTiming, WorkerKind, placed
@@ -388,3 +389,40 @@ def test_trainers_are_lent_to_one_engine_that_serves_all_of_them():
     assert started.plan.devices == devices[:2] and started.plan.to_pool is Pool.ROLLOUT
     d.finish()
     assert isinstance(d.log[-1], f.LoanLanded) and d.state.lent_devices() == devices[:2]
+
+
+def lend_and_return_trainers(d: Driver, step: int) -> tuple[f.LoanLanded, f.LoanReturned]:
+    """One loan of the trainers to the rollout (nothing to train yet) and its way home."""
+    nothing_to_train(d, step)
+    d.finish()
+    landed = d.log[-1]
+    d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=step, done=0, total=8))
+    d.finish()
+    returned = d.log[-1]
+    assert isinstance(landed, f.LoanLanded) and isinstance(returned, f.LoanReturned)
+    return landed, returned
+
+
+def test_measured_loans_replace_the_configured_loan_costs_of_their_direction():
+    """As the measured resize costs replace [costs], the last 3 measured loans of a direction
+    replace [loan_costs]' lead, way home (and, to the rollout, to_rollout_s); the other
+    direction and to_training_s stay configured; the state that holds them replays."""
+    core = make_core(EAGER, "hysteresis", op_timeout_s=30.0)
+    configured = LoanCosts(to_training_s=8.0, to_rollout_s=30.0, return_s=20.0, lead_s=25.0)
+    d = boot(Core(replace(core.config, loan_costs=configured), core.policy), TRAIN, ROLLOUT)
+    before = loan_view(d.core, d.state, d.at())
+    assert before.costs_to(Pool.ROLLOUT) == configured and before.costs == configured
+    measured = [lend_and_return_trainers(d, step) for step in range(4)]
+    assert len(d.state.loan_times) == 3  # the last 3 of the direction
+    view = loan_view(d.core, d.state, d.at())
+    lead = sum(x.duration_s for x, _ in measured[-3:]) / 3
+    back = sum(y.duration_s for _, y in measured[-3:]) / 3
+    learned = view.costs_to(Pool.ROLLOUT)
+    assert (learned.lead_s, learned.to_rollout_s, learned.return_s) == pytest.approx((lead, lead, back))
+    assert learned.to_training_s == configured.to_training_s
+    assert view.costs == configured  # no idle engine was lent to training: nothing learned that way
+    assert lead < configured.lead_s and back < configured.return_s
+    assert d.replayed().durable() == d.state.durable()
+    # [core] learn_loan_costs = false keeps the configured costs
+    fixed = Core(replace(d.core.config, learn_loan_costs=False), d.core.policy)
+    assert loan_view(fixed, d.state, d.at()).costs_to(Pool.ROLLOUT) == configured

@@ -55,6 +55,8 @@ def test_example_config_is_valid() -> None:
     ({"cluster": {"devices": ["a", "b"]}, "daemon": {"control_endpoint": "tcp://10.0.0.1:5556"}}, "must be loopback"),
     ({"cluster": {"devices": ["a", "b"]}, "guards": {"payback_backoff": 0.5}}, "guards.payback_backoff: must be >= 1"),
     ({"cluster": {"devices": ["a", "b"]}, "guards": {"verify_steps": 0}}, "guards.verify_steps: must be >= 1"),
+    ({"cluster": {"devices": ["a", "b"]}, "daemon": {"batch_window_ms": -1}}, "daemon.batch_window_ms: must be in"),
+    ({"cluster": {"devices": ["a", "b"]}, "daemon": {"batch_window_ms": float("nan")}}, "daemon.batch_window_ms"),
 ])
 def test_bad_values_name_the_key(raw: dict, expected: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(expected)):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dynaresized.sim.profile import load_profile
 from dynaresized.sim.run import scenario_shape
-from dynaresized.sim.stages import StageModel, fifo_makespan, placement_at_submission
+from dynaresized.sim.stages import StageModel, fifo_makespan, placement_at_submission, submitted_makespans
 from dynaresized.sim.workload import StepBatch, Trace, scenario_trace
 
 PROFILE = load_profile("qwen3-8b-h20x8")
@@ -49,6 +49,17 @@ def test_fifo_makespan_matches_iterations(lengths, slots):
         iterations += 1
         running = [left - 1 for left in running if left > 1]
     assert fifo_makespan(lengths, slots) == iterations
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 11)), min_size=1, max_size=60), st.integers(1, 4))
+def test_makespans_of_placed_requests_are_each_engines_fifo(requests, slots):
+    """The vectorized makespans (an engine with no more requests than slots: its longest) equal
+    a FIFO per engine over its requests in order; an engine with none has 0."""
+    lengths = np.array([n for n, _ in requests], dtype=np.int64)
+    placement = np.array([e for _, e in requests], dtype=np.int64)
+    expected = [fifo_makespan([int(n) for n, e in requests if e == k], slots) for k in range(12)]
+    assert submitted_makespans(lengths, placement, 12, slots).tolist() == expected
 
 
 @pytest.mark.parametrize("router", ["round-robin", "verl"])

@@ -5,12 +5,21 @@ smaller than an engine reported as an error, not a crash."""
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 
 from dynaresized.core.policy import load_policy
 from dynaresized.domain import Split
 from dynaresized.sim.bounds import fluid_bound, longest_alone, lower_bound
-from dynaresized.sim.pipeline import DynamicPipeline, best_static, best_static_config, static_total
+from dynaresized.sim.pipeline import (
+    DynamicPipeline,
+    best_static,
+    best_static_config,
+    oracle_total,
+    static_floor_windows,
+    static_total,
+    static_windows,
+)
 from dynaresized.sim.profile import ProfileError, load_profile, validate
 from dynaresized.sim.run import baselines, guards_for, scenario_shape, simulate
 from dynaresized.sim.stages import StageModel, pull_placement
@@ -105,3 +114,20 @@ def test_report_keeps_the_tp1_baseline_beside_the_configuration(model):
                                                           rel=1e-3)
     assert report.speedup_vs_best_static_tp1 == pytest.approx(
         report.best_static_tp1.total_time_s / report.total_time_s, rel=1e-3)
+
+
+@pytest.mark.parametrize("scenario", ["noisy", "longtail-drift"])
+def test_the_pruned_static_searches_equal_trying_every_split(scenario):
+    """best_static and the per-step oracle simulate only the splits whose floors could win
+    (what keeps `simulate --gpus 1024` to seconds); they find what trying every split finds,
+    and every window floor they prune with is below the window it bounds."""
+    profile = PROFILE.with_gpus(24)
+    model = StageModel(profile, scenario_trace(scenario, scenario_shape(profile), steps=20))
+    every = [Split(t, 24 - t) for t in range(1, 24)]
+    windows = {s: static_windows(model, s) for s in every}
+    for s in every:
+        assert (static_floor_windows(model, s) <= windows[s] + 1e-9).all(), s
+    totals = [(float(w.sum()), s.train) for s, w in windows.items()]
+    split, total = best_static(model, 24)
+    assert (total, split.train) == min(totals)
+    assert oracle_total(model, 24) == pytest.approx(float(np.stack(list(windows.values())).min(axis=0).sum()))
