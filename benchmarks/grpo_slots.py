@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -131,8 +132,14 @@ def fit(static_runs: list[dict[str, Any]], phase_of: Any) -> dict[str, Any]:
 
 
 def profile_text(params: dict[str, Any], s_per_token: float, devices: int, initial_train: int, samples: int,
-                 resize_s: dict[str, float]) -> str:
-    """A `dynaresized simulate` profile of the slots: fitted stage times, measured move costs."""
+                 resize_s: dict[str, float], loan_s: dict[str, float] | None = None) -> str:
+    """A `dynaresized simulate` profile of the slots: fitted stage times, measured move and loan
+    costs (a loan's ways into each pool, all on the join; the profile's defaults, seconds of an
+    H20, where no loan went that way)."""
+    loan_s = loan_s or {}
+    loan = (f"[loan]\nengine_release_s = 0.0\ntrainer_join_s = {loan_s.get('training', 5.0):.3f}\n"
+            f"group_change_s = 0.0\ntrainer_first_step_s = 0.0\ntrainer_leave_s = 0.0\n"
+            f"engine_wake_s = {loan_s.get('rollout', 3.0):.3f}\n")
     # The daemon's measured seconds per move, all on the join (a move's ops are serial)
     resize = "\n".join(f"[resize.{name}]\ndrain_s = 0.0\nrelease_s = 0.0\njoin_s = {resize_s.get(name, default):.3f}\n"
                         f"restore_s = 0.0\ncommit_s = 0.0\nfirst_step_s = 0.0\n"
@@ -175,6 +182,7 @@ init_process_group_s = 0.0
 load_state_s = 0.0
 restart_s = 0.0
 
+{loan}
 [workload]
 samples_per_step = {samples}
 samples_per_prompt = 8
@@ -185,7 +193,7 @@ prompt_median_tokens = 6.0
 
 def simulate_by_phase(detail: list[dict[str, Any]], params: dict[str, Any], switch: int, devices: int,
                       initial_train: int, samples: int, resize_s: dict[str, float], base: Path,
-                      mini_batches: int = 1) -> dict[str, Any]:
+                      mini_batches: int = 1, loan_s: dict[str, float] | None = None) -> dict[str, Any]:
     """The policy run through `dynaresized simulate`: a profile has one training rate, so each
     phase is simulated on its own profile, phase 2 starting from the split phase 1 ended on.
     What the two halves cannot carry over: a resize in flight at the switch, and the guards'
@@ -197,7 +205,8 @@ def simulate_by_phase(detail: list[dict[str, Any]], params: dict[str, Any], swit
         rows = [{**d, "step": i} for i, d in enumerate(steps)]
         trace = write_trace(rows, base / f"policy-trace-phase{phase}.jsonl")
         profile = base / f"tiny-llama-cpu-slots-phase{phase}.toml"
-        profile.write_text(profile_text(params, params["train_s_per_token"][phase], devices, train, samples, resize_s))
+        profile.write_text(profile_text(params, params["train_s_per_token"][phase], devices, train, samples, resize_s,
+                                              loan_s))
         sim = simulate(trace, profile, GUARDS, mini_batches)
         out["phases"].append({"phase": phase, "initial_split": sim["initial_split"], "final_split": sim["final_split"],
                               "total_time_s": round(sim["total_time_s"], 2), "resizes": sim["resizes"],
@@ -224,6 +233,25 @@ def resize_seconds(events: list[str]) -> dict[str, float]:
             if rid in direction:
                 out[direction[rid]] = seconds
     return out
+
+
+def loan_seconds(events: list[str]) -> dict[str, float]:
+    """Mean seconds of the loans' ways into each pool, from the daemon's event lines: a loan's
+    landing into the pool it was lent to, a return's into the home pool."""
+    into: dict[str, str] = {}
+    seconds: dict[str, list[float]] = {}
+    for e in events:
+        if e.startswith("LoanStarted"):
+            into[e.split("loan ", 1)[1].split(" ", 1)[0]] = "rollout" if " to the rollout" in e else "training"
+        elif e.startswith("LoanReturnStarted"):
+            into[e.split("loan return ", 1)[1].split(" ", 1)[0]] = e.rsplit("go home to ", 1)[1].strip()
+        elif e.startswith(("LoanLanded", "LoanReturned")) and " in " in e:
+            name = e.split("loan return " if e.startswith("LoanReturned") else "loan ", 1)[1].split(" ", 1)[0]
+            if name in into:
+                took = re.search(r" (?:landed|done) in ([0-9.]+)s", e)
+                if took:
+                    seconds.setdefault(into[name], []).append(float(took.group(1)))
+    return {pool: statistics.fmean(v) for pool, v in seconds.items()}
 
 
 def simulate(trace: Path, profile: Path, guards: dict[str, Any], mini_batches: int) -> dict[str, Any]:
@@ -273,7 +301,8 @@ def resimulate(base: Path, result: dict[str, Any]) -> dict[str, Any]:
     policy = runs["policy"]
     sim = simulate_by_phase(detail_from_log(base / "policy", tokens), params, wl.switch_step, result["devices"],
                             int(policy["initial_split"].split(":")[0]), result["prompts"] * 8,
-                            resize_seconds(policy["events"]), base, result.get("mini_batches", 1))
+                            resize_seconds(policy["events"]), base, result.get("mini_batches", 1),
+                            loan_seconds(policy["events"]))
     measured = policy["loop_s"]
     per = policy["step_periods_s"]
     for ph, m in zip(sim["phases"], (sum(per[:wl.switch_step]), sum(per[wl.switch_step:])), strict=True):

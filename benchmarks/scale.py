@@ -309,7 +309,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def config_text(state_dir: Path, worker_ep: str, control_ep: str, n: int) -> str:
+def config_text(state_dir: Path, worker_ep: str, control_ep: str, n: int, batch_window_ms: float | None = None) -> str:
     devices = device_names(n)
     g = open_guards()
     return f"""
@@ -318,6 +318,7 @@ state_dir = "{state_dir}"
 worker_endpoint = "{worker_ep}"
 control_endpoint = "{control_ep}"
 metrics_port = 0
+{"" if batch_window_ms is None else f"batch_window_ms = {batch_window_ms}"}
 log_format = "json"
 log_level = "info"
 
@@ -367,14 +368,15 @@ def status(control_ep: str, timeout_s: float = 5.0) -> dict[str, Any] | None:
         return None
 
 
-def bench_daemon(n: int, hosts: int, window_s: float, step_s: float, tmp: Path) -> dict[str, Any]:
+def bench_daemon(n: int, hosts: int, window_s: float, step_s: float, tmp: Path,
+                 batch_window_ms: float | None = None) -> dict[str, Any]:
     from dynaresized.core import facts as fx
     from dynaresized.store import open_recorder
 
     state_dir = tmp / "state"
     worker_ep, control_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     cfg = tmp / "config.toml"
-    cfg.write_text(config_text(state_dir, worker_ep, control_ep, n))
+    cfg.write_text(config_text(state_dir, worker_ep, control_ep, n, batch_window_ms))
     daemon = subprocess.Popen([sys.executable, "-m", "dynaresized.cli", "serve", "--config", str(cfg)],
                               stdout=(tmp / "daemon.log").open("wb"), stderr=subprocess.STDOUT,
                               preexec_fn=raise_fd_limit)
@@ -569,6 +571,8 @@ def main() -> int:
     parser.add_argument("--simulate-timeout", type=float, default=120.0)
     parser.add_argument("--no-simulate", action="store_true")
     parser.add_argument("--no-daemon", action="store_true")
+    parser.add_argument("--batch-window-ms", type=float, default=None,
+                        help="the daemon's daemon.batch_window_ms (default: the daemon's own default)")
     parser.add_argument("--plot", metavar="FILE.png")
     args = parser.parse_args()
     raise_fd_limit()
@@ -578,7 +582,7 @@ def main() -> int:
         print(f"{n} devices: core done", file=sys.stderr, flush=True)
         if not args.no_daemon:
             with tempfile.TemporaryDirectory(prefix="dynaresized-scale-") as d:
-                point["daemon"] = bench_daemon(n, args.hosts, args.window, args.step_s, Path(d))
+                point["daemon"] = bench_daemon(n, args.hosts, args.window, args.step_s, Path(d), args.batch_window_ms)
             print(f"{n} devices: daemon done", file=sys.stderr, flush=True)
         if not args.no_simulate:
             point.update(bench_simulate(n, args.simulate_timeout))
