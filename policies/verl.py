@@ -37,8 +37,8 @@ samples it waits for are those not done when it starts waiting (`step_wait_times
 `step_wait_samples`, one collection per cycle). Switch durations are the loan seconds of the
 core's view for loans to the rollout (`LoanView.costs_to`): becoming an engine `return_s`
 (trainer leave + engine wake in the simulator), going home `lead_s` (engine release + trainer
-join). The daemon measures them from its loans, as verl times its switches
-(`core.learn_loan_costs`); the simulator's are the profile's.
+join). A daemon with `core.learn_loan_costs` on measures them from its loans, as verl times
+its switches; the simulator's are the profile's.
 
 Both rules adapt state across steps, as verl's policy objects do; it is soft state (a daemon
 restart starts it afresh, as verl's does).

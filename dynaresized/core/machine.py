@@ -59,11 +59,14 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     loan_costs: LoanCosts = LoanCosts()
     """What a loan adds to the critical path, for the lending policy's estimate, before any
     loan that way has been measured."""
-    learn_loan_costs: bool = True
+    learn_loan_costs: bool = False
     """After loans of a direction have landed and come home, their measured seconds (the mean of
-    the last `state.LOAN_TIMES_KEPT`) replace the configured ones (`LoanCosts.learned`), as the
-    measured resize costs replace `costs`. False: always the configured ones (the simulator,
-    whose configured costs are the profile's own)."""
+    the last `state.LOAN_TIMES_KEPT`) replace the configured way home and landing
+    (`LoanCosts.learned`), as the measured resize costs replace `costs`. Only where workers
+    acknowledge a loan's ops when they are done (the torch and vLLM backends): verl's
+    integration acknowledges a return when verl's own cycle puts the replicas to sleep, so its
+    measured way home is verl's schedule, not a cost. False: always the configured ones (and
+    the simulator, whose configured costs are the profile's own)."""
     stall_s: float | None = None
     """A tick that comes more than this after the one before means the daemon itself was not
     running (starved of CPU, or waiting on a slow disk): that blind time does not count as the

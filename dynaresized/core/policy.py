@@ -145,18 +145,17 @@ class LoanCosts(msgspec.Struct, frozen=True):
 
     def learned(self, times: Sequence[Any], to_pool: Pool) -> LoanCosts:
         """These costs with what the last loans to `to_pool` measured (`state.LoanTime`s): the
-        mean landing replaces the lead (and, to the rollout, `to_rollout_s`: a done trainer
-        leaving and its engine joining is the landing), the mean way home `return_s`. The
-        group change and first mini-batch of a loan to training (`to_training_s`) is no op's
-        duration and stays configured. Nothing measured that way: these, unchanged."""
+        mean way home replaces `return_s` and, to the rollout, the mean landing `to_rollout_s`
+        (a done trainer leaving and its engine joining is the landing). The lead stays as
+        configured: a worker acknowledges its join before it serves (an engine still warms
+        up), so a landing's seconds are not when the lent device starts to help; nor is the
+        group change and first mini-batch of a loan to training (`to_training_s`) an op's
+        duration. Nothing measured that way: these, unchanged."""
         landed = [t.landed_s for t in times if t.to_pool is to_pool]
         back = [t.returned_s for t in times if t.to_pool is to_pool and t.returned_s >= 0]
-        if not landed:
-            return self
-        lead = sum(landed) / len(landed)
-        costs = msgspec.structs.replace(self, lead_s=lead)
-        if to_pool is Pool.ROLLOUT:
-            costs = msgspec.structs.replace(costs, to_rollout_s=lead)
+        costs = self
+        if landed and to_pool is Pool.ROLLOUT:
+            costs = msgspec.structs.replace(costs, to_rollout_s=sum(landed) / len(landed))
         if back:
             costs = msgspec.structs.replace(costs, return_s=sum(back) / len(back))
         return costs

@@ -70,7 +70,7 @@ class CoreSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     op_resend_s: float = 2.0  # a pending op is re-sent to live targets that have not answered this often
     audit_interval_s: float = 30.0  # every live worker is asked for its actual state this often; 0: never
     reconcile_retry_s: float = 30.0  # a worker that could not be converged is tried again this long after
-    learn_loan_costs: bool = True  # measured loans replace [loan_costs]' estimates (core.CoreConfig)
+    learn_loan_costs: bool = False  # measured loans replace [loan_costs]' estimates (core.CoreConfig)
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -332,7 +332,10 @@ class Daemon:
         handed = -math.inf  # when the last batch was handed on (-inf: take the next one at once)
         while True:
             await sock.poll(flags=zmq.POLLIN)
-            wait = handed + self.config.daemon.batch_window_ms / 1000.0 - loop.time()
+            # in the daemon's clock: a demo's daemon, whose clock runs time_scale times faster,
+            # waits as much of its own time as a real one does
+            window_s = self.config.daemon.batch_window_ms / 1000.0 / self.config.daemon.time_scale
+            wait = handed + window_s - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
             batch: list[_WorkerIn] = []

@@ -310,6 +310,9 @@ name = "{self.cfg.policy}"
 steps_total = {self.cfg.steps}
 heartbeat_timeout_s = 30.0
 op_timeout_s = 240.0
+# our backends acknowledge a loan's join and return when they are done: their measured seconds
+# replace the estimates above once loans have run (verl's integration does not: off by default)
+learn_loan_costs = true
 """
         path = self.work / "daemon.toml"
         path.write_text(text)

@@ -405,11 +405,11 @@ def lend_and_return_trainers(d: Driver, step: int) -> tuple[f.LoanLanded, f.Loan
 
 def test_measured_loans_replace_the_configured_loan_costs_of_their_direction():
     """As the measured resize costs replace [costs], the last 3 measured loans of a direction
-    replace [loan_costs]' lead, way home (and, to the rollout, to_rollout_s); the other
-    direction and to_training_s stay configured; the state that holds them replays."""
+    replace [loan_costs]' way home (and, to the rollout, to_rollout_s by their landings); the
+    lead, to_training_s and the other direction stay configured; the state replays."""
     core = make_core(EAGER, "hysteresis", op_timeout_s=30.0)
     configured = LoanCosts(to_training_s=8.0, to_rollout_s=30.0, return_s=20.0, lead_s=25.0)
-    d = boot(Core(replace(core.config, loan_costs=configured), core.policy), TRAIN, ROLLOUT)
+    d = boot(Core(replace(core.config, loan_costs=configured, learn_loan_costs=True), core.policy), TRAIN, ROLLOUT)
     before = loan_view(d.core, d.state, d.at())
     assert before.costs_to(Pool.ROLLOUT) == configured and before.costs == configured
     measured = [lend_and_return_trainers(d, step) for step in range(4)]
@@ -418,11 +418,11 @@ def test_measured_loans_replace_the_configured_loan_costs_of_their_direction():
     lead = sum(x.duration_s for x, _ in measured[-3:]) / 3
     back = sum(y.duration_s for _, y in measured[-3:]) / 3
     learned = view.costs_to(Pool.ROLLOUT)
-    assert (learned.lead_s, learned.to_rollout_s, learned.return_s) == pytest.approx((lead, lead, back))
-    assert learned.to_training_s == configured.to_training_s
+    assert (learned.to_rollout_s, learned.return_s) == pytest.approx((lead, back))
+    assert (learned.lead_s, learned.to_training_s) == (configured.lead_s, configured.to_training_s)
     assert view.costs == configured  # no idle engine was lent to training: nothing learned that way
-    assert lead < configured.lead_s and back < configured.return_s
+    assert lead < configured.to_rollout_s and back < configured.return_s
     assert d.replayed().durable() == d.state.durable()
-    # [core] learn_loan_costs = false keeps the configured costs
+    # [core] learn_loan_costs = false (the default) keeps the configured costs
     fixed = Core(replace(d.core.config, learn_loan_costs=False), d.core.policy)
     assert loan_view(fixed, d.state, d.at()).costs_to(Pool.ROLLOUT) == configured
