@@ -37,8 +37,9 @@ samples it waits for are those not done when it starts waiting (`step_wait_times
 `step_wait_samples`, one collection per cycle). Switch durations are the loan seconds of the
 core's view for loans to the rollout (`LoanView.costs_to`): becoming an engine `return_s`
 (trainer leave + engine wake in the simulator), going home `lead_s` (engine release + trainer
-join). A daemon with `core.learn_loan_costs` on measures them from its loans, as verl times
-its switches; the simulator's are the profile's.
+join): the simulator's are the profile's. A daemon with `core.learn_loan_costs` on replaces
+`return_s` by its loans' measured ways home (so there the activation this rule reads is the
+measured way home) and keeps `lead_s` as configured.
 
 Both rules adapt state across steps, as verl's policy objects do; it is soft state (a daemon
 restart starts it afresh, as verl's does).

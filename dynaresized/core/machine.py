@@ -666,11 +666,8 @@ def _owed(state: ClusterState) -> bool:
     liveness checks in all, where listing the pending ones after each cost T^2 / 2."""
     fl = state.inflight
     assert fl is not None
-    targets = fl.op.targets
     acked = set(fl.acked)
-    if len(acked) >= len(targets) and acked.issuperset(targets):
-        return False
-    return any(w not in acked and state.is_live(w) for w in reversed(targets))
+    return any(w not in acked and state.is_live(w) for w in reversed(fl.op.targets))
 
 
 def _current_op_id(state: ClusterState) -> str | None:
