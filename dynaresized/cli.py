@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     from dynaresized.sim.cli import run_cli as run_sim
 
     add_sim(sub)
-    for name in ("simulate", "bench"):
+    for name in ("simulate", "plan", "bench"):
         sub.choices[name].set_defaults(run=run_sim)
     return parser
 

@@ -1,6 +1,6 @@
-"""The `simulate` and `bench` subcommands.
+"""The `simulate`, `plan` and `bench` subcommands.
 
-`add_parsers(subparsers)` adds both to an argparse subparsers object (the `dynaresized` CLI
+`add_parsers(subparsers)` adds them to an argparse subparsers object (the `dynaresized` CLI
 calls it); `run_cli(args)` runs the chosen one and returns the exit status. `python -m
 dynaresized.sim` runs them on their own.
 """
@@ -15,14 +15,16 @@ from typing import Any, TextIO
 import msgspec
 
 from dynaresized.core.idle import percent
-from dynaresized.core.policy import UnknownPolicyError, available_policies
+from dynaresized.core.policy import UnknownPolicyError, available_policies, load_policy
+from dynaresized.sim.plan import PILOT_STEPS, Plan, plan, plan_start
 from dynaresized.sim.plot import PlotUnavailable
-from dynaresized.sim.profile import ProfileError, builtin_profiles, load_profile, parse_split
+from dynaresized.sim.profile import Profile, ProfileError, builtin_profiles, load_profile, parse_split
 from dynaresized.sim.stages import ROUTERS, StageModel
-from dynaresized.sim.run import BENCH_POLICIES, SimReport, baselines, bench, scenario_shape, simulate
+from dynaresized.sim.run import BENCH_POLICIES, SimReport, baselines, bench, guards_for, scenario_shape, simulate
 from dynaresized.sim.workload import (
     DYNAMIC_SCENARIOS,
     SCENARIOS,
+    Trace,
     TraceError,
     UnknownScenarioError,
     load_trace,
@@ -71,7 +73,7 @@ def _key_values(items: list[str] | None, what: str) -> dict[str, Any]:
 
 
 def add_parsers(subparsers: Any) -> None:
-    """Add `simulate` and `bench` to an `argparse` subparsers object."""
+    """Add `simulate`, `plan` and `bench` to an `argparse` subparsers object."""
     sim = subparsers.add_parser(
         "simulate",
         help="replay a rollout trace or a built-in scenario through the core and a policy, in virtual time",
@@ -94,6 +96,12 @@ def add_parsers(subparsers: Any) -> None:
                      help="run the policy on rollout engines of K devices (one of the profile's tp_sizes); the "
                           "baselines stay those of the profile (best static configuration, TP-1 split)")
     sim.add_argument("--initial-split", metavar="T:R", help="start the run at Train:Rollout T:R (default: the profile's)")
+    sim.add_argument("--layout", choices=("profile", "plan"), default="profile",
+                     help="where the run starts: profile (its engines and initial split; default) or plan (the plan "
+                          "search picks the engine size and split from the first --pilot-steps steps; the baselines "
+                          "stay those of the profile)")
+    sim.add_argument("--pilot-steps", type=int, default=PILOT_STEPS, metavar="K",
+                     help=f"steps the plan search sees (--layout plan; default {PILOT_STEPS})")
     sim.add_argument("--samples", type=int, metavar="S", help="samples per step of a built-in scenario")
     sim.add_argument("--seed", type=int, default=0, help="seed of a built-in scenario (default 0)")
     sim.add_argument("--naive", action="store_true",
@@ -107,6 +115,32 @@ def add_parsers(subparsers: Any) -> None:
     sim.add_argument("--json", action="store_true", help="print exactly one JSON object")
     sim.add_argument("--plot", metavar="FILE.png", help="write a PNG: pools over time, stage times, resizes")
     sim.set_defaults(sim_command="simulate", run=run_cli)
+
+    pl = subparsers.add_parser(
+        "plan",
+        help="search the fastest static configuration (split x engine size) per phase of a trace",
+        description=(
+            "ReaL's plan search on the simulator's cost model: cut the trace into phases of alike response "
+            "lengths, search each phase's configuration on its first --pilot-steps steps, and check the "
+            "prediction against the phase simulated whole."
+        ),
+    )
+    plan_source = pl.add_mutually_exclusive_group(required=True)
+    plan_source.add_argument("--trace", metavar="FILE", help="JSON Lines trace, one line per RL step")
+    plan_source.add_argument("--scenario", metavar="NAME", help=f"built-in scenario: {', '.join(SCENARIOS)}")
+    pl.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE")
+    pl.add_argument("--gpus", type=int, metavar="N", help="devices in the cluster (default: the profile's)")
+    pl.add_argument("--steps", type=int, metavar="K", help="plan only the first K steps")
+    pl.add_argument("--samples", type=int, metavar="S", help="samples per step of a built-in scenario")
+    pl.add_argument("--seed", type=int, default=0, help="seed of a built-in scenario (default 0)")
+    pl.add_argument("--router", choices=ROUTERS, default="pull")
+    pl.add_argument("--pilot-steps", type=int, default=PILOT_STEPS, metavar="K",
+                    help=f"steps of each phase the search sees (default {PILOT_STEPS})")
+    pl.add_argument("--method", choices=("exhaustive", "bound", "mcmc"),
+                    help="search method (default: exhaustive for small spaces, the exact bound up to 256 "
+                         "configurations, MCMC above)")
+    pl.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    pl.set_defaults(sim_command="plan", run=run_cli)
 
     b = subparsers.add_parser("bench", help="run every built-in scenario x policy and print a table",
                               description="Run every built-in scenario with every built-in policy on one profile.")
@@ -125,6 +159,8 @@ def run_cli(args: argparse.Namespace, out: TextIO | None = None) -> int:
     try:
         if args.sim_command == "simulate":
             return _simulate(args, out)
+        if args.sim_command == "plan":
+            return _plan(args, out)
         return _bench(args, out)
     except (ProfileError, TraceError, UnknownScenarioError, UnknownPolicyError, ValueError, PlotUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -143,7 +179,8 @@ def _positive(value: int | None, flag: str) -> None:
         raise ValueError(f"{flag} must be >= 1, got {value}")
 
 
-def _simulate(args: argparse.Namespace, out: TextIO) -> int:
+def _workload(args: argparse.Namespace) -> tuple[Profile, Trace, int | None]:
+    """The profile, trace and seed that `--profile/--gpus/--trace/--scenario/--samples/--steps` name."""
     _positive(args.steps, "--steps")
     _positive(args.samples, "--samples")
     profile = load_profile(args.profile)
@@ -155,42 +192,84 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
         trace = load_trace(args.trace)
         if args.steps is not None:
             trace = trace.head(args.steps)
-        seed = None
-    else:
-        if args.samples is not None:
-            profile = profile.with_samples(args.samples)
-        trace = scenario_trace(args.scenario, scenario_shape(profile), seed=args.seed, steps=args.steps)
-        seed = args.seed
+        return profile, trace, None
+    if args.samples is not None:
+        profile = profile.with_samples(args.samples)
+    return profile, scenario_trace(args.scenario, scenario_shape(profile), seed=args.seed, steps=args.steps), args.seed
+
+
+def _simulate(args: argparse.Namespace, out: TextIO) -> int:
+    _positive(args.pilot_steps, "--pilot-steps")
+    profile, trace, seed = _workload(args)
     _require_policies([args.policy])
+    if args.layout == "plan" and (args.tp is not None or args.initial_split is not None):
+        raise ValueError("--layout plan chooses the engine size and the split itself; drop --tp and --initial-split")
+    options = _key_values(args.policy_option, "--policy-option")
+    overrides = _key_values(args.guard, "--guard")
     # The baselines are the profile's (its best static configuration and its own engines' best
     # split), whatever layout the run itself starts from; without a layout, simulate() computes
     # them on the run's own model (sharing its caches).
     base = None
-    if args.tp is not None or args.initial_split is not None:
+    layout, planned = args.layout, ""
+    if args.layout == "plan":
+        base = baselines(StageModel(profile, trace, router=args.router))
+        start, _ = plan_start(profile, trace, lambda: load_policy(args.policy, options),
+                              guards_for(profile, overrides), router=args.router, pilot_steps=args.pilot_steps)
+        profile, planned = profile.with_layout(start.tp, start.split), str(start)
+    elif args.tp is not None or args.initial_split is not None:
         base = baselines(StageModel(profile, trace, router=args.router))
         initial = parse_split(args.initial_split) if args.initial_split is not None else None
-        profile = profile.with_layout(args.tp, initial)
+        profile, layout = profile.with_layout(args.tp, initial), "manual"
     result = simulate(
         trace,
         profile,
         args.policy,
         base=base,
-        policy_options=_key_values(args.policy_option, "--policy-option"),
-        guard_overrides=_key_values(args.guard, "--guard"),
+        policy_options=options,
+        guard_overrides=overrides,
         naive=args.naive,
         seed=seed,
         model=StageModel(profile, trace, router=args.router),
         progress=ProgressBar(f"simulate {trace.name}/{args.policy}"),
     )
+    report = msgspec.structs.replace(result.report, layout=layout, planned_start=planned)
     if args.plot:
         from dynaresized.sim.plot import plot_run
 
         plot_run(result, args.plot)
     if args.json:
-        out.write(msgspec.json.encode(result.report).decode() + "\n")
+        out.write(msgspec.json.encode(report).decode() + "\n")
     else:
-        out.write(summary(result.report))
+        out.write(summary(report))
     return 0
+
+
+def _plan(args: argparse.Namespace, out: TextIO) -> int:
+    _positive(args.pilot_steps, "--pilot-steps")
+    profile, trace, _ = _workload(args)
+    result = plan(profile, trace, router=args.router, pilot_steps=args.pilot_steps, method=args.method)
+    if args.json:
+        out.write(msgspec.json.encode(result).decode() + "\n")
+    else:
+        out.write(plan_summary(result))
+    return 0
+
+
+def plan_summary(p: Plan) -> str:
+    lines = [
+        f"plan of {p.workload} on {p.profile} ({p.gpus} devices), each phase searched on its first "
+        f"{p.pilot_steps} steps",
+        f"  {'steps':>9}  {'configuration':<16} {'predicted s':>12} {'simulated s':>12} {'error':>7}  search",
+    ]
+    for ph in p.phases:
+        lines.append(f"  {ph.start:>4}-{ph.start + ph.steps - 1:<4}  {ph.config:<16} {ph.predicted_s:>12.1f} "
+                     f"{ph.simulated_s:>12.1f} {ph.prediction_error:>+7.1%}  {ph.method}, "
+                     f"{ph.simulated_configs} of {ph.space} simulated, {ph.search_s:.2f} s")
+    lines.append(f"  {'total':<27} {p.predicted_total_s:>12.1f} {p.simulated_total_s:>12.1f} "
+                 f"{p.prediction_error:>+7.1%}  {p.search_s:.2f} s")
+    lines.append(f"  {p.changes} change(s) of configuration, not charged: resizes that change an engine's size "
+                 "are not built")
+    return "\n".join(lines) + "\n"
 
 
 def summary(r: SimReport) -> str:
@@ -199,7 +278,8 @@ def summary(r: SimReport) -> str:
     rr = r.best_static_round_robin or b
     lines = [
         f"{r.workload} on {r.profile} ({r.gpus} devices, {r.steps} steps, {r.samples_per_step:g} samples/step), "
-        f"policy {r.policy}, {r.cost_mode} resize costs",
+        f"policy {r.policy}, {r.cost_mode} resize costs"
+        + (f", started where the plan search chose: {r.planned_start}" if r.planned_start else ""),
         f"  total time           {r.total_time_s:12.1f} s   ({r.mean_step_s:.1f} s/step)",
         f"  resizes              {r.resizes:12d}     {r.initial_split} -> {r.final_split}",
         f"  best static config   {b.total_time_s:12.1f} s   at {b.train}:{b.rollout}, TP-{b.tp} engines   "

@@ -137,6 +137,11 @@ class SimReport(msgspec.Struct, frozen=True):
     speedup_vs_best_static_tp1: float = 0.0
     tp: int = 1
     """Devices per rollout engine of this run (the profile's `gpus_per_engine`, or `simulate --tp`)."""
+    layout: str = "profile"
+    """Where the run's layout came from: "profile" (its engines and initial split), "manual"
+    (`--tp` / `--initial-split`) or "plan" (`--layout plan`: the plan search's start)."""
+    planned_start: str = ""
+    """With `layout` "plan": the configuration the search started the run from, "T:R/TP-K"."""
 
 
 @dataclass(frozen=True)

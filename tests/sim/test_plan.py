@@ -1,0 +1,195 @@
+"""ReaL's plan search (issue 22, item 3): the configuration space, the three searches (exhaustive,
+the exact branch and bound, MCMC), phases of alike response lengths, the per-phase plan checked
+against the run simulated, where a dynamic run starts, and the `plan` / `simulate --layout plan`
+commands."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+
+import numpy as np
+import pytest
+
+from dynaresized.core.policy import load_policy
+from dynaresized.domain import Split
+from dynaresized.sim.cli import add_parsers, run_cli
+from dynaresized.sim.pipeline import best_static_config, static_total, static_windows
+from dynaresized.sim.plan import Config, extrapolate, phases, plan, plan_start, search, space
+from dynaresized.sim.profile import load_profile
+from dynaresized.sim.run import guards_for, scenario_shape
+from dynaresized.sim.stages import StageModel
+from dynaresized.sim.workload import StepBatch, Trace, scenario_trace
+
+PROFILE = load_profile("qwen3-8b-h20x8")
+BUILTIN = ("longtail-stationary", "longtail-drift", "shrinking", "bimodal", "noisy", "verl-dapo")
+
+
+def pilot(name: str, *, profile=PROFILE, steps: int = 10, seed: int = 0) -> StageModel:
+    return StageModel(profile, scenario_trace(name, scenario_shape(profile), seed=seed, steps=steps))
+
+
+def step_change(before: int, after: int, *, switch: int, steps: int, samples: int = 64) -> Trace:
+    """Every sample `before` tokens long until step `switch`, `after` from then on."""
+    rng = np.random.default_rng(0)
+    batches = []
+    for s in range(steps):
+        length = before if s < switch else after
+        batches.append(StepBatch(s, np.full(samples, 256, dtype=np.int64),
+                                 rng.integers(length // 2, length * 3 // 2, samples).astype(np.int64)))
+    return Trace("step-change", tuple(batches))
+
+
+def cli(*argv: str) -> tuple[int, str]:
+    parser = argparse.ArgumentParser()
+    add_parsers(parser.add_subparsers(dest="command", required=True))
+    out = io.StringIO()
+    code = run_cli(parser.parse_args(list(argv)), out=out)
+    return code, out.getvalue()
+
+
+def test_the_space_is_every_split_in_whole_engines_of_each_size():
+    configs = space(pilot("noisy"), 8)
+    # TP-1: 7 splits; TP-2: rollout 2, 4, 6; TP-4: rollout 4; TP-8 leaves no training device
+    assert len(configs) == 11
+    assert {c.tp for c in configs} == {1, 2, 4}
+    assert all(c.rollout % c.tp == 0 and c.train >= 1 and c.train + c.rollout == 8 for c in configs)
+    assert str(Config(4, 4, 2)) == "4:4/TP-2"
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_the_bound_finds_what_simulating_every_configuration_finds(name):
+    model = pilot(name)
+    every = search(model, 8, method="exhaustive")
+    bound = search(model, 8, method="bound")
+    assert every.simulated == every.space == 11
+    assert bound.simulated < every.simulated
+    assert (bound.best, bound.predicted_s) == (every.best, every.predicted_s)
+    assert every.predicted_s == pytest.approx(static_total(model.at_tp(every.best.tp), every.best.split))
+    assert every.predicted_s == min(t for t, _ in every.ranked)
+    # and it is the hindsight search's best configuration on the same steps
+    best, _ = best_static_config(model, 8)
+    assert (every.best.split, every.best.tp) == (best.split, best.tp)
+
+
+def test_mcmc_finds_the_exact_best_of_a_large_space_simulating_few():
+    profile = PROFILE.with_gpus(128)
+    model = pilot("bimodal", profile=profile)
+    exact = search(model, 128, method="bound")
+    chain = search(pilot("bimodal", profile=profile), 128, method="mcmc", seed=3)
+    assert chain.space == exact.space == 127 + 63 + 31 + 15
+    assert chain.simulated <= 64 < chain.space
+    assert chain.best == exact.best
+    assert chain.predicted_s == pytest.approx(exact.predicted_s)
+    again = search(pilot("bimodal", profile=profile), 128, method="mcmc", seed=3)
+    assert (again.best, again.simulated) == (chain.best, chain.simulated)  # seeded: deterministic
+
+
+def test_the_default_method_depends_on_the_space():
+    assert search(pilot("noisy"), 8).method == "exhaustive"
+    assert search(pilot("noisy", profile=PROFILE.with_gpus(64)), 64).method == "bound"  # 63 + 31 + 15 + 7
+    big = PROFILE.with_gpus(256).with_samples(256)
+    assert search(pilot("noisy", profile=big, steps=2), 256).method == "mcmc"
+
+
+def test_search_rejects_what_it_cannot_search():
+    with pytest.raises(ValueError, match="unknown search method 'anneal'"):
+        search(pilot("noisy"), 8, method="anneal")
+    with pytest.raises(ValueError, match="no configuration of 1 devices"):
+        search(pilot("noisy"), 1)
+
+
+def test_phases_cut_where_the_lengths_change():
+    assert phases(step_change(400, 400, switch=0, steps=40)) == [(0, 40)]
+    assert phases(step_change(400, 2000, switch=20, steps=50)) == [(0, 20), (20, 50)]
+    # a change inside a window opens the phase at that window
+    assert phases(step_change(400, 2000, switch=25, steps=50), window=10) == [(0, 20), (20, 30), (30, 50)]
+    with pytest.raises(ValueError, match="at least one step"):
+        phases(step_change(400, 400, switch=0, steps=5), window=0)
+
+
+def test_extrapolate_charges_the_fill_and_drain_only_at_the_run_s_ends():
+    windows = np.array([5.0, 10.0, 12.0, 3.0])  # fill, two steady windows, drain
+    assert extrapolate(windows, 6) == pytest.approx(5.0 + 11.0 * 5 + 3.0)
+    assert extrapolate(windows, 6, first=False, last=False) == pytest.approx(11.0 * 6)
+    assert extrapolate(windows, 6, first=False) == pytest.approx(11.0 * 6 + 3.0)
+
+
+def test_a_plan_is_checked_against_the_run_it_plans():
+    trace = scenario_trace("longtail-stationary", scenario_shape(PROFILE), seed=0, steps=60)
+    p = plan(PROFILE, trace)
+    assert [ph.start for ph in p.phases][0] == 0 and sum(ph.steps for ph in p.phases) == 60
+    assert p.predicted_total_s == pytest.approx(sum(ph.predicted_s for ph in p.phases), abs=0.01)
+    assert p.prediction_error == pytest.approx(p.predicted_total_s / p.simulated_total_s - 1, abs=1e-4)
+    assert abs(p.prediction_error) < 0.05
+    # one configuration throughout: the simulated total is that static run's, exactly
+    assert p.changes == 0 and p.phases[0].config == "4:4/TP-4"
+    model = StageModel(PROFILE, trace).at_tp(4)
+    assert p.simulated_total_s == pytest.approx(static_total(model, Split(4, 4)), abs=0.01)
+
+
+def test_a_plan_follows_a_change_of_workload():
+    """Short responses then long ones: the rollout needs more devices after the change, and
+    the plan's phases are spliced from each configuration's own windows."""
+    trace = step_change(200, 3000, switch=30, steps=60, samples=256)
+    p = plan(PROFILE, trace)
+    assert [ph.start for ph in p.phases] == [0, 30]
+    before, after = (Config(*map(int, ph.config.replace("/TP-", ":").split(":"))) for ph in p.phases)
+    assert after.rollout > before.rollout and after.tp > before.tp  # 6:2/TP-2, then 4:4/TP-4
+    model = StageModel(PROFILE, trace)
+    w = {c: static_windows(model.at_tp(c.tp), c.split) for c in (before, after)}
+    assert p.phases[0].simulated_s == pytest.approx(w[before][:30].sum(), abs=0.01)
+    assert p.phases[1].simulated_s == pytest.approx(w[after][30:].sum(), abs=0.01)
+    assert p.changes == int(before != after)
+
+
+def test_plan_start_runs_the_policy_from_the_searchs_best_few_and_is_deterministic():
+    trace = scenario_trace("noisy", scenario_shape(PROFILE), seed=0, steps=30)
+    guards = guards_for(PROFILE)
+    start, seconds = plan_start(PROFILE, trace, lambda: load_policy("hysteresis"), guards)
+    top = search(StageModel(PROFILE, trace.head(10)), 8).ranked[:4]
+    assert start in {c for _, c in top}
+    assert seconds > 0
+    assert plan_start(PROFILE, trace, lambda: load_policy("hysteresis"), guards) == (start, seconds)
+
+
+def test_the_plan_command_prints_one_object_or_a_table():
+    code, text = cli("plan", "--scenario", "bimodal", "--steps", "30", "--json")
+    assert code == 0 and len(text.splitlines()) == 1
+    p = json.loads(text)
+    assert {"phases", "predicted_total_s", "simulated_total_s", "prediction_error", "search_s", "changes"} <= set(p)
+    assert p["phases"][0]["method"] == "exhaustive" and p["gpus"] == 8
+    code, text = cli("plan", "--scenario", "bimodal", "--steps", "30", "--method", "bound")
+    assert code == 0 and "total" in text and "bound" in text and "TP-" in text
+
+
+def test_simulate_from_the_planned_layout_keeps_the_profiles_baselines():
+    argv = ("simulate", "--scenario", "noisy", "--steps", "20", "--json")
+    _, plain_text = cli(*argv)
+    code, text = cli(*argv, "--layout", "plan")
+    assert code == 0
+    plain, planned = json.loads(plain_text), json.loads(text)
+    assert (plain["layout"], plain["planned_start"]) == ("profile", "")
+    assert planned["layout"] == "plan"
+    assert planned["planned_start"] == f"{planned['initial_split']}/TP-{planned['tp']}"
+    for key in ("best_static", "best_static_tp1", "oracle_total_time_s", "fluid_bound_s"):
+        assert planned[key] == plain[key], key
+    _, manual = cli(*argv, "--tp", "2", "--initial-split", "4:4")
+    assert json.loads(manual)["layout"] == "manual"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("simulate", "--scenario", "noisy", "--steps", "2", "--layout", "plan", "--tp", "2"), "drop --tp"),
+        (("simulate", "--scenario", "noisy", "--steps", "2", "--pilot-steps", "0"), "--pilot-steps must be >= 1"),
+        (("plan", "--scenario", "nope"), "unknown scenario"),
+        (("plan", "--scenario", "noisy", "--gpus", "1"), "at least 2 devices"),
+        (("plan", "--scenario", "noisy", "--pilot-steps", "0"), "--pilot-steps must be >= 1"),
+    ],
+)
+def test_bad_plan_input_is_a_clear_error(argv, message, capsys):
+    code, _ = cli(*argv)
+    assert code == 2
+    assert message in capsys.readouterr().err
