@@ -32,7 +32,8 @@ def simulate(scenario: str, *extra: str) -> dict[str, Any]:
 
 def runs() -> dict[str, dict[str, dict[str, Any]]]:
     return {s: {"lending": simulate(s), "naive": simulate(s, "--naive"),
-                "no_lending": simulate(s, "--policy-option", "lending=false")} for s in SCENARIOS}
+                "no_lending": simulate(s, "--policy-option", "lending=false"),
+                "plan": simulate(s, "--layout", "plan")} for s in SCENARIOS}
 
 
 def _span(values: list[float]) -> str:
@@ -51,6 +52,9 @@ def readme_table(r: dict[str, dict[str, dict[str, Any]]]) -> str:
         ("Resizing and lending, against the best static configuration (split × engine tensor "
          "parallelism, chosen with hindsight, same router): the strongest baseline we simulate; below 1 "
          "means we lose", over("lending", "speedup_vs_best_static"), args()),
+        ("The same, started from the engine size and split ReaL's plan search picks from the first 10 "
+         "steps (no hindsight), against the same best static configuration",
+         over("plan", "speedup_vs_best_static"), args(" --layout plan")),
         ("The same, against the best static split of TP-1 engines (the baseline before engine sizes "
          "were searched; our policy runs TP-1 engines)", over("lending", "speedup_vs_best_static_tp1"), args()),
         ("Resizing only (no loans inside steps), against the best static split of TP-1 engines",
