@@ -73,12 +73,35 @@ class EngineConfig(msgspec.Struct, frozen=True):
     sleep_level: int = 1  # GPU release: 1 offloads weights to host, 2 discards them
     base_version: int = 0  # the policy version of the weights in `model`
     shutdown_timeout_s: float = 5.0
+    tensor_parallel_size: int = 1
+    """Devices (CPU: cores) of the engine, one vLLM worker process each beyond the first."""
+    cpu_cores: tuple[int, ...] = ()
+    """CPU only: the core of each tensor-parallel rank (`VLLM_CPU_OMP_THREADS_BIND`, one core a
+    rank). Empty: rank i takes the i-th core this process may run on. vLLM's own choice binds
+    ranks to NUMA nodes and refuses more ranks than nodes ("Not enough allowed NUMA nodes to
+    bind threads of 2 local CPUWorkers"), which is every TP engine on a one-node machine."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.cpu_cores and len(self.cpu_cores) != self.tensor_parallel_size:
+            raise ValueError(f"cpu_cores names {len(self.cpu_cores)} core(s) for "
+                             f"{self.tensor_parallel_size} tensor-parallel rank(s): one a rank")
+
+    def thread_binding(self) -> str:
+        """`VLLM_CPU_OMP_THREADS_BIND` for this engine's ranks: "0|1" binds rank 0 to core 0,
+        rank 1 to core 1."""
+        cores = self.cpu_cores or _default_cores(self.tensor_parallel_size)
+        return "|".join(str(c) for c in cores)
+
+
+def _default_cores(ranks: int) -> tuple[int, ...]:
+    allowed = sorted(os.sched_getaffinity(0))
+    return tuple(allowed[i % len(allowed)] for i in range(ranks))
 
 
 class SampleRequest(msgspec.Struct, frozen=True):
@@ -181,19 +204,23 @@ class RolloutEngine:
             enforce_eager=True,
             disable_log_stats=True,
             enable_sleep_mode=self.device_type is DeviceType.GPU,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            distributed_executor_backend="mp" if self.config.tensor_parallel_size > 1 else None,
         )
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if self.config.process_mode is ProcessMode.IN_PROCESS else "1"}
+        if self.device_type is DeviceType.CPU and self.config.tensor_parallel_size > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.config.thread_binding()
         with _START_LOCK:
-            previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
-                "0" if self.config.process_mode is ProcessMode.IN_PROCESS else "1"
-            )
+            previous = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)  # the worker processes vLLM spawns inherit them
             try:
                 return AsyncLLM.from_engine_args(args)
             finally:
-                if previous is None:
-                    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-                else:
-                    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+                for key, value in previous.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
 
     async def stop(self) -> float:
         """Shut the engine down (its process exits); returns seconds taken."""
