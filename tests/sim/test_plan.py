@@ -5,8 +5,6 @@ commands."""
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 
 import numpy as np
@@ -14,13 +12,13 @@ import pytest
 
 from dynaresized.core.policy import load_policy
 from dynaresized.domain import Split
-from dynaresized.sim.cli import add_parsers, run_cli
 from dynaresized.sim.pipeline import best_static_config, static_total, static_windows
 from dynaresized.sim.plan import Config, extrapolate, phases, plan, plan_start, search, space
 from dynaresized.sim.profile import load_profile
 from dynaresized.sim.run import guards_for, scenario_shape
 from dynaresized.sim.stages import StageModel
 from dynaresized.sim.workload import StepBatch, Trace, scenario_trace
+from tests.sim.test_cli import cli
 
 PROFILE = load_profile("qwen3-8b-h20x8")
 BUILTIN = ("longtail-stationary", "longtail-drift", "shrinking", "bimodal", "noisy", "verl-dapo")
@@ -39,14 +37,6 @@ def step_change(before: int, after: int, *, switch: int, steps: int, samples: in
         batches.append(StepBatch(s, np.full(samples, 256, dtype=np.int64),
                                  rng.integers(length // 2, length * 3 // 2, samples).astype(np.int64)))
     return Trace("step-change", tuple(batches))
-
-
-def cli(*argv: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser()
-    add_parsers(parser.add_subparsers(dest="command", required=True))
-    out = io.StringIO()
-    code = run_cli(parser.parse_args(list(argv)), out=out)
-    return code, out.getvalue()
 
 
 def test_the_space_is_every_split_in_whole_engines_of_each_size():
