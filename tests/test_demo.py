@@ -50,11 +50,15 @@ def test_demo_moves_devices_to_the_slow_stage_and_beats_the_static_split() -> No
         assert [type(x) for x in facts if isinstance(x, f.ResizeCommitted | f.ResizeRolledBack)][0] \
             is f.ResizeCommitted
         assert sum(isinstance(x, f.StepObserved) for x in facts) == 30
-        # Idle engines are lent to the training step in progress, with their reasons, and come home.
+        # Idle devices are lent to the stage in progress, shown live with their reasons, and come
+        # home. Which way they go (engines to training at "rollout queue empty", trainers to the
+        # rollout) depends on where each step's idle time falls, which at 20000x moves with the
+        # machine's load, so the test asks for loans and their reasons, not for one direction.
         assert summary["loans"] >= 5 and summary["router"] == "pull"
-        assert "to training at mini-batch" in result.stderr and "rollout queue empty" in result.stderr
         loans = [x for x in facts if isinstance(x, f.LoanStarted)]
         assert loans and all(x.saves_s > x.cost_s for x in loans)
+        assert all(" to training at mini-batch " in x.reason or " to the rollout: " in x.reason for x in loans)
+        assert any(x.reason.split(":")[0] in result.stderr for x in loans), result.stderr[-3000:]
         # every lent device goes home at a step boundary (one return for all of a step's loans)
         lent = [d for x in loans for d in x.plan.devices]
         home = [d for x in facts if isinstance(x, f.LoanReturnStarted) for d in x.plan.devices]
