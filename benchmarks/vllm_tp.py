@@ -68,11 +68,14 @@ def worker(model_dir: str, tp: int, batches: list[int], tokens: int, repeats: in
 
 
 def measure(model_dir: Path, tp: int, args: argparse.Namespace) -> dict[str, Any]:
+    from dynaresized.backends.vllm.engine import EngineConfig
+
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < tp:
         raise SystemExit(f"a TP-{tp} engine needs {tp} cores; this process may use {len(cores)}")
+    binding = EngineConfig(model=str(model_dir), tensor_parallel_size=tp).thread_binding()  # the backend's own
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cores[:tp]))}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": binding}
     argv = [sys.executable, __file__, "--worker", str(model_dir), "--tp", str(tp), "--batches", args.batches,
             "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)

@@ -202,7 +202,8 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
     _positive(args.pilot_steps, "--pilot-steps")
     profile, trace, seed = _workload(args)
     _require_policies([args.policy])
-    if args.layout == "plan" and (args.tp is not None or args.initial_split is not None):
+    manual = args.tp is not None or args.initial_split is not None
+    if args.layout == "plan" and manual:
         raise ValueError("--layout plan chooses the engine size and the split itself; drop --tp and --initial-split")
     options = _key_values(args.policy_option, "--policy-option")
     overrides = _key_values(args.guard, "--guard")
@@ -211,13 +212,13 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
     # them on the run's own model (sharing its caches).
     base = None
     layout, planned = args.layout, ""
-    if args.layout == "plan":
+    if args.layout == "plan" or manual:
         base = baselines(StageModel(profile, trace, router=args.router))
+    if args.layout == "plan":
         start, _ = plan_start(profile, trace, lambda: load_policy(args.policy, options),
                               guards_for(profile, overrides), router=args.router, pilot_steps=args.pilot_steps)
         profile, planned = profile.with_layout(start.tp, start.split), str(start)
-    elif args.tp is not None or args.initial_split is not None:
-        base = baselines(StageModel(profile, trace, router=args.router))
+    elif manual:
         initial = parse_split(args.initial_split) if args.initial_split is not None else None
         profile, layout = profile.with_layout(args.tp, initial), "manual"
     result = simulate(
