@@ -19,7 +19,7 @@ from dynaresized.core import facts as f
 from dynaresized.core import guards
 from dynaresized.core.idle import step_period_s
 from dynaresized.core.policy import LoanCosts, LoanProposal, LoanView, ObservedView, Policy, Proposal, ResizeCosts
-from dynaresized.core.state import ClusterState, Phase, mutate, seen_at
+from dynaresized.core.state import ClusterState, InFlight, Phase, derived, mutate, seen_at
 from dynaresized.domain import (
     UNDO,
     ActualState,
@@ -255,7 +255,7 @@ def _resend_pending_to(tx: _Tx, worker_id: str) -> None:
     """A worker that says hello gets the op in flight again if it has not answered it: its
     answer may have been lost, and it answers from its record (or re-runs it after a restart)."""
     fl = tx.state.inflight
-    if fl is not None and worker_id in fl.op.targets and worker_id not in fl.acked:
+    if fl is not None and worker_id in _targets(fl) and worker_id not in acked_set(fl):
         _send(tx, [worker_id])
 
 
@@ -434,7 +434,7 @@ def on_tick(core: Core, tx: _Tx, e: ev.Tick) -> None:
             _after_worker_gone(core, tx, worker_id, "lost", e.at)
     fl = tx.state.inflight
     if fl is not None and e.at > fl.op_deadline:
-        waiting = [w for w in fl.op.targets if w not in fl.acked and tx.state.is_live(w)]
+        waiting = _pending(tx.state)
         reason = (f"{fl.op.kind.value} timed out after {e.at - fl.op_started_at:.1f}s "
                   f"(op_timeout_s={core.config.op_timeout_s:g}); waiting for {', '.join(waiting) or 'nobody'}")
         tx.emit(f.OpFailed(at=e.at, op_id=fl.op.op_id, worker_id=None, reason=reason))
@@ -488,9 +488,9 @@ def on_op_reported(core: Core, tx: _Tx, e: ev.OpReported) -> None:
     assert fl is not None
     if e.op_id != fl.op.op_id:  # e.g. a late answer to a re-sent op that has completed
         raise Refused("stale_op", f"operation {e.op_id} is not in flight (current: {fl.op.op_id})")
-    if e.worker_id not in fl.op.targets:
+    if e.worker_id not in _targets(fl):
         raise Refused("not_a_target", f"operation {e.op_id} was not sent to {e.worker_id!r}")
-    if e.worker_id in fl.acked:
+    if e.worker_id in acked_set(fl):
         return  # a duplicate answer: the first one counted
     if e.ok:
         tx.emit(f.OpAcked(at=e.at, op_id=e.op_id, worker_id=e.worker_id, detail=e.detail, actual=e.actual))
@@ -652,10 +652,36 @@ def _unique(workers: object) -> tuple[str, ...]:
     return tuple(seen)
 
 
+def _targets(fl: InFlight) -> frozenset[str]:
+    """The current op's targets as a set (an answer scanned the tuple: quadratic in the targets)."""
+    return derived("targets", lambda: frozenset(fl.op.targets), fl.op.targets)
+
+
+_ACKED: list[tuple[tuple[str, ...], set[str]]] = []
+
+
+def acked_set(fl: InFlight) -> set[str]:
+    """`fl.acked` as a set, for membership: the answers of an op to T targets arrive one at a
+    time, each making a tuple one longer, so the set of the last one is extended (its prefix
+    compared in C) instead of built again per answer. Read it, never change it."""
+    acked = fl.acked
+    if _ACKED:
+        last, members = _ACKED[0]
+        if last is acked:
+            return members
+        if len(acked) == len(last) + 1 and acked[:-1] == last:
+            members.add(acked[-1])  # the set of `last` is not asked for again: its state moved on
+            _ACKED[0] = (acked, members)
+            return members
+    members = set(acked)
+    _ACKED[:] = [(acked, members)]
+    return members
+
+
 def _pending(state: ClusterState) -> list[str]:
     fl = state.inflight
     assert fl is not None
-    acked = set(fl.acked)  # a tuple scanned per target made each answer quadratic in the targets
+    acked = acked_set(fl)
     return [w for w in fl.op.targets if w not in acked and state.is_live(w)]
 
 
@@ -666,7 +692,7 @@ def _owed(state: ClusterState) -> bool:
     liveness checks in all, where listing the pending ones after each cost T^2 / 2."""
     fl = state.inflight
     assert fl is not None
-    acked = set(fl.acked)
+    acked = acked_set(fl)
     return any(w not in acked and state.is_live(w) for w in reversed(fl.op.targets))
 
 
@@ -919,12 +945,11 @@ def loan_view(core: Core, state: ClusterState, now: float) -> LoanView:
         rollout_step = state.last_step + 2
     else:
         rollout_step = mb.step if mb.total == 0 else mb.step + 1
-    held_back = state.held_back()
-    placed_home = {d for d, p in state.devices.items() if p.home is None and p.pool is not None and d not in held_back}
-    idle = tuple(d for d in state.dry if d in placed_home and state.devices[d].pool is Pool.ROLLOUT)
+    idle, trainers = state.lendable()
     # no rollout step left to serve (the run's last training step): no trainer is free to lend
     last = core.config.steps_total is not None and rollout_step >= core.config.steps_total
-    free = tuple(d for d in state.pool_devices(Pool.TRAINING) if d in placed_home) if done and not last else ()
+    free = trainers if done and not last else ()
+    samples_done, samples_total = state.samples(rollout_step)
     return LoanView(
         now=now,
         split=state.split,
@@ -939,8 +964,8 @@ def loan_view(core: Core, state: ClusterState, now: float) -> LoanView:
         rollout_costs=_loan_costs(core, state, Pool.ROLLOUT),
         recent=state.recent,
         rollout_step=rollout_step,
-        samples_done=sum(p.done for p in state.progress.values() if p.step == rollout_step),
-        samples_total=max((p.total for p in state.progress.values() if p.step == rollout_step), default=0),
+        samples_done=samples_done,
+        samples_total=samples_total,
     )
 
 

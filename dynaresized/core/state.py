@@ -119,6 +119,26 @@ class Progress(msgspec.Struct, frozen=True, array_like=True):
     tokens: int
 
 
+class StepProgress(msgspec.Struct, frozen=True, array_like=True):
+    """One rollout step's progress summed over the engines whose latest report is of it."""
+
+    done: int = 0
+    totals: dict[int, int] = {}  # the step's size as reported -> engines reporting it
+
+    def moved(self, done: int, total: int, sign: int) -> StepProgress | None:
+        """With one engine's report added (`sign` 1) or taken back (-1); None once no engine
+        reports this step."""
+        totals = dict(self.totals)
+        totals[total] = totals.get(total, 0) + sign
+        if totals[total] <= 0:
+            del totals[total]
+        return StepProgress(done=self.done + sign * done, totals=totals) if totals else None
+
+    @property
+    def total(self) -> int:
+        return max(self.totals, default=0)
+
+
 class Unconverged(msgspec.Struct, frozen=True, array_like=True):
     reason: str
     at: float  # when it was last found unconverged (it is tried again `reconcile_retry_s` later)
@@ -134,23 +154,44 @@ class MiniBatch(msgspec.Struct, frozen=True, array_like=True):
     last_s: float  # seconds between the last two reports of this step (0: only one so far)
 
 
-_DERIVED: dict[object, tuple[object, object]] = {}
+_DERIVED: dict[object, tuple[tuple[object, ...], object]] = {}
 _T = TypeVar("_T")
 
 
-def derived(source: object, key: object, compute: Callable[[], _T]) -> _T:
-    """`compute()`, a pure function of `source` (one of a state's maps), remembered for the
-    latest `source` object per `key`. A state's maps are never changed in place (every fact
-    makes new ones), so the same object means the same answer: the split and the pools are
+def derived(key: object, compute: Callable[[], _T], *sources: object) -> _T:
+    """`compute()`, a pure function of `sources` (some of a state's maps), remembered for the
+    latest `sources` objects per `key`. A state's maps are never changed in place (every fact
+    makes new ones), so the same objects mean the same answer: the split and the pools are
     asked for several times per event and cost a pass over every device each (at 1,024
-    devices most of a simulated run, `docs/simulator.md`). The entry holds `source`, so its
-    identity cannot be reused while remembered."""
+    devices most of a simulated run, `docs/simulator.md`). The entry holds `sources`, so their
+    identities cannot be reused while remembered."""
     hit = _DERIVED.get(key)
-    if hit is not None and hit[0] is source:
+    if hit is not None and len(hit[0]) == len(sources) and all(a is b for a, b in zip(hit[0], sources)):
         return hit[1]  # type: ignore[return-value]
     value = compute()
-    _DERIVED[key] = (source, value)
+    _DERIVED[key] = (sources, value)
     return value
+
+
+_IDLE: list[tuple[tuple[DeviceId, ...], object, object, tuple[DeviceId, ...]]] = []
+
+
+def _idle_engines(dry: tuple[DeviceId, ...], home: frozenset[DeviceId],
+                  devices: dict[DeviceId, Placement]) -> tuple[DeviceId, ...]:
+    """The devices of `dry` placed home in the rollout pool. `dry` grows one engine at a time
+    within a step: the answer for a longer `dry` of the same `home` and `devices` extends the
+    last one (the prefix compared in C), so a step of E engines costs O(E), not O(E^2)."""
+    if _IDLE:
+        last_dry, last_home, last_devices, last = _IDLE[0]
+        if last_home is home and last_devices is devices and len(dry) >= len(last_dry) \
+                and dry[:len(last_dry)] == last_dry:
+            more = tuple(d for d in dry[len(last_dry):] if d in home and devices[d].pool is Pool.ROLLOUT)
+            answer = last + more if more else last
+            _IDLE[0] = (dry, home, devices, answer)
+            return answer
+    answer = tuple(d for d in dry if d in home and devices[d].pool is Pool.ROLLOUT)
+    _IDLE[:] = [(dry, home, devices, answer)]
+    return answer
 
 
 LOAN_TIMES_KEPT = 3
@@ -178,7 +219,13 @@ class ClusterState(msgspec.Struct, frozen=True):
     last_step: int = -1
     recent: tuple[StepTiming, ...] = ()
     step_history: tuple[StepTiming, ...] = ()
+    # Each engine's latest progress report, as a map and a small overlay of the latest ones
+    # (read with `progress_of`; as `seen_base`/`seen_recent`: engines report many times a
+    # step, and a full copy per report made every step quadratic in the engines), and the sums
+    # per step the lending policy reads, kept as reports arrive.
     progress: dict[WorkerId, Progress] = {}
+    progress_recent: dict[WorkerId, Progress] = {}
+    step_progress: dict[int, StepProgress] = {}
     history: History = History()
     idle: IdleLedger = IdleLedger()
     outcome: Outcome | None = None  # the last committed (or in-flight) resize, until judged
@@ -213,14 +260,14 @@ class ClusterState(msgspec.Struct, frozen=True):
 
     # -- derived views -------------------------------------------------------------
     def pool_devices(self, pool: Pool) -> tuple[DeviceId, ...]:
-        return derived(self.devices, ("pool", pool),
-                       lambda: tuple(d for d, p in self.devices.items() if p.pool is pool))
+        return derived(("pool", pool), lambda: tuple(d for d, p in self.devices.items() if p.pool is pool),
+                       self.devices)
 
     @property
     def split(self) -> Split:
         """Devices per pool; a lent device counts in its home pool (a loan lasts one step);
         a moving device counts in neither."""
-        return derived(self.devices, "split", self._split)
+        return derived("split", self._split, self.devices)
 
     def _split(self) -> Split:
         train = rollout = 0
@@ -235,6 +282,21 @@ class ClusterState(msgspec.Struct, frozen=True):
     def lent_devices(self) -> tuple[DeviceId, ...]:
         """Devices serving the other pool until the step boundary (loan landed, not returned)."""
         return tuple(d for d, p in self.devices.items() if p.home is not None and p.pool is not None)
+
+    def lendable(self) -> tuple[tuple[DeviceId, ...], tuple[DeviceId, ...]]:
+        """(devices of rollout engines with nothing left to do in `dry_step`, training devices),
+        each placed in its home pool and not held back: what a loan may take. Asked after every
+        progress report and every engine that runs dry, so remembered while the maps it reads
+        are the same, and the dry engines' part extended as `dry` grows."""
+        def placed_home() -> frozenset[DeviceId]:
+            held_back = self.held_back()
+            return frozenset(d for d, p in self.devices.items()
+                             if p.home is None and p.pool is not None and d not in held_back)
+
+        home = derived("home", placed_home, self.devices, self.unconverged, self.workers)
+        trainers = derived("trainers", lambda: tuple(d for d in self.pool_devices(Pool.TRAINING) if d in home),
+                           self.devices, home)
+        return _idle_engines(self.dry, home, self.devices), trainers
 
     def held_back(self) -> set[DeviceId]:
         """Devices left out of every plan, resize or loan: a worker on them has not converged."""
@@ -274,6 +336,17 @@ class ClusterState(msgspec.Struct, frozen=True):
             return None
         return Holding.SERVING if pool is worker.kind.pool else Holding.RELEASED
 
+    def progress_of(self, worker_id: WorkerId) -> Progress | None:
+        """`worker_id`'s latest progress report (None: none yet)."""
+        p = self.progress_recent.get(worker_id)
+        return p if p is not None else self.progress.get(worker_id)
+
+    def samples(self, step: int) -> tuple[int, int]:
+        """(samples done, the step's samples) of rollout step `step`, summed over the engines
+        whose latest report is of it ((0, 0): none)."""
+        p = self.step_progress.get(step)
+        return (p.done, p.total) if p is not None else (0, 0)
+
     @property
     def last_seen(self) -> dict[WorkerId, float]:
         """When each live worker was last heard from (a new dict: reading it is linear)."""
@@ -309,15 +382,27 @@ def fold(facts: Iterable[f.Fact], state: ClusterState | None = None) -> ClusterS
     return state
 
 
+_V = TypeVar("_V")
+
+
+def overlaid(base: dict[WorkerId, _V], recent: dict[WorkerId, _V], worker_id: WorkerId,
+             value: _V) -> tuple[dict[WorkerId, _V], dict[WorkerId, _V]]:
+    """A map kept as `base` and a small overlay `recent`, with `worker_id` set to `value`: a
+    copy of the overlay, folded into a copy of the base once it holds about sqrt(base)
+    entries (the cost per update is O(sqrt n), not O(n))."""
+    recent = dict(recent)
+    recent[worker_id] = value
+    if len(recent) > max(32, math.isqrt(len(base))):
+        base = dict(base)
+        base.update(recent)
+        return base, {}
+    return base, recent
+
+
 def seen_at(state: ClusterState, worker_id: WorkerId, at: float) -> ClusterState:
     """`state` with `worker_id` last heard from at `at` (see `ClusterState.seen_base`)."""
-    recent = dict(state.seen_recent)
-    recent[worker_id] = at
-    if len(recent) > max(32, math.isqrt(len(state.seen_base))):
-        base = dict(state.seen_base)
-        base.update(recent)
-        return replace(state, seen_base=base, seen_recent={})
-    return replace(state, seen_recent=recent)
+    base, recent = overlaid(state.seen_base, state.seen_recent, worker_id, at)
+    return replace(state, seen_base=base, seen_recent=recent)
 
 
 def _unseen(state: ClusterState, worker_id: WorkerId) -> ClusterState:
@@ -461,9 +546,29 @@ def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
 
 @_on(f.ProgressObserved)
 def _(s: ClusterState, e: f.ProgressObserved) -> ClusterState:
-    progress = dict(s.progress)
-    progress[e.worker_id] = Progress(e.step, e.done, e.total, e.tokens)
-    return replace(s, progress=progress)
+    sums = dict(s.step_progress)
+    old = s.progress_of(e.worker_id)
+    if old is not None and old.step in sums:
+        _set_step(sums, old.step, sums[old.step].moved(old.done, old.total, -1))
+    _set_step(sums, e.step, sums.get(e.step, StepProgress()).moved(e.done, e.total, 1))
+    base, recent = overlaid(s.progress, s.progress_recent, e.worker_id, Progress(e.step, e.done, e.total, e.tokens))
+    return replace(s, progress=base, progress_recent=recent, step_progress=sums)
+
+
+def _set_step(sums: dict[int, StepProgress], step: int, p: StepProgress | None) -> None:
+    if p is None:
+        sums.pop(step, None)
+    else:
+        sums[step] = p
+
+
+def with_step_progress(s: ClusterState) -> ClusterState:
+    """`s` with `step_progress` summed from its engines' latest reports (a snapshot written
+    before the sums were kept has the reports only)."""
+    sums: dict[int, StepProgress] = {}
+    for p in {**s.progress, **s.progress_recent}.values():
+        _set_step(sums, p.step, sums.get(p.step, StepProgress()).moved(p.done, p.total, 1))
+    return replace(s, step_progress=sums)
 
 
 @_on(f.ConfigReloaded)
@@ -723,4 +828,7 @@ def encode_state(state: ClusterState) -> bytes:
 
 
 def decode_state(data: bytes) -> ClusterState:
-    return _state_decoder.decode(data)
+    state = _state_decoder.decode(data)
+    if (state.progress or state.progress_recent) and not state.step_progress:
+        return with_step_progress(state)
+    return state

@@ -116,16 +116,31 @@ def pull_schedule(lengths: list[int], engines: int, slots: int,
         done_at[:first] = lengths[:first]
         heap = [(lengths[s], s) for s in range(first)] + [(0, s) for s in range(first, width)]
         rest = range(first, n)
+        heapq.heapify(heap)
+        for j in rest:
+            t, s = heap[0]
+            placement[j] = s % engines
+            d = t + lengths[j]
+            done_at[j] = d
+            heapq.heapreplace(heap, (d, s))
     else:
-        heap = [(offsets[s % engines], s) for s in range(width)]
-        rest = range(n)
-    heapq.heapify(heap)
-    for j in rest:
-        t, s = heap[0]
-        placement[j] = s % engines
-        d = t + lengths[j]
-        done_at[j] = d
-        heapq.heapreplace(heap, (d, s))
+        # Late engines: free slots in order of (time, slot), an engine's never-used slots one
+        # entry (the lowest) until it takes a request, so that n requests cost O(n log engines)
+        # however wide the engines are (see `pull_segments`).
+        busy: list[tuple[int, int]] = []  # (finishes, slot)
+        fresh = [(offsets[e], e, e, 0) for e in range(engines)]  # (from, slot, engine, level)
+        heapq.heapify(fresh)
+        for j in range(n):
+            if fresh and (not busy or fresh[0][:2] < busy[0]):
+                t, s, e, k = heapq.heappop(fresh)
+                if k + 1 < slots:
+                    heapq.heappush(fresh, (t, s + engines, e, k + 1))
+            else:
+                t, s = heapq.heappop(busy)
+            placement[j] = s % engines
+            d = t + lengths[j]
+            done_at[j] = d
+            heapq.heappush(busy, (d, s))
     finish = np.zeros(engines, dtype=np.float64) if offsets is None else np.array(offsets, dtype=np.float64)
     np.maximum.at(finish, placement, done_at.astype(np.float64))
     return placement, done_at, finish
@@ -148,15 +163,25 @@ def pull_segments(lengths: list[int], engines: int, slots: int, offsets: list[in
                   interventions: list[Intervention]) -> tuple[np.ndarray, list[tuple[int, int, float, float, int, int]]]:
     """The pull router's FIFO queue with `interventions`, run segment by segment. Returns each
     request's finishing iteration and the segments: (request, engine, from, to, tokens generated
-    before, after), in iterations."""
-    n, width = len(lengths), engines * slots
+    before, after), in iterations.
+
+    Slot s is slot s // engines of engine s % engines; free slots take requests in order of
+    (time, s). Only slots that run something are simulated one by one: an engine's slots that
+    have never run anything are one entry (`fresh`, the lowest of them) until one takes a
+    request, and once the queue is empty those left, and every slot of an engine after a
+    rebalance, are idle from a level on (`idle_from`), so a step of n requests costs
+    O(n log(engines)) however wide the engines are (at 1,024 devices of 256 slots, the old
+    slot-by-slot heap was most of a simulated run)."""
+    n = len(lengths)
     queue: deque[tuple[int, int]] = deque(zip(range(n), [0] * n))
-    running: list[tuple[int, float, int] | None] = [None] * width  # (request, started, generated before)
-    version = [0] * width
+    running: dict[int, tuple[int, float, int]] = {}  # slot -> (request, started, generated before)
+    version: dict[int, int] = {}
     alive = [True] * engines
-    heap = [(float(offsets[s % engines]), s, 0) for s in range(width)]
-    heapq.heapify(heap)
-    idle: set[int] = set()
+    heap: list[tuple[float, int, int]] = []  # (when, slot, version): a running request finishes
+    fresh = [(float(offsets[e]), e, e, 0) for e in range(engines)] if slots > 0 else []  # (from, slot, engine, level)
+    heapq.heapify(fresh)
+    idle: set[int] = set()  # slots that ran something and found the queue empty
+    idle_from: dict[int, int] = {}  # engine -> every slot of it from this level on is idle
     done_at = np.full(n, np.nan)
     segments: list[tuple[int, int, float, float, int, int]] = []
     pending = sorted(interventions, key=lambda x: x.at)
@@ -164,47 +189,73 @@ def pull_segments(lengths: list[int], engines: int, slots: int, offsets: list[in
     def begin(slot: int, t: float) -> None:
         j, gen = queue.popleft()
         running[slot] = (j, t, gen)
-        version[slot] += 1
-        heapq.heappush(heap, (t + lengths[j] - gen, slot, version[slot]))
+        v = version[slot] = version.get(slot, 0) + 1
+        heapq.heappush(heap, (t + lengths[j] - gen, slot, v))
 
     def abort(slot: int, t: float) -> tuple[int, int]:
-        j, started, gen = running[slot]  # type: ignore[misc]
+        j, started, gen = running.pop(slot)
         made = gen + int(t - started)
         segments.append((j, slot % engines, started, t, gen, made))
-        running[slot] = None
-        version[slot] += 1
+        version[slot] = version.get(slot, 0) + 1
         return j, made
 
-    while heap or pending:
-        if pending and (not heap or pending[0].at <= heap[0][0]):
+    def fill(t: float) -> None:
+        """Free slots take what the queue holds, lowest slot first."""
+        listed = sorted(s for s in idle if alive[s % engines])
+        levels = [(k * engines + e, e) for e, k in idle_from.items() if alive[e]]
+        heapq.heapify(levels)
+        i = 0
+        while queue and (i < len(listed) or levels):
+            if levels and (i == len(listed) or levels[0][0] < listed[i]):
+                slot, e = heapq.heappop(levels)
+                k = idle_from[e] = idle_from[e] + 1
+                if k < slots:
+                    heapq.heappush(levels, (slot + engines, e))
+                else:
+                    del idle_from[e]
+            else:
+                slot = listed[i]
+                i += 1
+                idle.discard(slot)
+            begin(slot, t)
+
+    while heap or pending or (queue and fresh):
+        t_run = heap[0][0] if heap else math.inf
+        t_new = fresh[0][0] if queue and fresh else math.inf
+        if pending and pending[0].at <= min(t_run, t_new):
             x = pending.pop(0)
-            hit = [s for s in range(width) if running[s] is not None and alive[s % engines]
-                   and (x.rebalance or s % engines in x.stop)]
+            hit = sorted(s for s in running if alive[s % engines] and (x.rebalance or s % engines in x.stop))
             requeued = [abort(s, x.at) for s in hit]
             queue.extendleft(reversed(requeued))
             for e in x.stop:
                 alive[e] = False
+            # the engines' never-used slots free before now found the queue empty: idle
+            while fresh and fresh[0][0] < x.at:
+                _, _, e, k = heapq.heappop(fresh)
+                idle_from[e] = k
             if x.rebalance:  # every slot that has started takes from the queue again, engine by engine
-                free = [s for s in range(width) if alive[s % engines] and offsets[s % engines] <= x.at]
-                for slot in free:
-                    version[slot] += 1
-            else:
-                free = sorted(s for s in idle if alive[s % engines])
-            idle.difference_update(free)
-            for slot in free:
-                if queue:
-                    begin(slot, x.at)
-                else:
-                    idle.add(slot)
+                again = {e for e in range(engines) if alive[e] and offsets[e] <= x.at}
+                fresh = [entry for entry in fresh if entry[2] not in again]
+                heapq.heapify(fresh)
+                idle = {s for s in idle if s % engines not in again}
+                for e in again:
+                    idle_from[e] = 0
+            fill(x.at)
+            continue
+        if t_new < t_run or (t_new == t_run and fresh[0][1] < heap[0][1]):
+            t, slot, e, k = heapq.heappop(fresh)
+            if not alive[e]:
+                continue
+            if k + 1 < slots:
+                heapq.heappush(fresh, (t, slot + engines, e, k + 1))
+            begin(slot, t)
             continue
         t, slot, ver = heapq.heappop(heap)
         if ver != version[slot] or not alive[slot % engines]:
             continue
-        if running[slot] is not None:
-            j, started, gen = running[slot]  # type: ignore[misc]
-            segments.append((j, slot % engines, started, t, gen, lengths[j]))
-            done_at[j] = t
-            running[slot] = None
+        j, started, gen = running.pop(slot)
+        segments.append((j, slot % engines, started, t, gen, lengths[j]))
+        done_at[j] = t
         if queue:
             begin(slot, t)
         else:

@@ -717,7 +717,7 @@ def test_progress_is_recorded() -> None:
     d = boot(make_core(), 3, 1)
     facts, _ = d.send(ev.ProgressReported(at=1.0, worker_id=engine(3), step=0, done=5, total=8, tokens=900))
     assert kinds(facts) == [f.ProgressObserved]
-    assert d.state.progress[engine(3)].done == 5
+    assert d.state.progress_of(engine(3)).done == 5
     assert d.replayed().durable() == d.state.durable()
 
 
