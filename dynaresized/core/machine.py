@@ -9,7 +9,7 @@ also with the state unchanged: both are the sender's problem, and the shell tell
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 from msgspec.structs import replace
@@ -148,6 +148,43 @@ class Core:
         # (a hello re-sends what is still pending), so only commands to live workers leave.
         commands = [c for c in tx.commands if tx.state.is_live(c.worker_id)]
         return tx.state, tx.facts, commands
+
+    def step_answers(self, state: ClusterState, answers: Sequence[ev.OpReported]) -> tuple[
+            ClusterState, list[f.Fact], list[Command]]:
+        """`step` of each of `answers` in order, their facts and commands together: for the
+        answers of one op's targets arriving at once (an op to every device of a wide loan).
+        Until the last of them the op is owed to a live target that has not answered (the
+        last one's worker), so stepping an answer before it only folds its `OpAcked`: that is
+        all done for them, and the last is stepped as any event. Anything else (a failure, a
+        stale or duplicate answer, a worker not live) is stepped one by one; an answer `step`
+        refuses raises as there, and nothing of the batch is kept (the daemon, which answers
+        each sender, steps them one by one)."""
+        fl = state.inflight
+        if len(answers) < 2 or fl is None or TRANSITIONS[state.phase].get(ev.OpReported) is not on_op_reported:
+            return self._step_each(state, answers)
+        targets, acked, seen = _targets(fl), acked_set(fl), set()
+        for a in answers:
+            if (not a.ok or a.actual is not None or a.op_id != fl.op.op_id or a.worker_id not in targets
+                    or a.worker_id in acked or a.worker_id in seen or not state.is_live(a.worker_id)):
+                return self._step_each(state, answers)
+            seen.add(a.worker_id)
+        facts: list[f.Fact] = []
+        for a in answers[:-1]:
+            fact = f.OpAcked(at=a.at, op_id=a.op_id, worker_id=a.worker_id, detail=a.detail, actual=None)
+            state = mutate(state, fact)
+            facts.append(fact)
+        state, last, commands = self.step(state, answers[-1])
+        return state, facts + last, commands
+
+    def _step_each(self, state: ClusterState, events: Sequence[ev.Event]) -> tuple[
+            ClusterState, list[f.Fact], list[Command]]:
+        facts: list[f.Fact] = []
+        commands: list[Command] = []
+        for event in events:
+            state, more, sent = self.step(state, event)
+            facts.extend(more)
+            commands.extend(sent)
+        return state, facts, commands
 
     # -- views ---------------------------------------------------------------------
     def view(self, state: ClusterState, now: float) -> ObservedView:

@@ -160,13 +160,15 @@ _T = TypeVar("_T")
 
 def derived(key: object, compute: Callable[[], _T], *sources: object) -> _T:
     """`compute()`, a pure function of `sources` (some of a state's maps), remembered for the
-    latest `sources` objects per `key`. A state's maps are never changed in place (every fact
-    makes new ones), so the same objects mean the same answer: the split and the pools are
+    latest `sources` per `key`. A state's maps are never changed in place (every fact makes
+    new ones), so the same objects mean the same answer: the split and the pools are
     asked for several times per event and cost a pass over every device each (at 1,024
     devices most of a simulated run, `docs/simulator.md`). The entry holds `sources`, so their
     identities cannot be reused while remembered."""
     hit = _DERIVED.get(key)
-    if hit is not None and len(hit[0]) == len(sources) and all(a is b for a, b in zip(hit[0], sources)):
+    # Tuples compare their items by identity first, so the same maps answer in C; equal maps
+    # that are other objects compare by value, which is as good (the answer is a function of it).
+    if hit is not None and hit[0] == sources:
         return hit[1]  # type: ignore[return-value]
     value = compute()
     _DERIVED[key] = (sources, value)

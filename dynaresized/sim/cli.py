@@ -20,7 +20,16 @@ from dynaresized.sim.plan import PILOT_STEPS, Plan, plan, plan_start
 from dynaresized.sim.plot import PlotUnavailable
 from dynaresized.sim.profile import Profile, ProfileError, builtin_profiles, load_profile, parse_split
 from dynaresized.sim.stages import ROUTERS, StageModel
-from dynaresized.sim.run import BENCH_POLICIES, SimReport, baselines, bench, guards_for, scenario_shape, simulate
+from dynaresized.sim.run import (
+    AUTO_JOBS_FROM_GPUS,
+    BENCH_POLICIES,
+    SimReport,
+    baselines,
+    bench,
+    guards_for,
+    scenario_shape,
+    simulate,
+)
 from dynaresized.sim.workload import (
     DYNAMIC_SCENARIOS,
     SCENARIOS,
@@ -112,6 +121,10 @@ def add_parsers(subparsers: Any) -> None:
     sim.add_argument("--policy-option", action="append", metavar="KEY=VALUE", help="option for the policy")
     sim.add_argument("--guard", action="append", metavar="KEY=VALUE",
                      help="override a hysteresis guard, e.g. cooldown_steps=5")
+    sim.add_argument("--jobs", type=int, metavar="N",
+                     help="processes: verl's two rules run in their own while this one runs the policy and the "
+                          f"baselines (default: the machine's cores from {AUTO_JOBS_FROM_GPUS} devices on, else 1; "
+                          "the report is the same)")
     sim.add_argument("--json", action="store_true", help="print exactly one JSON object")
     sim.add_argument("--plot", metavar="FILE.png", help="write a PNG: pools over time, stage times, resizes")
     sim.set_defaults(sim_command="simulate", run=run_cli)
@@ -200,6 +213,7 @@ def _workload(args: argparse.Namespace) -> tuple[Profile, Trace, int | None]:
 
 def _simulate(args: argparse.Namespace, out: TextIO) -> int:
     _positive(args.pilot_steps, "--pilot-steps")
+    _positive(args.jobs, "--jobs")
     profile, trace, seed = _workload(args)
     _require_policies([args.policy])
     manual = args.tp is not None or args.initial_split is not None
@@ -232,6 +246,7 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
         seed=seed,
         model=StageModel(profile, trace, router=args.router),
         progress=ProgressBar(f"simulate {trace.name}/{args.policy}"),
+        jobs=args.jobs,
     )
     report = msgspec.structs.replace(result.report, layout=layout, planned_start=planned)
     if args.plot:

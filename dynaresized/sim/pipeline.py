@@ -299,7 +299,15 @@ class DynamicPipeline:
 
     # -- feeding the core ----------------------------------------------------------------
     def _feed(self, event: ev.Event) -> None:
-        self.state, facts, commands = self.core.step(self.state, event)
+        self._took(*self.core.step(self.state, event), event.at)
+
+    def _feed_answers(self, answers: list[ev.OpReported]) -> None:
+        """One op's answers in turn (`Core.step_answers`: as fed one by one)."""
+        if answers:
+            self._took(*self.core.step_answers(self.state, answers), answers[-1].at)
+
+    def _took(self, state: ClusterState, facts: list[f.Fact], commands: list[SendOp], at: float) -> None:
+        self.state = state
         self.facts.extend(facts)
         costs = self.model.profile.resize
         for fact in facts:
@@ -310,7 +318,7 @@ class DynamicPipeline:
                 if fact.resize_id not in self._served_early:
                     self._penalty[plan.to_pool] += c.first_step_s
         for command in commands:
-            self._schedule(command, event.at)
+            self._schedule(command, at)
 
     def facts_plan(self, resize_id: str) -> ResizePlan:
         for fact in reversed(self.facts):
@@ -363,16 +371,22 @@ class DynamicPipeline:
     def _ack_until(self, until: float) -> None:
         while self._acks and self._acks[0].at <= until:
             ack = heapq.heappop(self._acks)
-            self._feed(ev.OpReported(at=ack.at, worker_id=ack.worker_id, op_id=ack.op_id, ok=True))
+            answers = [ev.OpReported(at=ack.at, worker_id=ack.worker_id, op_id=ack.op_id, ok=True)]
+            while self._acks and self._acks[0].at <= until and self._acks[0].op_id == ack.op_id:
+                more = heapq.heappop(self._acks)  # the op's other targets, answering in turn
+                answers.append(ev.OpReported(at=more.at, worker_id=more.worker_id, op_id=more.op_id, ok=True))
+            if len(answers) == 1:
+                self._feed(answers[0])
+            else:
+                self._feed_answers(answers)
 
     def _commit_at_boundary(self, now: float) -> None:
         fl = self.state.inflight
         if fl is None or not self._commits or fl.op.kind is not OpKind.COMMIT:
             return
         commits, self._commits = self._commits, []
-        for command in commits:
-            if command.op.op_id == fl.op.op_id:
-                self._feed(ev.OpReported(at=now, worker_id=command.worker_id, op_id=command.op.op_id, ok=True))
+        self._feed_answers([ev.OpReported(at=now, worker_id=c.worker_id, op_id=c.op.op_id, ok=True)
+                            for c in commits if c.op.op_id == fl.op.op_id])
 
     def _stop_the_world(self, now: float) -> float:
         """Naive mode: nothing runs until the resize in flight has finished."""
@@ -394,12 +408,16 @@ class DynamicPipeline:
         """A lent trainer whose join is done enters the group at this mini-batch boundary."""
         ready = [c for c in self._joins if c.deadline <= at]
         self._joins = [c for c in self._joins if c.deadline > at]
-        for c in ready:
-            fl = self.state.inflight
-            if fl is not None and fl.op.op_id == c.op.op_id:
-                self._feed(ev.OpReported(at=at, worker_id=c.worker_id, op_id=c.op.op_id, ok=True))
-                if self.state.inflight is None or self.state.inflight.op.op_id != c.op.op_id:
-                    self._joined.append((at, len(c.op.devices)))
+        fl = self.state.inflight
+        if fl is None:
+            return
+        op = fl.op  # only its joins are answered: a join of another op has nobody waiting for it
+        answers = [ev.OpReported(at=at, worker_id=c.worker_id, op_id=op.op_id, ok=True)
+                   for c in ready if c.op.op_id == op.op_id]
+        if answers:
+            self._feed_answers(answers)
+            if self.state.inflight is None or self.state.inflight.op.op_id != op.op_id:
+                self._joined.append((at, len(op.devices)))
 
     def _land_loan(self, end: float) -> float:
         """A loan still on its way when the step ends lands before the boundary: the boundary

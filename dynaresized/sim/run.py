@@ -8,9 +8,12 @@ once per (trace, profile) and shared by every policy `bench` runs.
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
+import os
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -171,13 +174,48 @@ VERL_RULES: tuple[str, ...] = ("verl-default", "verl-v1-switch")
 
 @dataclass(frozen=True)
 class VerlRuns:
-    """verl's rules on one (trace, profile, cost mode): its runs, by policy name."""
+    """verl's rules on one (trace, profile, cost mode): its runs, by policy name, or only their
+    totals for those run in another process (`simulate(jobs=...)`)."""
 
     runs: Mapping[str, DynamicRun]
     guards: GuardConfig
+    totals: Mapping[str, float] = field(default_factory=dict)
 
     def total_s(self, name: str) -> float:
-        return self.runs[name].total_time_s
+        return self.runs[name].total_time_s if name in self.runs else self.totals[name]
+
+
+AUTO_JOBS_FROM_GPUS = 128
+"""`simulate(jobs=None)` runs verl's rules in processes of their own from this many devices on
+(below it a whole simulation takes seconds, and a fork costs more than it saves)."""
+
+_FORKED: list[Callable[[], float]] = []
+
+
+def _run_forked(i: int) -> float:
+    return _FORKED[i]()
+
+
+def _verl_total(model: StageModel, name: str, naive: bool) -> float:
+    return DynamicPipeline(model, load_policy(name), guards=verl_guards(model.profile), naive=naive).run().total_time_s
+
+
+def _forked_verl(model: StageModel, names: list[str], naive: bool, processes: int) -> Callable[[], list[float]]:
+    """Start verl's rules `names` on `model` in `processes` forked processes (they inherit the
+    model: nothing is pickled but the totals coming back); returns what waits for their totals.
+    The runs are the ones `verl_baselines` makes: the same code on the same model."""
+    _FORKED[:] = [functools.partial(_verl_total, model, name, naive) for name in names]
+    pool = multiprocessing.get_context("fork").Pool(processes)
+    pending = pool.map_async(_run_forked, range(len(names)))
+
+    def wait() -> list[float]:
+        try:
+            return pending.get()
+        finally:
+            pool.terminate()
+            _FORKED.clear()
+
+    return wait
 
 
 def verl_guards(profile: Profile) -> GuardConfig:
@@ -287,20 +325,33 @@ def simulate(
     verl: VerlRuns | None = None,
     verl_rules: bool = True,
     progress: Progress | None = None,
+    jobs: int | None = 1,
 ) -> SimRun:
     """Run `policy` (an installed policy name) over `trace` on `profile` in dynamic mode, and
     beside it verl's own rules (`verl`, when given, must be of the same model and cost mode;
-    `verl_rules=False` skips them and leaves the report's verl fields 0)."""
+    `verl_rules=False` skips them and leaves the report's verl fields 0). With `jobs` > 1
+    verl's rules run in up to `jobs - 1` forked processes while this one computes the baselines
+    and the policy's run (the same runs: the report is the same, sooner on several cores);
+    `jobs=None`: as many as the machine's cores, from `AUTO_JOBS_FROM_GPUS` devices on."""
     model = model if model is not None else StageModel(profile, trace)
-    base = base if base is not None else baselines(model)
     guards = guards_for(profile, guard_overrides)
     plain = policy in VERL_RULES and not policy_options and guards == verl_guards(profile)
+    if jobs is None:
+        jobs = (os.cpu_count() or 1) if profile.cluster.gpus >= AUTO_JOBS_FROM_GPUS else 1
+    others = [name for name in VERL_RULES if not (plain and name == policy)]
+    forked = None
+    if verl is None and verl_rules and jobs > 1 and others:
+        forked = _forked_verl(model, others, naive, min(jobs - 1, len(others)))
+    base = base if base is not None else baselines(model)
     if verl is not None and plain:
         run = verl.runs[policy]
     else:
         run = DynamicPipeline(model, load_policy(policy, policy_options), guards=guards, naive=naive,
                               progress=progress).run()
-    if verl is None and verl_rules:
+    if forked is not None:
+        verl = VerlRuns(runs={policy: run} if plain else {}, guards=verl_guards(profile),
+                        totals=dict(zip(others, forked(), strict=True)))
+    elif verl is None and verl_rules:
         verl = verl_baselines(model, naive=naive, reuse={policy: run} if plain else None)
     events = _resize_events(run.facts)
     starts = [e.step for e in events]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,7 +85,8 @@ def submitted_makespans(lengths: np.ndarray, placement: np.ndarray, engines: int
     return tau
 
 
-def pull_placement(lengths: list[int], engines: int, slots: int, offsets: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def pull_placement(lengths: Sequence[int] | np.ndarray, engines: int, slots: int,
+                   offsets: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The engine each request lands on, and each engine's makespan in iterations, when
     `engines` engines of `slots` slots pull from one FIFO queue. Every running request advances
     one token per iteration on every engine (the same lock-step the FIFO model assumes);
@@ -93,10 +95,11 @@ def pull_placement(lengths: list[int], engines: int, slots: int, offsets: list[i
     return placement, finish
 
 
-def pull_schedule(lengths: list[int], engines: int, slots: int,
+def pull_schedule(lengths: Sequence[int] | np.ndarray, engines: int, slots: int,
                   offsets: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`pull_placement`, with the iteration each request finishes at: (placement, done_at,
-    finish), in iterations."""
+    finish), in iterations. `lengths` as an array costs no conversion where everything fits in
+    the first wave (the static searches ask that of every split and step)."""
     if engines < 1 or slots < 1:
         raise ValueError(f"a pull router needs at least one engine with a slot, got {engines} engine(s) "
                          f"of {slots} slot(s): the rollout pool is smaller than one engine")
@@ -106,9 +109,14 @@ def pull_schedule(lengths: list[int], engines: int, slots: int,
     if (offsets is None or not any(offsets)) and n <= width:
         # Everything fits in the first wave: slot j (engine j % engines) runs request j.
         placement = np.arange(n, dtype=np.int64) % engines
-        finish = np.zeros(engines, dtype=np.float64)
-        np.maximum.at(finish, placement, np.asarray(lengths, dtype=np.float64))
-        return placement, np.asarray(lengths, dtype=np.int64), finish
+        done = np.asarray(lengths, dtype=np.int64)
+        rows = -(-n // engines)  # request j is in row j // engines, column j % engines
+        padded = np.zeros(rows * engines, dtype=np.float64)
+        padded[:n] = done
+        finish = padded.reshape(rows, engines).max(axis=0) if n else np.zeros(engines, dtype=np.float64)
+        return placement, done, finish
+    if isinstance(lengths, np.ndarray):
+        lengths = lengths.tolist()  # one element at a time below: a list's are cheaper to read
     if offsets is None or not any(offsets):
         # Everyone starts at once: the first wave fills slot s (engine s % engines) in order.
         first = min(n, width)
@@ -335,6 +343,7 @@ class StageModel:
         self._train_cache: dict[int, np.ndarray] = {}
         self._variants: dict[int, StageModel] = {self._gpe: self}
         self._alone: list[np.ndarray] | None = None
+        self._rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._work: np.ndarray | None = None
 
     # -- engine sizes -------------------------------------------------------------------
@@ -385,10 +394,62 @@ class StageModel:
             if engines < 1:
                 cached = np.full(self.steps, math.inf)
             else:
-                cached = np.array([self._rollout_step(i, engines) for i in range(self.steps)])
+                cached = self._first_wave_table(engines)
+                for i in np.flatnonzero(np.isnan(cached)):
+                    cached[i] = self._rollout_step(int(i), engines)
             cached.setflags(write=False)
             self._rollout_cache[engines] = cached
         return cached
+
+    def _padded(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every step's response lengths, prompt lengths and contexts (as `engine_finish` sums
+        them), one row a step, zero past the step's samples."""
+        if self._rows is None:
+            width = int(self.samples.max())
+            lengths, prompts = np.zeros((self.steps, width)), np.zeros((self.steps, width))
+            for i, b in enumerate(self.trace.steps):
+                lengths[i, :b.samples] = b.response_tokens
+                prompts[i, :b.samples] = b.prompt_tokens
+            self._rows = lengths, prompts, prompts * lengths + lengths * (lengths - 1.0) / 2.0
+        return self._rows
+
+    def _first_wave_table(self, engines: int) -> np.ndarray:
+        """`_rollout_step` of every step whose requests all start at once on `engines` engines
+        (no more requests than slots), computed for all of them in one pass; NaN for the others.
+        The same sums in the same order as `engine_finish` (request j of a pull or round-robin
+        step on engine j % E, verl's contiguous chunks), so the same seconds to the last bit:
+        the static searches ask this of every split, and per step it was most of their time."""
+        r = self.profile.rollout
+        out = np.full(self.steps, np.nan)
+        fits = self.samples <= engines * self.batch_limit
+        if not fits.any():
+            return out
+        lengths, prompts, ctx = self._padded()
+        if self.router in ("pull", "round-robin"):
+            rows = -(-lengths.shape[1] // engines)
+            pad = ((0, 0), (0, rows * engines - lengths.shape[1]))
+
+            def per_engine(m: np.ndarray) -> np.ndarray:
+                return np.pad(m[fits], pad).reshape(-1, rows, engines)
+
+            ls = per_engine(lengths)
+            busy = (r.iter_base_s * ls.max(axis=1) + r.iter_per_seq_s * ls.sum(axis=1)
+                    + r.iter_per_ctx_token_s * per_engine(ctx).sum(axis=1)
+                    + r.prefill_per_token_s * per_engine(prompts).sum(axis=1))
+            out[fits] = busy.max(axis=1)
+            return out
+        for n in np.unique(self.samples[fits]):  # verl: contiguous chunks, the same for steps of n samples
+            steps = np.flatnonzero(fits & (self.samples == n))
+            sizes = np.full(engines, n // engines, dtype=np.int64)
+            sizes[: n % engines] += 1
+            starts = (np.cumsum(sizes) - sizes)[sizes > 0]
+            ls = lengths[steps, :n]
+            busy = (r.iter_base_s * np.maximum.reduceat(ls, starts, axis=1)
+                    + r.iter_per_seq_s * np.add.reduceat(ls, starts, axis=1)
+                    + r.iter_per_ctx_token_s * np.add.reduceat(ctx[steps, :n], starts, axis=1)
+                    + r.prefill_per_token_s * np.add.reduceat(prompts[steps, :n], starts, axis=1))
+            out[steps] = busy.max(axis=1)
+        return out
 
     def rollout_seconds(self, step: int, devices: int) -> float:
         return float(self.rollout_table(devices)[step])
@@ -431,7 +492,7 @@ class StageModel:
             mean_ctx = self._ctx[i] / max(self._sum_l[i], 1.0)
             full_iter = r.iter_base_s + slots * (r.iter_per_seq_s + r.iter_per_ctx_token_s * mean_ctx)
             offsets = [int(x / full_iter) for x in late_s]
-        placement, tau = pull_placement(b.response_tokens.tolist(), engines, slots, offsets)
+        placement, tau = pull_placement(b.response_tokens, engines, slots, offsets)
         lf = b.response_tokens.astype(np.float64)
         pf = b.prompt_tokens.astype(np.float64)
         sum_l = np.bincount(placement, lf, engines)
@@ -479,7 +540,7 @@ class StageModel:
         else:
             full_iter = self._full_iter_s(i)
             offsets_list = [int(x / full_iter) for x in start] if start.any() else None
-            placement, done_int, tau = pull_schedule(lengths.tolist(), engines, slots, offsets_list)
+            placement, done_int, tau = pull_schedule(lengths, engines, slots, offsets_list)
             done_at = done_int.astype(np.float64)
             offsets = np.zeros(engines) if offsets_list is None else np.array(offsets_list, dtype=np.float64)
             lf = lengths.astype(np.float64)

@@ -164,3 +164,22 @@ def test_training_gets_faster_with_more_devices_and_slower_with_more_tokens():
     times = [model.train_seconds(9, n) for n in range(1, 9)]
     assert all(a > b for a, b in zip(times, times[1:], strict=False))
     assert model.train_seconds(9, 4) > model.train_seconds(0, 4)
+
+
+@pytest.mark.parametrize("router", ["pull", "verl", "round-robin"])
+def test_the_whole_table_in_one_pass_is_every_step_to_the_last_bit(router):
+    """`rollout_table` computes the steps whose requests all start at once in one pass: the
+    seconds are exactly those of `engine_finish` step by step, on pools of one engine to more
+    engines than requests (and the steps that do not fit are left to it)."""
+    profile = PROFILE.with_gpus(96)
+    trace = scenario_trace("noisy", scenario_shape(profile), seed=3, steps=12)
+    model = StageModel(profile, trace, router=router)
+    compared = 0
+    for engines in (1, 3, 7, 40, 96):
+        fast = model._first_wave_table(engines)
+        done = ~np.isnan(fast)
+        compared += int(done.sum())
+        step_by_step = np.array([model.engine_finish(i, engines).max() for i in range(model.steps)])
+        assert (fast[done] == step_by_step[done]).all()
+        assert (model.rollout_table(engines * profile.rollout.gpus_per_engine) == step_by_step).all()
+    assert compared >= 2 * model.steps  # most pools fit every step in one wave
