@@ -1,13 +1,18 @@
-"""What keeps the core linear in the cluster's size (benchmarks/scale.py found a plan and the
-answers to an op quadratic): the same answers as the per-device scans they replace."""
+"""What keeps the core linear in the cluster's size (benchmarks/scale.py found a plan, the
+answers to an op and the engines' progress reports quadratic): the same answers as the
+per-device scans they replace, and an op's answers stepped together as one by one."""
 
 from __future__ import annotations
 
+import msgspec
+
 from dynaresized.core import events as ev
+from dynaresized.core import fold
 from dynaresized.core.machine import _pending, plan_resize
+from dynaresized.core.state import decode_state, encode_state
 from dynaresized.domain import Split, WorkerKind
 
-from .cluster import boot, device, engine, make_core, trainer
+from .cluster import boot, device, engine, make_core, snapshot, trainer
 
 
 def test_the_live_worker_index_answers_what_live_worker_answers() -> None:
@@ -68,3 +73,71 @@ def test_heartbeats_of_many_workers_are_all_seen_and_a_silent_one_is_lost_on_tim
     assert [x.worker_id for x in facts if type(x).__name__ == "WorkerLost"] == [silent]
     assert silent not in d.state.last_seen
     assert d.state.durable().last_seen == {}
+
+
+def _answers(d, workers):
+    fl = d.state.inflight
+    assert fl is not None
+    return [ev.OpReported(at=d.at(), worker_id=w, op_id=fl.op.op_id, ok=True) for w in workers]
+
+
+def test_one_ops_answers_stepped_together_are_those_stepped_one_by_one() -> None:
+    one, many = boot(make_core(), 2, 30), boot(make_core(), 2, 30)
+    for d in (one, many):
+        d.force(24, 8)
+    for _ in range(12):  # every op of the resize, each answered by all its targets at once
+        fl = one.state.inflight
+        if fl is None:
+            break
+        answers = _answers(one, fl.op.targets)
+        facts, commands = [], []
+        for a in answers:
+            got, sent = one.send(a)
+            facts += got
+            commands += sent
+        state, together, sent_together = many.core.step_answers(many.state, answers)
+        many.state = state
+        many.log.extend(together)
+        assert together == facts and sent_together == commands
+        assert snapshot(many.state) == snapshot(one.state)
+    assert one.state.inflight is None and many.state.inflight is None
+    assert snapshot(fold(many.log)) == snapshot(fold(one.log))
+
+
+def test_answers_that_cannot_be_taken_together_are_taken_one_by_one() -> None:
+    d = boot(make_core(), 2, 8)
+    d.force(6, 4)
+    fl = d.state.inflight
+    assert fl is not None
+    first, second, *rest = fl.op.targets
+    d.ack(first)
+    # an answer again (a duplicate: the first counted), the rest, and one that failed
+    again = ev.OpReported(at=d.at(), worker_id=first, op_id=fl.op.op_id, ok=True)
+    failed = ev.OpReported(at=d.at(), worker_id=second, op_id=fl.op.op_id, ok=False, detail="oom")
+    batch = [again, *_answers(d, rest), failed]
+    twin = boot(make_core(), 2, 8)
+    twin.state, twin.log = d.state, list(d.log)
+    state, facts, commands = d.core.step_answers(d.state, batch)
+    for a in batch:
+        twin.send(a)
+    assert snapshot(state) == snapshot(twin.state)
+    assert facts == twin.log[len(d.log):]
+    assert any(type(x).__name__ == "OpFailed" for x in facts)  # the failure was stepped as itself
+
+
+def test_the_samples_done_are_summed_as_engines_report_and_rebuilt_from_an_older_snapshot() -> None:
+    d = boot(make_core(), 4, 60)
+    for i in range(4, 64):  # every engine reports step 0, then half of them move on to step 1
+        d.send(ev.ProgressReported(at=d.at(), worker_id=engine(i), step=0, done=i % 5, total=400))
+    for i in range(4, 34):
+        d.send(ev.ProgressReported(at=d.at(), worker_id=engine(i), step=1, done=1, total=512))
+    latest = {**d.state.progress, **d.state.progress_recent}
+    assert len(d.state.progress_recent) <= 32  # the overlay is folded into the map
+    for step in (0, 1):
+        mine = [p for p in latest.values() if p.step == step]
+        assert d.state.samples(step) == (sum(p.done for p in mine), max(p.total for p in mine))
+    assert d.state.samples(2) == (0, 0)
+    # a snapshot written before the sums were kept has the reports only
+    older = decode_state(encode_state(msgspec.structs.replace(d.state, step_progress={})))
+    assert older.step_progress == d.state.step_progress
+    assert snapshot(fold(d.log)) == snapshot(d.state)

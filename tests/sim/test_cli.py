@@ -108,12 +108,24 @@ def test_a_bad_trace_line_is_an_error_naming_the_line(tmp_path, capsys):
          "smaller than one engine of 4"),
         (("simulate", "--scenario", "noisy", "--steps", "2", "--initial-split", "9:2"), "must cover the cluster's 8"),
         (("simulate", "--scenario", "noisy", "--steps", "2", "--initial-split", "4-4"), "4-4"),
+        (("simulate", "--scenario", "noisy", "--steps", "2", "--jobs", "0"), "--jobs must be >= 1"),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, message, capsys):
     code, _ = cli(*argv)
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["hysteresis", "verl-default"])
+def test_verl_rules_in_processes_of_their_own_give_the_same_report(policy):
+    """--jobs 3: verl's rules run in forked processes beside the policy's run (a verl rule as
+    the policy is run once, here); the report is the same, byte for byte."""
+    argv = ("simulate", "--scenario", "noisy", "--steps", "12", "--gpus", "16", "--policy", policy, "--json")
+    code, alone = cli(*argv, "--jobs", "1")
+    assert code == 0
+    assert cli(*argv, "--jobs", "3") == (0, alone)
+    assert json.loads(alone)["verl_dynamic_total_time_s"] > 0
 
 
 def test_samples_only_applies_to_scenarios(tmp_path, capsys):
