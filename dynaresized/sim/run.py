@@ -8,11 +8,12 @@ once per (trace, profile) and shared by every policy `bench` runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import os
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,22 +201,21 @@ def _verl_total(model: StageModel, name: str, naive: bool) -> float:
     return DynamicPipeline(model, load_policy(name), guards=verl_guards(model.profile), naive=naive).run().total_time_s
 
 
-def _forked_verl(model: StageModel, names: list[str], naive: bool, processes: int) -> Callable[[], list[float]]:
+@contextlib.contextmanager
+def _forked_verl(model: StageModel, names: list[str], naive: bool, processes: int) -> Iterator[Callable[[], list[float]]]:
     """Start verl's rules `names` on `model` in `processes` forked processes (they inherit the
-    model: nothing is pickled but the totals coming back); returns what waits for their totals.
-    The runs are the ones `verl_baselines` makes: the same code on the same model."""
+    model: nothing is pickled but the totals coming back); yields what waits for their totals,
+    and stops the processes on the way out, whatever happened meanwhile. The runs are the ones
+    `verl_baselines` makes: the same code on the same model."""
     _FORKED[:] = [functools.partial(_verl_total, model, name, naive) for name in names]
     pool = multiprocessing.get_context("fork").Pool(processes)
-    pending = pool.map_async(_run_forked, range(len(names)))
-
-    def wait() -> list[float]:
-        try:
-            return pending.get()
-        finally:
-            pool.terminate()
-            _FORKED.clear()
-
-    return wait
+    try:
+        pending = pool.map_async(_run_forked, range(len(names)))
+        yield pending.get
+    finally:
+        pool.terminate()
+        pool.join()
+        _FORKED.clear()
 
 
 def verl_guards(profile: Profile) -> GuardConfig:
@@ -339,19 +339,20 @@ def simulate(
     if jobs is None:
         jobs = (os.cpu_count() or 1) if profile.cluster.gpus >= AUTO_JOBS_FROM_GPUS else 1
     others = [name for name in VERL_RULES if not (plain and name == policy)]
-    forked = None
-    if verl is None and verl_rules and jobs > 1 and others:
-        forked = _forked_verl(model, others, naive, min(jobs - 1, len(others)))
-    base = base if base is not None else baselines(model)
-    if verl is not None and plain:
-        run = verl.runs[policy]
-    else:
-        run = DynamicPipeline(model, load_policy(policy, policy_options), guards=guards, naive=naive,
-                              progress=progress).run()
-    if forked is not None:
-        verl = VerlRuns(runs={policy: run} if plain else {}, guards=verl_guards(profile),
-                        totals=dict(zip(others, forked(), strict=True)))
-    elif verl is None and verl_rules:
+    with contextlib.ExitStack() as stack:
+        forked = None
+        if verl is None and verl_rules and jobs > 1 and others:
+            forked = stack.enter_context(_forked_verl(model, others, naive, min(jobs - 1, len(others))))
+        base = base if base is not None else baselines(model)
+        if verl is not None and plain:
+            run = verl.runs[policy]
+        else:
+            run = DynamicPipeline(model, load_policy(policy, policy_options), guards=guards, naive=naive,
+                                  progress=progress).run()
+        if forked is not None:
+            verl = VerlRuns(runs={policy: run} if plain else {}, guards=verl_guards(profile),
+                            totals=dict(zip(others, forked(), strict=True)))
+    if verl is None and verl_rules:
         verl = verl_baselines(model, naive=naive, reuse={policy: run} if plain else None)
     events = _resize_events(run.facts)
     starts = [e.step for e in events]
