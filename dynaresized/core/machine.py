@@ -19,7 +19,7 @@ from dynaresized.core import facts as f
 from dynaresized.core import guards
 from dynaresized.core.idle import step_period_s
 from dynaresized.core.policy import LoanCosts, LoanProposal, LoanView, ObservedView, Policy, Proposal, ResizeCosts
-from dynaresized.core.state import ClusterState, InFlight, Phase, derived, mutate, seen_at
+from dynaresized.core.state import ClusterState, InFlight, Phase, derived, grown, mutate, seen_at
 from dynaresized.domain import (
     UNDO,
     ActualState,
@@ -694,24 +694,15 @@ def _targets(fl: InFlight) -> frozenset[str]:
     return derived("targets", lambda: frozenset(fl.op.targets), fl.op.targets)
 
 
-_ACKED: list[tuple[tuple[str, ...], set[str]]] = []
-
-
 def acked_set(fl: InFlight) -> set[str]:
     """`fl.acked` as a set, for membership: the answers of an op to T targets arrive one at a
-    time, each making a tuple one longer, so the set of the last one is extended (its prefix
-    compared in C) instead of built again per answer. Read it, never change it."""
-    acked = fl.acked
-    if _ACKED:
-        last, members = _ACKED[0]
-        if last is acked:
-            return members
-        if len(acked) == len(last) + 1 and acked[:-1] == last:
-            members.add(acked[-1])  # the set of `last` is not asked for again: its state moved on
-            _ACKED[0] = (acked, members)
-            return members
-    members = set(acked)
-    _ACKED[:] = [(acked, members)]
+    time, each making a tuple one longer, so the set is extended (`state.grown`) instead of
+    built again per answer. Read it, never change it."""
+    return grown("acked", fl.acked, set, _added)
+
+
+def _added(members: set[str], more: tuple[str, ...]) -> set[str]:
+    members.update(more)
     return members
 
 

@@ -156,6 +156,7 @@ class MiniBatch(msgspec.Struct, frozen=True, array_like=True):
 
 _DERIVED: dict[object, tuple[tuple[object, ...], object]] = {}
 _T = TypeVar("_T")
+_I = TypeVar("_I")
 
 
 def derived(key: object, compute: Callable[[], _T], *sources: object) -> _T:
@@ -175,25 +176,27 @@ def derived(key: object, compute: Callable[[], _T], *sources: object) -> _T:
     return value
 
 
-_IDLE: list[tuple[tuple[DeviceId, ...], object, object, tuple[DeviceId, ...]]] = []
+_GROWN: dict[object, tuple[tuple[object, ...], tuple[object, ...], object]] = {}
 
 
-def _idle_engines(dry: tuple[DeviceId, ...], home: frozenset[DeviceId],
-                  devices: dict[DeviceId, Placement]) -> tuple[DeviceId, ...]:
-    """The devices of `dry` placed home in the rollout pool. `dry` grows one engine at a time
-    within a step: the answer for a longer `dry` of the same `home` and `devices` extends the
-    last one (the prefix compared in C), so a step of E engines costs O(E), not O(E^2)."""
-    if _IDLE:
-        last_dry, last_home, last_devices, last = _IDLE[0]
-        if last_home is home and last_devices is devices and len(dry) >= len(last_dry) \
-                and dry[:len(last_dry)] == last_dry:
-            more = tuple(d for d in dry[len(last_dry):] if d in home and devices[d].pool is Pool.ROLLOUT)
-            answer = last + more if more else last
-            _IDLE[0] = (dry, home, devices, answer)
-            return answer
-    answer = tuple(d for d in dry if d in home and devices[d].pool is Pool.ROLLOUT)
-    _IDLE[:] = [(dry, home, devices, answer)]
-    return answer
+def grown(key: object, items: tuple[_I, ...], compute: Callable[[tuple[_I, ...]], _T],
+          extend: Callable[[_T, tuple[_I, ...]], _T], *sources: object) -> _T:
+    """`compute(items)` remembered per `key`, like `derived`, for `items` that grow at their
+    end while `sources` stay the same (an op's answers, a step's dry engines): the answer for
+    a longer `items` is the last one passed to `extend` with only the new items (the prefix is
+    compared in C), so T items arriving one at a time cost O(T), not O(T^2). `extend` may
+    change the last answer in place: the shorter `items` it was for are not asked for again."""
+    hit = _GROWN.get(key)
+    if hit is not None:
+        last, last_sources, value = hit
+        if last_sources == sources and len(items) >= len(last) and items[:len(last)] == last:
+            if len(items) > len(last):
+                value = extend(value, items[len(last):])  # type: ignore[arg-type]
+                _GROWN[key] = (items, sources, value)
+            return value  # type: ignore[return-value]
+    value = compute(items)
+    _GROWN[key] = (items, sources, value)
+    return value
 
 
 LOAN_TIMES_KEPT = 3
@@ -295,10 +298,13 @@ class ClusterState(msgspec.Struct, frozen=True):
             return frozenset(d for d, p in self.devices.items()
                              if p.home is None and p.pool is not None and d not in held_back)
 
+        def idle(dry: tuple[DeviceId, ...]) -> tuple[DeviceId, ...]:
+            return tuple(d for d in dry if d in home and self.devices[d].pool is Pool.ROLLOUT)
+
         home = derived("home", placed_home, self.devices, self.unconverged, self.workers)
         trainers = derived("trainers", lambda: tuple(d for d in self.pool_devices(Pool.TRAINING) if d in home),
                            self.devices, home)
-        return _idle_engines(self.dry, home, self.devices), trainers
+        return grown("idle", self.dry, idle, lambda last, more: last + idle(more), home, self.devices), trainers
 
     def held_back(self) -> set[DeviceId]:
         """Devices left out of every plan, resize or loan: a worker on them has not converged."""
@@ -549,19 +555,25 @@ def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
 @_on(f.ProgressObserved)
 def _(s: ClusterState, e: f.ProgressObserved) -> ClusterState:
     sums = dict(s.step_progress)
+    new = Progress(e.step, e.done, e.total, e.tokens)
     old = s.progress_of(e.worker_id)
-    if old is not None and old.step in sums:
-        _set_step(sums, old.step, sums[old.step].moved(old.done, old.total, -1))
-    _set_step(sums, e.step, sums.get(e.step, StepProgress()).moved(e.done, e.total, 1))
-    base, recent = overlaid(s.progress, s.progress_recent, e.worker_id, Progress(e.step, e.done, e.total, e.tokens))
+    if old is not None:
+        _count(sums, old, -1)
+    _count(sums, new, 1)
+    base, recent = overlaid(s.progress, s.progress_recent, e.worker_id, new)
     return replace(s, progress=base, progress_recent=recent, step_progress=sums)
 
 
-def _set_step(sums: dict[int, StepProgress], step: int, p: StepProgress | None) -> None:
-    if p is None:
-        sums.pop(step, None)
+def _count(sums: dict[int, StepProgress], p: Progress, sign: int) -> None:
+    """`sums` with one engine's report `p` added (`sign` 1) or taken back (-1)."""
+    before = sums.get(p.step)
+    if before is None and sign < 0:
+        return  # not counted (a snapshot's sums rebuilt without it): nothing to take back
+    after = (before or StepProgress()).moved(p.done, p.total, sign)
+    if after is None:
+        del sums[p.step]
     else:
-        sums[step] = p
+        sums[p.step] = after
 
 
 def with_step_progress(s: ClusterState) -> ClusterState:
@@ -569,7 +581,7 @@ def with_step_progress(s: ClusterState) -> ClusterState:
     before the sums were kept has the reports only)."""
     sums: dict[int, StepProgress] = {}
     for p in {**s.progress, **s.progress_recent}.values():
-        _set_step(sums, p.step, sums.get(p.step, StepProgress()).moved(p.done, p.total, 1))
+        _count(sums, p, 1)
     return replace(s, step_progress=sums)
 
 

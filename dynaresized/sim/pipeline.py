@@ -375,10 +375,7 @@ class DynamicPipeline:
             while self._acks and self._acks[0].at <= until and self._acks[0].op_id == ack.op_id:
                 more = heapq.heappop(self._acks)  # the op's other targets, answering in turn
                 answers.append(ev.OpReported(at=more.at, worker_id=more.worker_id, op_id=more.op_id, ok=True))
-            if len(answers) == 1:
-                self._feed(answers[0])
-            else:
-                self._feed_answers(answers)
+            self._feed_answers(answers)
 
     def _commit_at_boundary(self, now: float) -> None:
         fl = self.state.inflight

@@ -197,8 +197,13 @@ def _run_forked(i: int) -> float:
     return _FORKED[i]()
 
 
+def _verl_run(model: StageModel, name: str, naive: bool) -> DynamicRun:
+    """verl's rule `name` with its own defaults on `model`, from the profile's initial split."""
+    return DynamicPipeline(model, load_policy(name), guards=verl_guards(model.profile), naive=naive).run()
+
+
 def _verl_total(model: StageModel, name: str, naive: bool) -> float:
-    return DynamicPipeline(model, load_policy(name), guards=verl_guards(model.profile), naive=naive).run().total_time_s
+    return _verl_run(model, name, naive).total_time_s
 
 
 @contextlib.contextmanager
@@ -226,12 +231,11 @@ def verl_guards(profile: Profile) -> GuardConfig:
 
 def verl_baselines(model: StageModel, *, naive: bool = False, reuse: Mapping[str, DynamicRun] | None = None) -> VerlRuns:
     """verl's rules with their own defaults on `model`, from the profile's initial split."""
-    guards = verl_guards(model.profile)
     runs = dict(reuse or {})
     for name in VERL_RULES:
         if name not in runs:
-            runs[name] = DynamicPipeline(model, load_policy(name), guards=guards, naive=naive).run()
-    return VerlRuns(runs=runs, guards=guards)
+            runs[name] = _verl_run(model, name, naive)
+    return VerlRuns(runs=runs, guards=verl_guards(model.profile))
 
 
 @dataclass(frozen=True)

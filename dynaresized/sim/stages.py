@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynaresized.sim.profile import Profile
+from dynaresized.sim.profile import Profile, RolloutSpec
 from dynaresized.sim.workload import Trace
 
 
@@ -83,6 +83,21 @@ def submitted_makespans(lengths: np.ndarray, placement: np.ndarray, engines: int
     for e in np.nonzero(counts > slots)[0]:
         tau[e] = fifo_makespan(order[starts[e]:starts[e] + counts[e]].tolist(), slots)
     return tau
+
+
+def contexts(prompts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per request, the context tokens read over its decode: its prompt at every generated
+    token, and the tokens generated before each one."""
+    return prompts * lengths + lengths * (lengths - 1.0) / 2.0
+
+
+def busy_s(r: RolloutSpec, iterations: np.ndarray, tokens: np.ndarray, ctx: np.ndarray,
+           prompt_tokens: np.ndarray) -> np.ndarray:
+    """An engine's busy seconds: `base` for each iteration it runs, the per-token costs of what
+    it generates and reads, and the prefill of its prompts (one expression, so every schedule
+    sums the same way to the last bit)."""
+    return (r.iter_base_s * iterations + r.iter_per_seq_s * tokens + r.iter_per_ctx_token_s * ctx
+            + r.prefill_per_token_s * prompt_tokens)
 
 
 def pull_placement(lengths: Sequence[int] | np.ndarray, engines: int, slots: int,
@@ -136,13 +151,10 @@ def pull_schedule(lengths: Sequence[int] | np.ndarray, engines: int, slots: int,
         # entry (the lowest) until it takes a request, so that n requests cost O(n log engines)
         # however wide the engines are (see `pull_segments`).
         busy: list[tuple[int, int]] = []  # (finishes, slot)
-        fresh = [(offsets[e], e, e, 0) for e in range(engines)]  # (from, slot, engine, level)
-        heapq.heapify(fresh)
+        fresh = _fresh_slots(offsets, slots)
         for j in range(n):
             if fresh and (not busy or fresh[0][:2] < busy[0]):
-                t, s, e, k = heapq.heappop(fresh)
-                if k + 1 < slots:
-                    heapq.heappush(fresh, (t, s + engines, e, k + 1))
+                t, s = _take_fresh(fresh, engines, slots)
             else:
                 t, s = heapq.heappop(busy)
             placement[j] = s % engines
@@ -152,6 +164,22 @@ def pull_schedule(lengths: Sequence[int] | np.ndarray, engines: int, slots: int,
     finish = np.zeros(engines, dtype=np.float64) if offsets is None else np.array(offsets, dtype=np.float64)
     np.maximum.at(finish, placement, done_at.astype(np.float64))
     return placement, done_at, finish
+
+
+def _fresh_slots(offsets: Sequence[float], slots: int) -> list[tuple[float, int, int, int]]:
+    """The engines' never-used slots as a heap of one entry an engine, its lowest: (when it
+    starts, slot, engine, level); slot s is level s // engines of engine s % engines."""
+    fresh = [(offsets[e], e, e, 0) for e in range(len(offsets))] if slots > 0 else []
+    heapq.heapify(fresh)
+    return fresh
+
+
+def _take_fresh(fresh: list[tuple[float, int, int, int]], engines: int, slots: int) -> tuple[float, int]:
+    """(when, slot) of the first never-used slot; its engine's next level takes its place."""
+    t, slot, e, k = heapq.heappop(fresh)
+    if k + 1 < slots:
+        heapq.heappush(fresh, (t, slot + engines, e, k + 1))
+    return t, slot
 
 
 @dataclass(frozen=True)
@@ -186,8 +214,7 @@ def pull_segments(lengths: list[int], engines: int, slots: int, offsets: list[in
     version: dict[int, int] = {}
     alive = [True] * engines
     heap: list[tuple[float, int, int]] = []  # (when, slot, version): a running request finishes
-    fresh = [(float(offsets[e]), e, e, 0) for e in range(engines)] if slots > 0 else []  # (from, slot, engine, level)
-    heapq.heapify(fresh)
+    fresh = _fresh_slots([float(o) for o in offsets], slots)
     idle: set[int] = set()  # slots that ran something and found the queue empty
     idle_from: dict[int, int] = {}  # engine -> every slot of it from this level on is idle
     done_at = np.full(n, np.nan)
@@ -251,11 +278,10 @@ def pull_segments(lengths: list[int], engines: int, slots: int, offsets: list[in
             fill(x.at)
             continue
         if t_new < t_run or (t_new == t_run and fresh[0][1] < heap[0][1]):
-            t, slot, e, k = heapq.heappop(fresh)
-            if not alive[e]:
+            if not alive[fresh[0][2]]:
+                heapq.heappop(fresh)  # a stopped engine's slots take nothing more
                 continue
-            if k + 1 < slots:
-                heapq.heappush(fresh, (t, slot + engines, e, k + 1))
+            t, slot = _take_fresh(fresh, engines, slots)
             begin(slot, t)
             continue
         t, slot, ver = heapq.heappop(heap)
@@ -324,7 +350,7 @@ class StageModel:
         for i, b in enumerate(trace):
             p = b.prompt_tokens.astype(np.float64)
             length = b.response_tokens.astype(np.float64)
-            ctx = p * length + length * (length - 1.0) / 2.0
+            ctx = contexts(p, length)
             self._sum_l[i] = length.sum()
             self._sum_p[i] = p.sum()
             self._ctx[i] = ctx.sum()
@@ -371,7 +397,7 @@ class StageModel:
             for b in self.trace:
                 p = b.prompt_tokens.astype(np.float64)
                 length = b.response_tokens.astype(np.float64)
-                ctx = p * length + length * (length - 1.0) / 2.0
+                ctx = contexts(p, length)
                 self._alone.append((r.iter_base_s + r.iter_per_seq_s) * length + r.iter_per_ctx_token_s * ctx
                                    + r.prefill_per_token_s * p)
         return self._alone
@@ -410,7 +436,7 @@ class StageModel:
             for i, b in enumerate(self.trace.steps):
                 lengths[i, :b.samples] = b.response_tokens
                 prompts[i, :b.samples] = b.prompt_tokens
-            self._rows = lengths, prompts, prompts * lengths + lengths * (lengths - 1.0) / 2.0
+            self._rows = lengths, prompts, contexts(prompts, lengths)
         return self._rows
 
     def _first_wave_table(self, engines: int) -> np.ndarray:
@@ -433,9 +459,8 @@ class StageModel:
                 return np.pad(m[fits], pad).reshape(-1, rows, engines)
 
             ls = per_engine(lengths)
-            busy = (r.iter_base_s * ls.max(axis=1) + r.iter_per_seq_s * ls.sum(axis=1)
-                    + r.iter_per_ctx_token_s * per_engine(ctx).sum(axis=1)
-                    + r.prefill_per_token_s * per_engine(prompts).sum(axis=1))
+            busy = busy_s(r, ls.max(axis=1), ls.sum(axis=1), per_engine(ctx).sum(axis=1),
+                          per_engine(prompts).sum(axis=1))
             out[fits] = busy.max(axis=1)
             return out
         for n in np.unique(self.samples[fits]):  # verl: contiguous chunks, the same for steps of n samples
@@ -444,10 +469,9 @@ class StageModel:
             sizes[: n % engines] += 1
             starts = (np.cumsum(sizes) - sizes)[sizes > 0]
             ls = lengths[steps, :n]
-            busy = (r.iter_base_s * np.maximum.reduceat(ls, starts, axis=1)
-                    + r.iter_per_seq_s * np.add.reduceat(ls, starts, axis=1)
-                    + r.iter_per_ctx_token_s * np.add.reduceat(ctx[steps, :n], starts, axis=1)
-                    + r.prefill_per_token_s * np.add.reduceat(prompts[steps, :n], starts, axis=1))
+            busy = busy_s(r, np.maximum.reduceat(ls, starts, axis=1), np.add.reduceat(ls, starts, axis=1),
+                          np.add.reduceat(ctx[steps, :n], starts, axis=1),
+                          np.add.reduceat(prompts[steps, :n], starts, axis=1))
             out[steps] = busy.max(axis=1)
         return out
 
@@ -468,12 +492,11 @@ class StageModel:
         pf = b.prompt_tokens.astype(np.float64)
         sum_l = np.bincount(placement, lf, engines)
         sum_p = np.bincount(placement, pf, engines)
-        ctx = np.bincount(placement, pf * lf + lf * (lf - 1.0) / 2.0, engines)
+        ctx = np.bincount(placement, contexts(pf, lf), engines)
         slots = int(self.batch_limit[i])
         # each engine's requests in submission order (a stable sort keeps trace order)
         tau = submitted_makespans(length, placement, engines, slots)
-        return (r.iter_base_s * tau + r.iter_per_seq_s * sum_l + r.iter_per_ctx_token_s * ctx
-                + r.prefill_per_token_s * sum_p)
+        return busy_s(r, tau, sum_l, ctx, sum_p)
 
     def engine_finish(self, i: int, engines: int, late_s: np.ndarray | None = None) -> np.ndarray:
         """Seconds after the step starts at which each engine of the pull router has generated
@@ -497,12 +520,10 @@ class StageModel:
         pf = b.prompt_tokens.astype(np.float64)
         sum_l = np.bincount(placement, lf, engines)
         sum_p = np.bincount(placement, pf, engines)
-        ctx = np.bincount(placement, pf * lf + lf * (lf - 1.0) / 2.0, engines)
+        ctx = np.bincount(placement, contexts(pf, lf), engines)
         start = np.zeros(engines) if late_s is None else np.asarray(late_s, dtype=np.float64)
         iters = tau - (np.zeros(engines) if offsets is None else np.array(offsets, dtype=np.float64))
-        busy = (r.iter_base_s * iters + r.iter_per_seq_s * sum_l + r.iter_per_ctx_token_s * ctx
-                + r.prefill_per_token_s * sum_p)
-        return start + busy
+        return start + busy_s(r, iters, sum_l, ctx, sum_p)
 
     def _full_iter_s(self, i: int) -> float:
         """Seconds of one decode iteration of step i's full batch (late starts and stops are
@@ -545,9 +566,8 @@ class StageModel:
             offsets = np.zeros(engines) if offsets_list is None else np.array(offsets_list, dtype=np.float64)
             lf = lengths.astype(np.float64)
             pf = b.prompt_tokens.astype(np.float64)
-            busy = (r.iter_base_s * (tau - offsets) + r.iter_per_seq_s * np.bincount(placement, lf, engines)
-                    + r.iter_per_ctx_token_s * np.bincount(placement, pf * lf + lf * (lf - 1.0) / 2.0, engines)
-                    + r.prefill_per_token_s * np.bincount(placement, pf, engines))
+            busy = busy_s(r, tau - offsets, np.bincount(placement, lf, engines),
+                          np.bincount(placement, contexts(pf, lf), engines), np.bincount(placement, pf, engines))
         span = np.maximum(tau - offsets, 1e-12)
         done_s = start[placement] + (done_at - offsets[placement]) / span[placement] * busy[placement]
         return EngineSchedule(placement=placement, done_s=done_s, finish_s=start + busy)
