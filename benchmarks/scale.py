@@ -10,8 +10,9 @@ Prints ONE JSON object; asserts nothing on time. For each device count N (defaul
 * the real daemon (`dynaresized serve`, a subprocess, SQLite log, the hysteresis policy with its
   guards opened so that every imbalanced step report starts a resize) serving light workers:
   `--hosts` processes of raw DEALER sockets, one per worker, each with its own identity, hello,
-  token and secret, heartbeating at the default interval (1 s), engines reporting progress once
-  a second, trainer 0 reporting 8 mini-batches and a step every `--step-s` seconds, every op
+  token and secret, heartbeating as our client does at the default interval (1 s: a beat in
+  every second with no other message, an answer asked for once the last is 2.5 s old), engines
+  reporting progress once a second, trainer 0 reporting 8 mini-batches and a step every `--step-s` seconds, every op
   answered at once. Over a `--window` of steady state:
   - `daemon_cpu_share` (of one core, all its threads) and `daemon_rss_mib`;
   - `decision_latency_ms` (p50 / p99): from the step report's send at trainer 0 to the first op
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import resource
 import secrets
@@ -59,6 +61,7 @@ STEP_S = 6.0  # the job's RL step, wall seconds (real steps take minutes: this i
 MINI_BATCHES = 8
 PROGRESS_S = 1.0  # each engine's progress report interval
 HEARTBEAT_S = 1.0  # the daemon's default heartbeat interval
+HEARTBEAT_TIMEOUT_S = 10.0  # and timeout
 
 
 def device_names(n: int) -> list[str]:
@@ -198,7 +201,8 @@ def host_main(args: dict[str, Any]) -> int:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(endpoint)
             workers.append({"id": wid, "kind": kind, "device": device, "process": process, "sock": s,
-                            "secret": secrets.token_hex(16), "token": "", "seq": 0, "sent": {}})
+                            "secret": secrets.token_hex(16), "token": "", "seq": 0, "sent": {},
+                            "acked": -math.inf, "reported": -math.inf})
     by_sock = {w["sock"]: w for w in workers}
     poller = zmq.Poller()
     for w in workers:
@@ -228,6 +232,7 @@ def host_main(args: dict[str, Any]) -> int:
                 now = time.time()
                 msg = decoder.decode(data)
                 if type(msg) is wire.HeartbeatAck:
+                    w["acked"] = time.monotonic()
                     sent = w["sent"].pop(msg.seq, None)
                     if sent is not None:
                         rtts.append(time.monotonic() - sent)
@@ -237,6 +242,7 @@ def host_main(args: dict[str, Any]) -> int:
                     ops_answered += 1
                 elif type(msg) is wire.Welcome:
                     w["token"] = msg.token
+                    w["acked"] = time.monotonic()
                 elif type(msg) is wire.Error:
                     errors[msg.reason or msg.code.value] = errors.get(msg.reason or msg.code.value, 0) + 1
                     if msg.reason in ("stale_token", "not_registered", "missing_token"):
@@ -254,27 +260,37 @@ def host_main(args: dict[str, Any]) -> int:
     engines = [w for w in workers if w["kind"] is WorkerKind.ROLLOUT_ENGINE]
     trainer0 = next((w for w in workers if w["id"] == "tr-0"), None)
     t0 = time.monotonic()
-    hb_sent = prog_sent = 0
+    hb_sent = prog_sent = beats = asked = 0  # heartbeat slots passed, progress reports, heartbeats sent, acks asked
     last_step, last_mb = -1, -1
     split = Split(train=args["devices"] // 2, rollout=args["devices"] - args["devices"] // 2)
     while not stop.exists():
         now = time.monotonic()
-        # heartbeats and progress spread evenly over their interval, as independent processes would
-        due = int((now - t0) / HEARTBEAT_S * len(workers))
+        # heartbeats and progress spread evenly over their interval, as independent processes
+        # would; a worker's beat half an interval after its report (not at the same instant)
+        due = int(((now - t0) / HEARTBEAT_S - 0.5) * len(workers))
         while hb_sent < due:
             w = workers[hb_sent % len(workers)]
-            w["seq"] += 1
-            w["sent"][w["seq"]] = time.monotonic()
-            if len(w["sent"]) > 64:  # acks that never came: keep the record bounded
-                w["sent"].pop(next(iter(w["sent"])))
-            w["sock"].send(encoder(wire.Heartbeat(worker_id=w["id"], seq=w["seq"], token=w["token"])))
             hb_sent += 1
+            # as our client does: no beat after another message within the interval unless an
+            # answer is due (the last ack came a quarter of the heartbeat timeout ago)
+            ack = now - w["acked"] >= HEARTBEAT_TIMEOUT_S / 4
+            if not ack and now - w["reported"] < HEARTBEAT_S:
+                continue
+            w["seq"] += 1
+            if ack:
+                asked += 1
+                w["sent"][w["seq"]] = time.monotonic()
+                if len(w["sent"]) > 64:  # acks that never came: keep the record bounded
+                    w["sent"].pop(next(iter(w["sent"])))
+            w["sock"].send(encoder(wire.Heartbeat(worker_id=w["id"], seq=w["seq"], token=w["token"], ack=ack)))
+            beats += 1
         due = int((now - t0) / PROGRESS_S * len(engines))
         step, into = int(time.time() / step_s), (time.time() % step_s) / step_s
         while prog_sent < due:
             w = engines[prog_sent % len(engines)]
             w["sock"].send(encoder(wire.Progress(worker_id=w["id"], step=step, done=int(into * 100), total=100,
                                                  token=w["token"])))
+            w["reported"] = now
             prog_sent += 1
         if reporter and trainer0 is not None:
             tok, sock = trainer0["token"], trainer0["sock"]
@@ -293,7 +309,7 @@ def host_main(args: dict[str, Any]) -> int:
         receive(10)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out.write_text(json.dumps({"cpu_share": (usage.ru_utime + usage.ru_stime) / (time.monotonic() - t0), "rtts": rtts, "errors": errors, "first_op": first_op, "ops_answered": ops_answered,
-                               "step_sent": step_sent, "heartbeats_sent": hb_sent, "progress_sent": prog_sent}))
+                               "step_sent": step_sent, "heartbeats_sent": beats, "acks_asked": asked, "progress_sent": prog_sent}))
     for w in workers:
         w["sock"].close(0)
     ctx.term()
@@ -471,7 +487,8 @@ def bench_daemon(n: int, hosts: int, window_s: float, step_s: float, tmp: Path,
         "heartbeat_rtt_ms": {"p50": round((percentile(rtts, 0.5) or 0) * 1000, 1),
                              "p99": round((percentile(rtts, 0.99) or 0) * 1000, 1),
                              "max": round(max(rtts, default=0) * 1000, 1), "acks": len(rtts),
-                             "sent": sum(r["heartbeats_sent"] for r in results)},
+                             "sent": sum(r["heartbeats_sent"] for r in results),
+                             "asked": sum(r["acks_asked"] for r in results)},
         "workers_lost": lost, "live_at_end": live, "resizes_started": started_resizes,
         "worker_errors": errors,
         "host_cpu_share_max": round(max(r["cpu_share"] for r in results), 3),

@@ -135,7 +135,8 @@ connection; ZeroMQ reconnects it. The daemon never dies of a bad message.
                  │                             (all final); wrong_identity: fix the identity
                  ▼
    ┌──── registered ◄────────────────────────────────────────────────────┐
-   │  every heartbeat_interval_s: heartbeat(token) ──► heartbeat_ack      │
+   │  every heartbeat_interval_s: heartbeat(token, ack) ─► heartbeat_ack  │
+   │    (answered when ack is true; any other message counts as a beat)   │
    │  op ──► perform (or answer from the record of op_id) ──► op_result   │
    │         (ok, detail, actual)        re-sent every core.op_resend_s   │
    │         until answered                                               │
@@ -173,7 +174,12 @@ connection; ZeroMQ reconnects it. The daemon never dies of a bad message.
    or once the worker was declared lost, the same process's `hello` is a new registration
    (new `incarnation`, new token); if several welcomes arrive, the one with the highest
    `incarnation` is current: take its token.
-2. **Stay registered.** Send `heartbeat` every `welcome.heartbeat_interval_s`. A worker silent
+2. **Stay registered.** Send something every `welcome.heartbeat_interval_s`: any accepted
+   message (`progress`, `op_result`, a report) proves you alive as a `heartbeat` does, so a
+   `heartbeat` is needed only in an interval in which you sent nothing else. The daemon answers
+   a `heartbeat` with `heartbeat_ack` only when its `ack` is true (the default): ask for one
+   whenever the last came `welcome.heartbeat_timeout_s / 4` ago or more (our client does), so
+   that the daemon need not answer every beat of every worker. A worker silent
    for `welcome.heartbeat_timeout_s` is declared lost (a resize it takes part in is rolled
    back); only time the daemon was running counts, so a daemon that stalled (no CPU, a slow
    disk) does not declare everyone lost when it wakes, nor time out the op in flight whose

@@ -63,12 +63,14 @@ class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
 
 
 class Heartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat"):
-    """Liveness; answered by `HeartbeatAck`. Missing for `heartbeat_timeout_s` ⇒ worker lost."""
+    """Liveness; answered by `HeartbeatAck` when `ack` is true. A worker that sends nothing
+    (no heartbeat nor any other message) for `heartbeat_timeout_s` is lost."""
 
     worker_id: Name
     seq: Count = 0
     sent_at: float = 0.0
     token: Token = ""
+    ack: bool = True  # false: no `HeartbeatAck` wanted (the worker heard from the daemon lately)
 
 
 class StepReport(_Msg, frozen=True, kw_only=True, tag="step_report"):

@@ -140,6 +140,8 @@ class Core:
             raise IllegalTransition(state.phase, event)
         tx = _Tx(state)
         handler(self, tx, event)
+        if type(event) in _HEARD_FROM and tx.state.is_live(event.worker_id):  # type: ignore[attr-defined]
+            tx.state = seen_at(tx.state, event.worker_id, event.at)  # type: ignore[attr-defined]
         if tx.state.phase is Phase.STEADY and not tx.state.stopping and (
                 type(event) is ev.Tick or (tx.facts and any(type(x) in _RECHECK for x in tx.facts))):
             _reconcile_next(self, tx, event.at)
@@ -171,7 +173,7 @@ class Core:
         facts: list[f.Fact] = []
         for a in answers[:-1]:
             fact = f.OpAcked(at=a.at, op_id=a.op_id, worker_id=a.worker_id, detail=a.detail, actual=None)
-            state = mutate(state, fact)
+            state = seen_at(mutate(state, fact), a.worker_id, a.at)  # as `step` does: an answer is a beat
             facts.append(fact)
         state, last, commands = self.step(state, answers[-1])
         return state, facts + last, commands
@@ -1104,6 +1106,12 @@ def _end_loan(core: Core, tx: _Tx, at: float) -> None:
                         predicted_step_s_after=fl.then_predicted_step_s_after)
     _start_resize(core, tx, core.view(s, at), plan, proposal, fl.then_source, at)
 
+
+_HEARD_FROM: frozenset[type] = frozenset({
+    ev.ProgressReported, ev.EngineQueueEmpty, ev.MiniBatchDone, ev.StepReported, ev.OpReported, ev.StateReported,
+})
+"""A worker's accepted messages that prove it alive as a heartbeat does (a worker that reports
+needs no heartbeat beside: docs/protocol.md, "Stay registered")."""
 
 _ALWAYS: dict[type, Handler] = {
     ev.Tick: on_tick,

@@ -662,8 +662,9 @@ class Daemon:
                                                 total=msg.total), facts, commands)
                 case wire.Heartbeat():
                     self._step(ev.Heartbeat(at=now, worker_id=msg.worker_id), facts, commands)
-                    outbox.append((sock, item.identity, wire.encode(
-                        wire.HeartbeatAck(seq=msg.seq, boot_id=self.boot_id))))
+                    if msg.ack:
+                        outbox.append((sock, item.identity, wire.encode(
+                            wire.HeartbeatAck(seq=msg.seq, boot_id=self.boot_id))))
                 case wire.Hello():
                     if msg.protocol != wire.PROTOCOL_VERSION:
                         raise _Reply(wire.ErrorCode.BAD_VERSION,

@@ -675,6 +675,25 @@ def test_heartbeat_keeps_a_worker_alive_and_is_not_a_fact() -> None:
     assert d.replayed().durable() == d.state.durable()
 
 
+def test_any_accepted_report_keeps_a_worker_alive_as_a_heartbeat_does() -> None:
+    """A worker that reports needs no heartbeat beside (docs/protocol.md, "Stay registered"):
+    progress, an idle report, a mini-batch and a state report each count; a refused report
+    does not, and no report is a fact of liveness (when a worker was heard from is soft)."""
+    d = boot(make_core(heartbeat_timeout_s=10.0), 2, 2)
+    d.send(ev.ProgressReported(at=8.0, worker_id=engine(2), step=0, done=1, total=4))
+    d.send(ev.EngineQueueEmpty(at=8.0, worker_id=engine(3), step=0, running=0))
+    d.send(ev.MiniBatchDone(at=8.0, worker_id=trainer(0), step=0, done=1, total=4))
+    d.send(ev.StateReported(at=8.0, worker_id=trainer(1), actual=d.state.workers[trainer(1)].actual))
+    with pytest.raises(Refused):
+        d.send(ev.ProgressReported(at=8.0, worker_id=engine(0), step=0, done=5, total=4))  # impossible
+    assert {w: d.state.last_seen[w] for w in (engine(2), engine(3), trainer(0), trainer(1))} == dict.fromkeys(
+        (engine(2), engine(3), trainer(0), trainer(1)), 8.0)
+    facts, _ = d.send(ev.Tick(at=15.0))
+    lost = sorted(x.worker_id for x in facts if isinstance(x, f.WorkerLost))
+    assert lost == sorted([engine(0), engine(1), trainer(2), trainer(3)])
+    assert d.replayed().durable() == d.state.durable()
+
+
 def test_stale_step_is_refused() -> None:
     d = boot(make_core(), 3, 1)
     d.send(step_event(trainer(0), 5, 10.0, 10.0, 1.0))
@@ -742,7 +761,7 @@ def test_a_tick_that_loses_everyone_ends_the_resize_and_sends_nothing() -> None:
 def test_commands_go_only_to_workers_live_at_the_end_of_the_step() -> None:
     d = start(TO_ROLLOUT, heartbeat_timeout_s=10.0)
     advance_to(d, 2)  # join in flight on eng2; tr2 drained and released
-    t = 10.5
+    t = d.now + 10.5  # tr2's answers count as heartbeats: silent since the last of them
     for w in sorted(d.state.workers):
         if w not in (engine(2), trainer(2)):
             d.send(ev.Heartbeat(at=t - 1, worker_id=w))

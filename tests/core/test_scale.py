@@ -140,4 +140,5 @@ def test_the_samples_done_are_summed_as_engines_report_and_rebuilt_from_an_older
     # a snapshot written before the sums were kept has the reports only
     older = decode_state(encode_state(msgspec.structs.replace(d.state, step_progress={})))
     assert older.step_progress == d.state.step_progress
-    assert snapshot(fold(d.log)) == snapshot(d.state)
+    # the reports are durable; when each engine was last heard from is a soft timer (not logged)
+    assert snapshot(fold(d.log).durable()) == snapshot(d.state.durable())

@@ -208,6 +208,10 @@ def test_messages_after_hello_must_carry_the_current_token(make_daemon) -> None:
         assert isinstance(wrong, wire.Error) and wrong.reason == "stale_token" and wrong.token == "0" * 32
         ok = ask(wire.Heartbeat(worker_id="raw", seq=3, token=first.token))
         assert isinstance(ok, wire.HeartbeatAck) and ok.seq == 3
+        # a beat that asks for no answer gets none: the next answer is the next asked-for one's
+        sock.send(wire.encode(wire.Heartbeat(worker_id="raw", seq=4, token=first.token, ack=False)))
+        asked = ask(wire.Heartbeat(worker_id="raw", seq=5, token=first.token))
+        assert isinstance(asked, wire.HeartbeatAck) and asked.seq == 5
         again = hello()  # the same process again: its registration and token stand
         assert (again.token, again.incarnation) == (first.token, first.incarnation)
         stale = ask(wire.Bye(worker_id="raw", token="1" * 32))

@@ -55,6 +55,32 @@ async def close_all(clients: list[WorkerClient]) -> None:
     await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
 
 
+async def test_a_worker_that_reports_needs_no_heartbeat_beside(make_daemon) -> None:
+    """Any message counts as a beat (docs/protocol.md, "Stay registered"): an engine reporting
+    progress every 50 ms sends a heartbeat only to ask for an answer, once the last answer is a
+    quarter of the heartbeat timeout old; a silent trainer beats every interval. Both stay live,
+    and both hear from the daemon within its timeout."""
+    daemon = make_daemon(daemon={"heartbeat_interval_s": 0.2}, core={"heartbeat_timeout_s": 3.0})
+    busy = WorkerClient(daemon.worker_endpoint, "engine2", WorkerKind.ROLLOUT_ENGINE, (DEVICES[2],))
+    quiet = WorkerClient(daemon.worker_endpoint, "trainer0", WorkerKind.TRAINER_RANK, (DEVICES[0],))
+    try:
+        for c in (busy, quiet):
+            await c.start()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        done = 0
+        while loop.time() - start < 3.0:  # longer than the heartbeat timeout
+            done += 1
+            await busy.report_progress(step=0, done=done, total=10_000)
+            await asyncio.sleep(0.05)
+        assert all(w["status"] == "live" for w in daemon.status()["workers"])
+        assert quiet.heartbeats_sent >= 10  # ~15 intervals of 0.2 s
+        assert busy.heartbeats_sent <= 6  # an answer asked for every 0.75 s at most: ~4
+        assert busy.registered and quiet.registered  # neither went without an answer for 3 s
+    finally:
+        await close_all([busy, quiet])
+
+
 async def test_register_heartbeat_and_report(make_daemon) -> None:
     daemon = make_daemon()
     rec = Recorder()
