@@ -1,5 +1,5 @@
-"""What a GPU shows that this project's CPU machine cannot: prints ONE JSON object, asserts nothing
-on time. Plain torch (no vLLM, no project imports): run it where a GPU is lent.
+"""What a GPU shows that this project's CPU machine cannot: prints ONE JSON object on stdout (progress
+on stderr), asserts nothing on time. Plain torch (no vLLM, no project imports): run it where a GPU is lent.
 
 * `tp_shard_decode`: one decode iteration of one rank of a tensor-parallel engine of k devices,
   k = 1, 2, 4, 8, for a Qwen3-8B-shaped model (36 layers, hidden 4096, 32 query / 8 KV heads of
@@ -9,15 +9,15 @@ on time. Plain torch (no vLLM, no project imports): run it where a GPU is lent.
   all-reduces between ranks are left out: one GPU cannot run two ranks of NCCL. This is the
   simulator's TP curve less its communication term: `iter_base_s(k)` is said to split k ways
   but for a fixed part (docs/simulator.md, "Tensor parallelism").
-* `time_share`: an engine (the k = 1 model, 64 sequences) and a trainer (about 1B fp32
-  parameters with Adam) taking turns on the one GPU as verl's hybrid replicas do: the engine
-  sleeps (weights to pinned host memory, KV cache freed), the trainer wakes and trains, the
-  engine wakes, the trainer's new weights are copied into it, the trainer offloads, the KV cache
-  comes back. Seconds and GPU memory freed or taken by each transition.
+* `time_share`: an engine (the k = 1 model, 64 sequences) and a trainer (about 1B parameters:
+  bf16 weights, fp32 master weights and Adam moments) taking turns on the one GPU as verl's hybrid
+  replicas do: the engine sleeps (KV cache freed, weights to pinned host memory), the trainer
+  wakes and trains, the engine's weights wake, the trainer's new weights are copied into them, the
+  trainer offloads, the KV cache comes back. Seconds and GPU memory freed or taken by each step.
 * `pinned_staging`: host <-> GPU copies of `--staging-gib` in 64 MiB chunks and whole, from
   pinned and from pageable host memory.
 
-    python benchmarks/gpu_decode.py                          # on a GPU machine (about 2 minutes)
+    python benchmarks/gpu_decode.py                          # on a GPU machine (about 1-2 minutes)
     python benchmarks/gpu_decode.py --smoke --device cpu     # tiny sizes, to check it here
 """
 
@@ -38,6 +38,7 @@ QWEN3_8B = {"layers": 36, "hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim"
             "vocab": 151936}
 TINY = {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 4, "head_dim": 32, "inter": 512, "vocab": 1024}
 GIB = 1024 ** 3
+BUDGET_SPENT = "time budget (--budget-s) spent"
 
 
 def log(*parts: object) -> None:
@@ -49,20 +50,35 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def rand(shape: tuple[int, ...], device: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Small random values (never zeros: they hide unwritten outputs and run faster)."""
-    return torch.randn(shape, device=device, dtype=dtype) * 0.02
+def free(device: str) -> None:
+    """Return cached blocks to the driver, so that mem_get_info and the next case start clean."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def rand(shape: tuple[int, ...], device: str, dtype: torch.dtype = torch.bfloat16, scale: float = 0.02) -> torch.Tensor:
+    """Small random values (never zeros: they hide unwritten outputs and can run faster)."""
+    return torch.randn(shape, device=device, dtype=dtype) * scale
+
+
+def nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class Rank:
     """One TP-k rank's weights and KV cache, and its decode iteration (RMSNorm, fused QKV, attention
-    of one new token per sequence over the cache, output projection, gated MLP; the LM head)."""
+    of one new token per sequence over the cache, output projection, RMSNorm, gated MLP; the LM head).
+    RoPE is skipped, and the new token's key and value are computed but not written into the cache:
+    a cache of fixed size keeps the CUDA graph static, and one token of `ctx` is noise."""
 
     def __init__(self, g: dict[str, int], k: int, batch: int, ctx: int, device: str) -> None:
         h, hd = g["hidden"], g["head_dim"]
+        # a rank holds heads/k query heads; KV heads are replicated once k exceeds them (as vLLM does)
         self.q, self.kv = g["heads"] // k, max(1, g["kv_heads"] // k)
         inter = g["inter"] // k
         self.batch, self.hd = batch, hd
+        # distinct tensors per layer: one layer's weights reused 36 times would sit in L2, not HBM
         self.layers = [{"qkv": rand((h, (self.q + 2 * self.kv) * hd), device), "o": rand((self.q * hd, h), device),
                         "gu": rand((h, 2 * inter), device), "down": rand((inter, h), device)}
                        for _ in range(g["layers"])]
@@ -78,18 +94,22 @@ class Rank:
     def weights(self) -> list[torch.Tensor]:
         return [t for layer in self.layers for t in layer.values()] + [self.lm]
 
+    def kv_bytes(self) -> int:
+        return nbytes([t for pair in self.cache for t in pair])
+
     def bytes_read(self) -> int:
         """The floor of one iteration's memory traffic: every weight and every cached key and value once."""
-        return sum(t.numel() * t.element_size() for t in self.weights()) + sum(
-            k.numel() * k.element_size() * 2 for k, _ in self.cache)
+        return nbytes(self.weights()) + self.kv_bytes()
 
     def step(self) -> torch.Tensor:
         x, b, hd = self.x, self.batch, self.hd
         group = self.q // self.kv
         for layer, (kc, vc) in zip(self.layers, self.cache):
             qkv = F.rms_norm(x, (x.shape[-1],)) @ layer["qkv"]
-            q = qkv[:, : self.q * hd].reshape(b, self.kv, group, hd)  # the query heads of each KV head
-            a = F.scaled_dot_product_attention(q, kc, vc)  # (batch, kv, group, hd): no mask, all of the cache
+            # GQA by reshaping the queries: each KV head's group of query heads becomes SDPA's query
+            # "sequence", so K and V are read once (repeating them would read them `group` times)
+            q = qkv[:, : self.q * hd].reshape(b, self.kv, group, hd)
+            a = F.scaled_dot_product_attention(q, kc, vc)  # (batch, kv, group, hd): no mask, the whole cache
             x = x + a.reshape(b, self.q * hd) @ layer["o"]
             gate, up = (F.rms_norm(x, (x.shape[-1],)) @ layer["gu"]).chunk(2, dim=-1)
             x = x + (F.silu(gate) * up) @ layer["down"]
@@ -97,10 +117,11 @@ class Rank:
 
 
 def time_ms(fn: Callable[[], Any], device: str, warmup: int = 5, reps: int = 20) -> tuple[float, str]:
-    """Median milliseconds of `fn`: a CUDA graph replayed and timed with events on a GPU (eager
-    if capture fails), the wall clock on a CPU."""
+    """Median milliseconds of `fn`: a CUDA graph replayed and timed with events on a GPU (eager if
+    capture fails), the wall clock on a CPU."""
     if device != "cuda":
-        fn()
+        for _ in range(2):  # the first calls pay for lazy initialisation and page faults
+            fn()
         times = []
         for _ in range(max(3, reps // 4)):
             t0 = time.perf_counter()
@@ -109,6 +130,7 @@ def time_ms(fn: Callable[[], Any], device: str, warmup: int = 5, reps: int = 20)
         return statistics.median(times), "eager"
     mode, run = "graph", fn
     try:
+        # warm up on a side stream, as capture requires (cuBLAS workspaces, SDPA kernels chosen)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -135,12 +157,6 @@ def time_ms(fn: Callable[[], Any], device: str, warmup: int = 5, reps: int = 20)
     return statistics.median(times), mode
 
 
-def free(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
 def copy_bandwidth_gbps(device: str, gib: float) -> float:
     """One large device-to-device copy, bytes read plus written over its time: the ceiling."""
     n = int(gib * GIB) // 2
@@ -156,47 +172,78 @@ def tp_shard_decode(g: dict[str, int], device: str, ctx: int, batches: list[int]
     for batch in batches:
         for k in (1, 2, 4, 8):
             if time.monotonic() > deadline:
-                cases.append({"k": k, "batch": batch, "skipped": "time budget spent"})
+                cases.append({"k": k, "batch": batch, "skipped": BUDGET_SPENT})
                 continue
+            rank: Rank | None = None
             try:
                 rank = Rank(g, k, batch, ctx, device)
                 ms, mode = time_ms(rank.step, device)
                 moved = rank.bytes_read()
-                cases.append({"k": k, "batch": batch, "ctx": ctx, "ms_per_iter": round(ms, 4), "timing": mode,
-                              "bytes_read": moved, "achieved_gbps": round(moved / (ms / 1000) / 1e9, 1)})
+                cases.append({"k": k, "batch": batch, "ctx": ctx, "q_heads": rank.q, "kv_heads": rank.kv,
+                              "ms_per_iter": round(ms, 4), "timing": mode, "bytes_read": moved,
+                              "achieved_gbps": round(moved / (ms / 1000) / 1e9, 1)})
                 log(f"tp k={k} batch={batch}: {ms:.3f} ms ({mode})")
-                del rank
             except torch.OutOfMemoryError:
                 cases.append({"k": k, "batch": batch, "ctx": ctx, "error": "oom"})
-            free(device)
+                log(f"tp k={k} batch={batch}: out of memory")
+            finally:
+                rank = None  # drop the rank before the next one is built, OOM or not
+                free(device)
     ratios: dict[str, dict[str, float]] = {}
     for batch in batches:
         by_k = {c["k"]: c["ms_per_iter"] for c in cases if c.get("batch") == batch and "ms_per_iter" in c}
         if 1 in by_k:
             ratios[str(batch)] = {f"tp{k}": round(by_k[1] / v, 3) for k, v in sorted(by_k.items())}
-    return {"model": g, "cases": cases, "speedup_vs_tp1_per_rank": ratios,
+    return {"model": g, "dtype": "bfloat16", "ctx": ctx, "cases": cases, "speedup_vs_tp1_per_rank": ratios,
+            "gqa": "queries reshaped to (batch, kv heads, query heads per kv head, head_dim) for SDPA: "
+                   "K and V read once, not repeated",
             "not_measured": "the all-reduces between ranks (two per layer per iteration): one GPU cannot run two "
-                            "NCCL ranks; a TP-k engine's iteration is this plus them"}
+                            "NCCL ranks; a TP-k engine's iteration is this plus them. RoPE and the KV-cache write "
+                            "of the new token are left out too"}
+
+
+def can_pin(device: str) -> bool:
+    """Pinned host memory needs a CUDA build with a GPU: CPU builds raise on pin_memory=True."""
+    if device != "cuda":
+        return False
+    try:
+        torch.empty(1, pin_memory=True)
+        return True
+    except RuntimeError:
+        return False
 
 
 class Trainer:
-    """About `params` fp32 parameters in square layers with Adam: the training side of a hybrid replica."""
+    """The training side of a hybrid replica: a stack of square bf16 matrices (about `params`
+    parameters) trained in mixed precision as FSDP and Megatron do, with fp32 master weights and
+    fp32 Adam moments: 2 + 4 + 4 + 4 bytes a parameter to move when it offloads."""
 
-    def __init__(self, params: int, width: int, device: str) -> None:
-        layers = max(1, params // (width * width))
-        self.model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).to(device)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
-        self.x = torch.randn(256, width, device=device)
+    def __init__(self, params: int, width: int, batch: int, device: str) -> None:
+        n = max(1, params // (width * width))
+        # built on the device (building 1B parameters on the host first takes seconds); a
+        # 1/sqrt(width) scale keeps activations near 1 through the stack
+        self.weights = [rand((width, width), device, scale=width ** -0.5).requires_grad_() for _ in range(n)]
+        self.master = [w.detach().float() for w in self.weights]
+        self.opt = torch.optim.Adam(self.master, lr=1e-4)
+        self.x = rand((batch, width), device, scale=1.0)
         self.step()  # Adam's moments exist from here on
 
     def step(self) -> None:
-        loss = self.model(self.x).float().pow(2).mean()
-        loss.backward()
+        h = self.x
+        for w in self.weights:
+            h = h @ w
+        h.float().pow(2).mean().backward()
+        for w, m in zip(self.weights, self.master):
+            m.grad, w.grad = w.grad.float(), None
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for w, m in zip(self.weights, self.master):
+                w.copy_(m)
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [p.data for p in self.model.parameters()]
+        # the objects themselves (not `p.data`, a fresh alias each call): `offload` swaps their storage
+        out = self.weights + self.master
         for state in self.opt.state.values():
             out += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
         return out
@@ -205,17 +252,17 @@ class Trainer:
 def gpu_memory(device: str) -> dict[str, float]:
     if device != "cuda":
         return {}
-    free_b, total = torch.cuda.mem_get_info()
-    return {"allocated_gib": round(torch.cuda.memory_allocated() / GIB, 2),
-            "reserved_gib": round(torch.cuda.memory_reserved() / GIB, 2), "free_gib": round(free_b / GIB, 2)}
+    free_b, _ = torch.cuda.mem_get_info()
+    return {"allocated": torch.cuda.memory_allocated() / GIB, "reserved": torch.cuda.memory_reserved() / GIB,
+            "free": free_b / GIB}
 
 
 def offload(tensors: list[torch.Tensor], host: list[torch.Tensor]) -> None:
-    """Each tensor's bytes to its host buffer, then the GPU storage dropped (vLLM's sleep level 1
-    for weights; FSDP's param/optimizer offload for a trainer)."""
+    """Each tensor's bytes to its host buffer, then its GPU storage dropped (vLLM's sleep level 1
+    for weights; FSDP's parameter and optimizer offload for a trainer)."""
     for t, h in zip(tensors, host):
         h.copy_(t, non_blocking=True)
-    for t in tensors:
+    for t in tensors:  # the caching allocator orders the reuse after the copies: same stream
         t.data = torch.empty(0, device=t.device, dtype=t.dtype)
 
 
@@ -224,105 +271,126 @@ def restore(tensors: list[torch.Tensor], host: list[torch.Tensor], device: str) 
         t.data = h.to(device, non_blocking=True)
 
 
-def time_share(g: dict[str, int], device: str, ctx: int, trainer_params: int, width: int, cycles: int) -> dict[str, Any]:
-    pin = device == "cuda"  # pinned host memory needs CUDA (it fails on CPU builds)
-    engine = Rank(g, 1, 64 if device == "cuda" else 4, ctx, device)
-    trainer = Trainer(trainer_params, width, device)
+def time_share(g: dict[str, int], device: str, ctx: int, batch: int, trainer_params: int, width: int,
+               cycles: int, train_steps: int, deadline: float) -> dict[str, Any]:
+    pin = can_pin(device)
+    engine = Rank(g, 1, batch, ctx, device)
+    trainer = Trainer(trainer_params, width, 256 if device == "cuda" else 16, device)
     weights = engine.weights()
     engine_host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in weights]
     trainer_host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in trainer.tensors()]
-    report: dict[str, Any] = {"pinned": pin, "engine_weights_gib": round(sum(t.numel() * 2 for t in weights) / GIB, 2),
-                              "engine_kv_gib": round(sum(k.numel() * 2 * 2 for k, _ in engine.cache) / GIB, 2),
-                              "trainer_state_gib": round(sum(t.numel() * t.element_size() for t in trainer.tensors()) / GIB, 2),
-                              "decode_timing": "eager (the weights move between cycles: no graph)", "cycles": []}
+    report: dict[str, Any] = {
+        "pinned": pin, "pinned_note": None if pin else "no pinned memory on this device/build: pageable host buffers",
+        "engine": {"layers": g["layers"], "batch": batch, "ctx": ctx, "weights_bytes": nbytes(weights),
+                   "kv_bytes": engine.kv_bytes(), "weights_gib": round(nbytes(weights) / GIB, 2),
+                   "kv_gib": round(engine.kv_bytes() / GIB, 2)},
+        "trainer": {"params": sum(w.numel() for w in trainer.weights), "layers": len(trainer.weights), "width": width,
+                    "state": "bf16 weights + fp32 master weights + fp32 Adam moments",
+                    "state_bytes": nbytes(trainer.tensors()), "state_gib": round(nbytes(trainer.tensors()) / GIB, 2)},
+        "order": "verl's: engine KV freed, engine weights to host, trainer wakes and trains, engine weights wake, "
+                 "weight sync on the GPU, trainer offloads, KV cache back",
+        "memory_note": "per transition: [before, after] GiB; gpu_freed_gib = change in mem_get_info free "
+                       "(negative: taken); peak_allocated_gib: the allocator's peak during it; the allocator's "
+                       "cache is emptied before each transition",
+        "cycles": []}
 
-    def transition(name: str, fn: Callable[[], None], row: dict[str, Any]) -> None:
-        sync(device)
+    def transition(row: dict[str, Any], name: str, fn: Callable[[], Any], release: bool = False) -> None:
+        free(device)  # start from an empty cache: what the step takes then shows in mem_get_info
         before = gpu_memory(device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         fn()
-        sync(device)
-        if name.endswith(("sleep", "offload", "kv_free")):
+        if release:  # freeing is part of sleeping: vLLM and FSDP offload empty the cache
             free(device)
+        sync(device)
+        entry: dict[str, Any] = {"s": round(time.perf_counter() - t0, 4)}
         after = gpu_memory(device)
-        row[name] = {"s": round(time.perf_counter() - t0, 4),
-                     "gpu_freed_gib": round(after.get("free_gib", 0) - before.get("free_gib", 0), 2)}
-        log(f"time_share {name}: {row[name]}")
+        if after:
+            entry |= {f"{key}_gib": [round(before[key], 2), round(after[key], 2)] for key in after}
+            entry["gpu_freed_gib"] = round(after["free"] - before["free"], 2)
+            entry["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+        row[name] = entry
+        log(f"time_share {name}: {entry}")
+
+    def decode_ms() -> float:
+        ms, mode = time_ms(engine.step, device)  # a fresh graph each time: the storage moved
+        report["decode_timing"] = mode
+        free(device)
+        return round(ms, 3)
 
     def drop_kv() -> None:
         engine.cache = []
 
-    trainer_offloaded = False
+    def weight_sync() -> None:
+        # every engine weight overwritten from the trainer's bf16 weights, cycled: the same bytes as
+        # vLLM's reload_weights, GPU to GPU
+        src, i = [w.detach().reshape(-1) for w in trainer.weights], 0
+        for t in weights:
+            flat, n = t.view(-1), 0
+            while n < flat.numel():
+                part = src[i % len(src)][: flat.numel() - n]
+                flat[n:n + part.numel()].copy_(part)
+                n += part.numel()
+                i += 1
+
+    setup: dict[str, Any] = {}  # both start resident; the trainer goes to the host first
+    transition(setup, "trainer_offload", lambda: offload(trainer.tensors(), trainer_host), release=True)
+    report["setup"] = setup
     for cycle in range(cycles):
-        row: dict[str, Any] = {"cycle": cycle}
-        row["decode_ms_before"] = round(_eager_ms(engine.step, device), 3)
-        if not trainer_offloaded:
-            transition("trainer_offload", lambda: offload(trainer.tensors(), trainer_host), row)
-            trainer_offloaded = True
-        transition("engine_kv_free", drop_kv, row)
-        transition("engine_sleep", lambda: offload(weights, engine_host), row)
-        transition("trainer_wake", lambda: restore(trainer.tensors(), trainer_host, device), row)
-        transition("trainer_train_3_steps", lambda: [trainer.step() for _ in range(3)], row)
-        transition("engine_wake", lambda: restore(weights, engine_host, device), row)
-        src = [p.data.reshape(-1) for p in trainer.model.parameters()]
-
-        def weight_sync() -> None:  # every engine weight overwritten from the trainer's (cast, cycled)
-            i = 0
-            for t in weights:
-                flat, n = t.view(-1), 0
-                while n < flat.numel():
-                    part = src[i % len(src)][: flat.numel() - n]
-                    flat[n:n + part.numel()].copy_(part)
-                    n += part.numel()
-                    i += 1
-
-        transition("weight_sync", weight_sync, row)
-        transition("trainer_offload", lambda: offload(trainer.tensors(), trainer_host), row)
-        transition("engine_kv_alloc", lambda: engine.alloc_cache(ctx, device), row)
-        row["decode_ms_after"] = round(_eager_ms(engine.step, device), 3)
+        if time.monotonic() > deadline:
+            report["cycles"].append({"cycle": cycle, "skipped": BUDGET_SPENT})
+            continue
+        row: dict[str, Any] = {"cycle": cycle, "decode_ms_before": decode_ms()}
+        transition(row, "engine_kv_free", drop_kv, release=True)
+        transition(row, "engine_sleep", lambda: offload(weights, engine_host), release=True)
+        transition(row, "trainer_wake", lambda: restore(trainer.tensors(), trainer_host, device))
+        transition(row, f"trainer_train_{train_steps}_steps", lambda: [trainer.step() for _ in range(train_steps)])
+        transition(row, "engine_wake", lambda: restore(weights, engine_host, device))
+        transition(row, "weight_sync", weight_sync)
+        transition(row, "trainer_offload", lambda: offload(trainer.tensors(), trainer_host), release=True)
+        transition(row, "engine_kv_alloc", lambda: engine.alloc_cache(ctx, device))
+        row["decode_ms_after"] = decode_ms()
         report["cycles"].append(row)
     del engine, trainer, engine_host, trainer_host, weights
     free(device)
     return report
 
 
-def _eager_ms(fn: Callable[[], Any], device: str, reps: int = 10) -> float:
-    """Median wall milliseconds of `fn` run eagerly, synchronized."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
-
-
-def pinned_staging(device: str, gib: float, chunk_mib: int = 64) -> dict[str, Any]:
+def pinned_staging(device: str, gib: float, chunk_mib: float, deadline: float, reps: int = 3) -> dict[str, Any]:
+    pin = can_pin(device)
+    n, chunk = int(gib * GIB), int(chunk_mib * 1024 * 1024)
+    dev = torch.randint(0, 255, (n,), device=device, dtype=torch.uint8)
+    out: dict[str, Any] = {"bytes": n, "chunk_bytes": chunk, "reps": reps, "stat": "GB/s of the median rep",
+                           "pinned_available": pin}
     if device != "cuda":
-        return {"note": "no GPU: host <-> device copies are not meaningful here", "skipped": True}
-    n = int(gib * GIB)
-    gpu = torch.randint(0, 255, (n,), device=device, dtype=torch.uint8)
-    out: dict[str, Any] = {"bytes": n, "chunk_mib": chunk_mib}
-    for kind in ("pinned", "pageable"):
+        out["note"] = "no GPU: tiny cpu -> cpu copies, to check the code runs; the numbers mean nothing"
+    for kind in ("pinned", "pageable") if pin else ("pageable",):
+        if time.monotonic() > deadline:
+            out[f"{kind}_skipped"] = BUDGET_SPENT
+            continue
         host = torch.empty(n, dtype=torch.uint8, pin_memory=kind == "pinned")
-        chunk = chunk_mib * 1024 * 1024
+        # fault the pages in now: a first touch inside a timed copy measures page faults, not the bus
+        host.fill_(1)
+        blocking = kind != "pinned"  # only pinned memory copies asynchronously
         for direction in ("d2h", "h2d"):
+            src, dst = (dev, host) if direction == "d2h" else (host, dev)
             for how in ("whole", "chunked"):
-                src, dst = (gpu, host) if direction == "d2h" else (host, gpu)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                if how == "whole":
-                    dst.copy_(src, non_blocking=kind == "pinned")
-                else:
-                    for i in range(0, n, chunk):
-                        dst[i:i + chunk].copy_(src[i:i + chunk], non_blocking=kind == "pinned")
-                torch.cuda.synchronize()
-                out[f"{kind}_{direction}_{how}_gbps"] = round(n / (time.perf_counter() - t0) / 1e9, 2)
-        log(f"staging {kind}: {out}")
+                times = []
+                for _ in range(reps):
+                    sync(device)
+                    t0 = time.perf_counter()
+                    if how == "whole":
+                        dst.copy_(src, non_blocking=not blocking)
+                    else:
+                        for i in range(0, n, chunk):
+                            dst[i:i + chunk].copy_(src[i:i + chunk], non_blocking=not blocking)
+                    sync(device)
+                    times.append(time.perf_counter() - t0)
+                out[f"{kind}_{direction}_{how}_gbps"] = round(n / statistics.median(times) / 1e9, 2)
+        log(f"staging {kind}: done")
         del host
-    del gpu
+    del dev
     free(device)
     return out
 
@@ -332,34 +400,45 @@ def main() -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (a check that it runs)")
     p.add_argument("--only", default="tp_shard_decode,time_share,pinned_staging")
-    p.add_argument("--ctx", type=int, default=1024, help="tokens cached per sequence")
-    p.add_argument("--budget-s", type=float, default=200.0, help="skip what is left of the TP cases past this")
+    p.add_argument("--ctx", type=int, default=1024, help="tokens cached per sequence (at most 64 with --smoke)")
+    p.add_argument("--budget-s", type=float, default=200.0,
+                   help="past this many seconds, skip the cases, cycles and parts not yet started (said in the JSON)")
     p.add_argument("--staging-gib", type=float, default=4.0)
     args = p.parse_args()
     started = time.monotonic()
-    g = TINY if args.smoke else QWEN3_8B
-    ctx = 64 if args.smoke else args.ctx
-    report: dict[str, Any] = {"device": args.device, "torch": torch.__version__, "smoke": args.smoke,
-                              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None}
+    deadline = started + args.budget_s
+    smoke, dev = args.smoke, args.device
+    g = TINY if smoke else QWEN3_8B
+    ctx = min(args.ctx, 64) if smoke else args.ctx
+    report: dict[str, Any] = {"device": dev, "gpu": torch.cuda.get_device_name() if dev == "cuda" else None,
+                              "torch": torch.__version__, "cuda": torch.version.cuda, "smoke": smoke,
+                              "budget_s": args.budget_s}
     torch.manual_seed(0)
     parts: dict[str, Callable[[], Any]] = {
-        "tp_shard_decode": lambda: tp_shard_decode(g, args.device, ctx, [1, 4] if args.smoke else [1, 16, 64, 256],
-                                                   started + args.budget_s),
-        "time_share": lambda: time_share(g, args.device, ctx, 1 << 16 if args.smoke else 1 << 30,
-                                         128 if args.smoke else 4096, 2),
-        "pinned_staging": lambda: pinned_staging(args.device, 0.01 if args.smoke else args.staging_gib),
+        "tp_shard_decode": lambda: tp_shard_decode(g, dev, ctx, [1, 4] if smoke else [1, 16, 64, 256], deadline),
+        "time_share": lambda: time_share(g, dev, ctx, 4 if smoke else 64, 1 << 16 if smoke else 1 << 30,
+                                         128 if smoke else 4096, cycles=2, train_steps=3, deadline=deadline),
+        "pinned_staging": lambda: pinned_staging(dev, 0.01 if smoke else args.staging_gib, 1 if smoke else 64,
+                                                 deadline),
     }
     try:
-        report["copy_bandwidth_gbps"] = copy_bandwidth_gbps(args.device, 0.01 if args.smoke else 4.0)
+        report["copy_bandwidth_gbps"] = copy_bandwidth_gbps(dev, 0.01 if smoke else 4.0)
+        report["copy_bandwidth_note"] = "one device-to-device copy, bytes read + written / time: achieved_gbps's ceiling"
     except Exception as exc:  # noqa: BLE001 - one part failing must not lose the others
         report["copy_bandwidth_gbps"] = {"error": f"{type(exc).__name__}: {exc}"}
-    for name in args.only.split(","):
+    for name in [n.strip() for n in args.only.split(",") if n.strip()]:
+        if name not in parts:
+            report[name] = {"error": f"unknown part (known: {', '.join(parts)})"}
+            continue
+        if time.monotonic() > deadline:
+            report[name] = {"skipped": BUDGET_SPENT}
+            continue
         try:
             report[name] = parts[name]()
         except Exception as exc:  # noqa: BLE001 - as above
             log(f"{name} failed: {type(exc).__name__}: {exc}")
             report[name] = {"error": f"{type(exc).__name__}: {exc}"}
-        free(args.device)
+        free(dev)
     report["wall_s"] = round(time.monotonic() - started, 1)
     print(json.dumps(report))
     return 0
