@@ -40,9 +40,10 @@ class DaemonSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_message_bytes: int = 64 * 1024
     # Worker messages are taken in batches at most this often (0: as each arrives). A busy
     # cluster's messages then wake the reactor and the log writer once per window, not once each.
-    # 20 ms: at 1,024 devices a third less CPU than 5 ms, for at most 20 ms more per answer on a
-    # busy cluster only (docs/benchmarks.md, the cost curve).
-    batch_window_ms: float = 20.0
+    # 20 ms takes a third less CPU at 1,024 devices, for at most 20 ms more per answer on a busy
+    # cluster; 5 ms stays the default: with 20 ms a loan test on real engines timed out once
+    # (docs/benchmarks.md, the cost curve).
+    batch_window_ms: float = 5.0
     log_format: str = "auto"  # auto | json | console
     log_level: str = "info"
     time_scale: float = 1.0  # demos and replays only: the daemon's clock runs this many times faster
