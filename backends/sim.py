@@ -49,6 +49,20 @@ HOLDING_AFTER: dict[OpKind, Holding] = {
 """What a simulated worker holds after each op on its device (commit changes nothing on it)."""
 
 
+def after_op(op: OpRequest, device: str, kind: WorkerKind, holding: Holding,
+             engine: tuple[str, ...]) -> tuple[Holding, tuple[str, ...]]:
+    """What a simulated worker on `device` holds, and the engine it runs (empty: its own
+    device's), after `op`: an engine whose `op.engine` another device leads holds nothing."""
+    if device not in op.devices or op.kind not in HOLDING_AFTER:
+        return holding, engine
+    after = HOLDING_AFTER[op.kind]
+    if kind is WorkerKind.ROLLOUT_ENGINE and op.kind in (OpKind.JOIN, OpKind.RESTORE, OpKind.RECLAIM, OpKind.RESUME):
+        engine = tuple(op.engine)
+        if engine and engine[0] != device:
+            after = Holding.RELEASED
+    return after, engine
+
+
 def engine_name(device: str) -> str:
     return "engine-" + device.replace(":", "-")
 
@@ -82,18 +96,23 @@ class SimDevice:
         # the daemon converges it with the log: reconciliation).
         self.holding = {kind: Holding.SERVING if kind.pool is self.role else Holding.RELEASED for kind in WorkerKind}
         self.last_op = {kind: "" for kind in WorkerKind}
+        self.runs: tuple[str, ...] = ()  # the engine of several devices this device's engine runs in
         self.engine = self._client(endpoint, WorkerKind.ROLLOUT_ENGINE, engine_name(device))
         self.trainer = self._client(endpoint, WorkerKind.TRAINER_RANK, trainer_name(device))
         self.ops: list[str] = []
 
     def _client(self, endpoint: str, kind: WorkerKind, name: str) -> WorkerClient:
-        client = WorkerClient(endpoint, name, kind, (self.device,),
-                              actual=lambda: ActualState(holding=self.holding[kind], last_op=self.last_op[kind]))
+        def actual() -> ActualState:
+            engine = self.runs if kind is WorkerKind.ROLLOUT_ENGINE else ()
+            return ActualState(holding=self.holding[kind], last_op=self.last_op[kind], engine=engine)
+
+        client = WorkerClient(endpoint, name, kind, (self.device,), actual=actual)
 
         async def run(op: OpRequest) -> str:
             detail = await self._op(op)
-            if self.device in op.devices and op.kind in HOLDING_AFTER:
-                self.holding[kind] = HOLDING_AFTER[op.kind]
+            self.holding[kind], runs = after_op(op, self.device, kind, self.holding[kind], self.runs)
+            if kind is WorkerKind.ROLLOUT_ENGINE:
+                self.runs = runs
             self.last_op[kind] = op.op_id
             return detail
 
@@ -101,7 +120,7 @@ class SimDevice:
         return client
 
     async def _op(self, op: OpRequest) -> str:
-        if op.plan in (PlanKind.RESIZE, PlanKind.RECONCILE):
+        if op.plan in (PlanKind.RESIZE, PlanKind.RECONCILE, PlanKind.REGROUP):
             seconds = self.cluster.op_seconds(op.kind, op.to_pool)
         else:
             seconds = self.cluster.loan_op_seconds(op.kind, op.to_pool)

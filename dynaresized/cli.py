@@ -332,6 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.set_defaults(run=_simple(resize_request))
 
+    p = sub.add_parser("regroup", help="make rollout devices serve as engines of TP devices each, e.g. "
+                                       "`dynaresized regroup node0:gpu2,node0:gpu3 --tp 2` (and back with --tp 1)")
+    client_args(p)
+    p.add_argument("devices", help="comma-separated device ids, all in the rollout pool")
+    p.add_argument("--tp", type=int, required=True, help="devices per engine (1 splits wide engines)")
+    p.add_argument("--reason", default="")
+    p.set_defaults(run=_simple(lambda a: wire.RegroupRequest(
+        devices=tuple(d for d in a.devices.split(",") if d), tp=a.tp, reason=a.reason)))
+
     p = sub.add_parser("drain", help="stop the daemon gracefully, like SIGTERM")
     client_args(p)
     p.set_defaults(run=_simple(lambda a: wire.DrainRequest()))

@@ -92,6 +92,9 @@ class ActualState(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int = 0  # trainer: its group's membership epoch; engine: 0
     members: tuple[DeviceId, ...] = ()  # trainer: the devices of the group it is in
     detail: str = ""  # free text for operators (e.g. why FAILED)
+    engine: tuple[DeviceId, ...] = ()
+    """Engine: the devices the engine it runs serves, when wider than its own (a tensor-parallel
+    engine formed by a regroup, led by this worker); empty: its own devices, or it says not."""
 
 
 class Worker(msgspec.Struct, frozen=True):
@@ -208,6 +211,7 @@ class PlanKind(str, enum.Enum):
     LOAN = "loan"  # idle devices serve the other pool for the rest of the step in progress
     RETURN = "return"  # lent devices go home at the step boundary
     RECONCILE = "reconcile"  # one worker is converged with the log; the pools do not change
+    REGROUP = "regroup"  # rollout devices form engines of another size (tensor parallelism); pools unchanged
 
 
 class OpSpec(msgspec.Struct, frozen=True):
@@ -230,6 +234,9 @@ class ResizePlan(msgspec.Struct, frozen=True):
     before: Split
     after: Split
     kind: PlanKind = PlanKind.RESIZE
+    engines: tuple[tuple[DeviceId, ...], ...] = ()
+    """REGROUP: the engines `devices` form once it commits, each its devices in order (the
+    first leads it: its worker runs the engine, the others' hold nothing)."""
 
     @property
     def direction(self) -> str:

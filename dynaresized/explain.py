@@ -112,6 +112,10 @@ def explain(fact: f.Fact) -> str:
             return f"configuration reloaded: policy {fact.policy}, guards {guards}{later}"
         case f.ReloadRefused():
             return f"reload refused, the running policy and guards are kept: {fact.reason}"
+        case f.RegroupStarted():
+            return f"regroup {fact.plan.resize_id} started (by {fact.source}): {fact.reason}"
+        case f.RegroupCommitted():
+            return f"regroup {fact.resize_id} committed in {fact.duration_s:.2f}s at step {fact.step}"
     return f"{type(fact).__name__}"  # pragma: no cover - every fact type is matched above
 
 

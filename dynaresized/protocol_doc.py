@@ -343,7 +343,7 @@ endpoint: `malformed` with reason `frames` (not two frames), `unauthorized` with
 
 ## Operator requests and `status`
 
-Operators send one request (`status`, `pause`, `resume`, `resize`, `drain`) and receive one
+Operators send one request (`status`, `pause`, `resume`, `resize`, `regroup`, `drain`) and receive one
 `reply` (or `error`). `reply.data` of `status` is a map:
 
 | key | value |
@@ -357,6 +357,8 @@ Operators send one request (`status`, `pause`, `resume`, `resize`, `drain`) and 
 | `resizes` | `{{"started": n, "committed": n, "rolled_back": n, "degraded": n, "in_flight": 0 or 1}}`: every resize started is committed, rolled back, degraded (it could neither finish nor roll back) or in flight, so `started` is the sum of the other four. Loans and reconciles are not counted |
 | `devices` | device id → `training`, `rollout` or `moving <from>-><to>` |
 | `lent` | device id → its home pool, for each device lent to the other pool until the step boundary |
+| `engines` | the rollout engines of several devices, each a list of its devices (its leader first) |
+| `regroups` | `{{"started": n, "committed": n}}` |
 | `workers` | list of `{{"id", "kind", "status" (live, lost, gone), "devices", "incarnation", "actual" (its holding, or null if it never said), "desired" (what the log says, or null), "unconverged" (why, or null)}}` |
 | `in_flight` | null, or `{{"resize_id", "from", "to", "devices", "op", "rolling_back", "reason", "acked", "reconciling" (the worker being reconciled, or "")}}` |
 | `policy`, `boot_id` | the policy's name, this daemon run's id |
@@ -382,6 +384,28 @@ Operators send one request (`status`, `pause`, `resume`, `resize`, `drain`) and 
 | `loan` | a loan: idle devices serve the other pool for the rest of the RL step in progress (a `release` of a lent engine may keep it loaded) |
 | `return` | a loan's return: the lent devices go home at the step boundary |
 | `reconcile` | a reconcile: one worker is converged with the log (`drain`, `release`, `reclaim`, `resume` only); the pools do not change |
+| `regroup` | a regroup: rollout devices form engines of another size (below); the pools do not change |
+
+## Regroups
+
+`dynaresized regroup n0:gpu2,n0:gpu3 --tp 2` (a `regroup` control request) makes rollout
+devices serve as engines of `tp` devices each, in device order: two one-device engines become
+one tensor-parallel engine of two, and `--tp 1` makes them one-device engines again. Every op
+of it (`drain`, `release`, `join`, `restore`, `commit`, with `op.plan` `regroup`) goes to the
+engine workers of those devices, one worker of one device each, and carries `op.engine`: the
+devices of the engine the receiving worker serves in once the sequence is done, when wider than
+its own device (empty: an engine of its own device). On `join` the worker whose device is the
+first of `op.engine` starts that engine over all of its devices and the others hold nothing
+(they answer with `actual.holding` `released`); `restore` brings the engine to the current
+weights; `commit` admits it. A failed op rolls a regroup back (`evict`, `reclaim`, `resume`,
+whose `op.engine` names the engines the log still holds); a failed `commit` leaves the new
+engines in the log (the daemon is then degraded, as for a resize). A worker reports the engine
+it runs in `actual.engine` (empty: its own device); one that serves another engine than the log
+says is reconciled with `drain`, `release`, `reclaim`, `resume` carrying the log's `op.engine`.
+Devices of an engine of several devices are neither moved by a resize nor lent: regroup them
+to one-device engines first. A regroup is refused (`regroup_started` never comes; `status`
+says why) unless every device is at home in the rollout pool with a live engine worker of its
+own, the devices hold whole engines, and the layout changes.
 
 ## What a worker reports between the steps of a resize
 

@@ -193,6 +193,10 @@ class OpCommand(_Msg, frozen=True, kw_only=True, tag="op"):
     training: tuple[str, ...]  # the training pool once the resize commits
     rollout: tuple[str, ...]  # the rollout pool once the resize commits
     plan: PlanKind = PlanKind.RESIZE  # a loan (lent for the rest of the step) or its return
+    engine: tuple[str, ...] = ()
+    """An engine worker's engine once this sequence is done (an undo: the one it goes back to),
+    when wider than its own device: run it (over these devices) if your device is the first,
+    hold nothing otherwise. Empty: an engine of your own device (docs/protocol.md, "Regroups")."""
 
 
 class ErrorCode(str, enum.Enum):
@@ -245,13 +249,22 @@ class ResizeRequest(_Msg, frozen=True, kw_only=True, tag="resize"):
     reason: Text = ""
 
 
+class RegroupRequest(_Msg, frozen=True, kw_only=True, tag="regroup"):
+    """Make rollout devices serve as engines of `tp` devices each (tensor parallelism)."""
+
+    protocol: int = PROTOCOL_VERSION
+    devices: Devices
+    tp: Annotated[int, msgspec.Meta(ge=1, le=256)]
+    reason: Text = ""
+
+
 class DrainRequest(_Msg, frozen=True, kw_only=True, tag="drain"):
     """Stop the daemon gracefully, as SIGTERM does."""
 
     protocol: int = PROTOCOL_VERSION
 
 
-ControlRequest = StatusRequest | PauseRequest | ResumeRequest | ResizeRequest | DrainRequest
+ControlRequest = StatusRequest | PauseRequest | ResumeRequest | ResizeRequest | DrainRequest | RegroupRequest
 
 
 class ControlReply(_Msg, frozen=True, kw_only=True, tag="reply"):

@@ -93,6 +93,16 @@ class ResizeRequested(Event, frozen=True):
     reason: str = ""
 
 
+class RegroupRequested(Event, frozen=True):
+    """An operator regroups rollout devices into engines of `tp` devices each
+    (`dynaresized regroup`): two TP-1 engines become one TP-2 engine, or back with `tp` 1."""
+
+    devices: tuple[DeviceId, ...]
+    tp: int
+    requested_by: str = "operator"
+    reason: str = ""
+
+
 class PauseRequested(Event, frozen=True):
     requested_by: str = "operator"
     reason: str = ""

@@ -340,6 +340,25 @@ class LoanReturned(Fact, frozen=True, tag="loan_returned"):
     duration_s: float
 
 
+class RegroupStarted(Fact, frozen=True, tag="regroup_started"):
+    """Rollout devices begin to form engines of another size (`plan.kind` REGROUP,
+    `plan.engines` the engines once it commits): drain, release, join, restore and commit on
+    their engine workers, serialized and undone like a resize's. No device changes pool."""
+
+    plan: ResizePlan
+    source: str  # "operator", or the policy that asked
+    reason: str
+    op_deadline: float
+
+
+class RegroupCommitted(Fact, frozen=True, tag="regroup_committed"):
+    """Every op of a regroup was acknowledged: its devices serve as `plan.engines` from now on."""
+
+    resize_id: str
+    duration_s: float
+    step: int  # the last observed RL step (-1: none yet)
+
+
 class ConfigReloaded(Fact, frozen=True, tag="config_reloaded"):
     """SIGHUP: [policy] and [guards] were re-read from the configuration file and apply from the
     next decision on (a resize in flight runs on as planned). `guards_changed` maps each guard
@@ -395,6 +414,8 @@ AnyFact = (
     | LoanReturned
     | ConfigReloaded
     | ReloadRefused
+    | RegroupStarted
+    | RegroupCommitted
 )
 
 FACT_TYPES: tuple[type[Fact], ...] = AnyFact.__args__  # type: ignore[attr-defined]

@@ -84,6 +84,10 @@ class SendOp(msgspec.Struct, frozen=True):
     training: tuple[DeviceId, ...]  # the training pool once the resize commits
     rollout: tuple[DeviceId, ...]  # the rollout pool once the resize commits
     plan: PlanKind = PlanKind.RESIZE  # a loan or its return travels as the same ops
+    engine: tuple[DeviceId, ...] = ()
+    """An engine worker: the devices of the engine it serves in once this sequence is done (an
+    undo: the one it goes back to), when wider than its own device (it leads that engine if its
+    device is the first); empty otherwise."""
 
 
 class QueryState(msgspec.Struct, frozen=True):
@@ -403,17 +407,82 @@ def on_resize_requested_steady(core: Core, tx: _Tx, e: ev.ResizeRequested) -> No
     _decide(core, tx, view, proposal, e.requested_by, hysteresis=False, at=e.at)
 
 
-def on_resize_requested_busy(core: Core, tx: _Tx, e: ev.ResizeRequested) -> None:
+def on_resize_requested_busy(core: Core, tx: _Tx, e: ev.ResizeRequested | ev.RegroupRequested) -> None:
     s = tx.state
+    target = e.target if isinstance(e, ev.ResizeRequested) else None
     if s.phase is Phase.DEGRADED:
         why = f"resizing is suspended ({s.degraded_reason}); run `dynaresized resume` first"
-        _reject(tx, e.at, e.requested_by, e.target, "degraded", why)
+        _reject(tx, e.at, e.requested_by, target, "degraded", why)
         return
     fl = s.inflight
     assert fl is not None
     what = f"reconcile {fl.plan.resize_id} of {fl.reconciling}" if fl.reconciling else f"resize {fl.plan.resize_id}"
-    _reject(tx, e.at, e.requested_by, e.target, "in_flight",
+    _reject(tx, e.at, e.requested_by, target, "in_flight",
             f"{what} is in flight (phase {s.phase.value}); one operation sequence at a time")
+
+
+def on_regroup_requested_steady(core: Core, tx: _Tx, e: ev.RegroupRequested) -> None:
+    s = tx.state
+    if s.stopping or s.paused:
+        why = "the daemon is shutting down" if s.stopping else "resizing is paused; run `dynaresized resume` first"
+        _reject(tx, e.at, e.requested_by, None, "stopping" if s.stopping else "paused", why)
+        return
+    plan = plan_regroup(s, e.devices, e.tp)
+    if isinstance(plan, str):
+        _reject(tx, e.at, e.requested_by, None, "regroup", plan)
+        return
+    shape = " + ".join("TP-%d engine [%s]" % (len(g), ", ".join(g)) for g in plan.engines)
+    tx.emit(f.RegroupStarted(at=e.at, plan=plan, source=e.requested_by,
+                             reason=f"{e.reason or 'requested by operator'}: {len(plan.devices)} device(s) "
+                                    f"become {shape}",
+                             op_deadline=e.at + core.config.op_timeout_s))
+    _advance(core, tx, e.at, fresh=True)
+
+
+def plan_regroup(state: ClusterState, devices: tuple[DeviceId, ...], tp: int) -> ResizePlan | str:
+    """Drain, release, join, restore and commit that make `devices` (rollout devices, each with
+    a live engine worker of its own) serve as engines of `tp` devices each, in device order;
+    or why that is impossible now. The devices must hold whole engines: a regroup never
+    splits an engine it does not name whole."""
+    devices = tuple(sorted(set(devices)))
+    if tp < 1 or not devices or len(devices) % tp:
+        return f"{len(devices)} device(s) do not form engines of {tp} device(s) each"
+    unknown = [d for d in devices if d not in state.devices]
+    if unknown:
+        return f"device(s) {', '.join(unknown)} are not in this cluster's inventory"
+    lent = set(state.lent_devices())
+    held_back = state.held_back()
+    for d in devices:
+        p = state.devices[d]
+        if p.pool is not Pool.ROLLOUT or p.home is not None or d in lent:
+            where = "moving" if p.pool is None else f"lent to {p.pool.value}" if p.home else f"in {p.pool.value}"
+            return f"device {d} is {where}: only devices at home in the rollout pool are regrouped"
+        if d in held_back:
+            return f"device {d} is left out: a worker on it has not converged"
+        outside = [x for x in state.engine_of(d) if x not in devices]
+        if outside:
+            return (f"device {d} serves in the engine [{', '.join(state.engine_of(d))}]: name all of its "
+                    f"devices ({', '.join(outside)} missing)")
+    live = state.live_workers_by_device()
+    workers = []
+    for d in devices:
+        w = live.get((d, WorkerKind.ROLLOUT_ENGINE))
+        if w is None:
+            return f"device {d} has no live rollout-engine worker"
+        if w.devices != (d,):
+            return (f"worker {w.worker_id} holds {', '.join(w.devices)}: only engines of one device's worker "
+                    "each are regrouped (a worker of several devices shapes its own engines)")
+        workers.append(w.worker_id)
+    engines = tuple(devices[i:i + tp] for i in range(0, len(devices), tp))
+    if all(state.engine_of(g[0]) == g for g in engines):
+        return f"devices {', '.join(devices)} already serve as engines of {tp} device(s)"
+    rid = f"g{state.regroups_started + 1}"
+    ops = tuple(OpSpec(op_id=f"{rid}/{i}-{k.value}", kind=k, devices=devices, targets=tuple(workers),
+                       from_pool=Pool.ROLLOUT, to_pool=Pool.ROLLOUT)
+                for i, k in enumerate((OpKind.DRAIN, OpKind.RELEASE, OpKind.JOIN, OpKind.RESTORE, OpKind.COMMIT)))
+    split = state.split
+    return ResizePlan(resize_id=rid, devices=devices, from_pool=Pool.ROLLOUT, to_pool=Pool.ROLLOUT, ops=ops,
+                      before=split, after=split, kind=PlanKind.REGROUP, engines=engines)
 
 
 def on_pause(core: Core, tx: _Tx, e: ev.PauseRequested) -> None:
@@ -655,9 +724,11 @@ def plan_resize(state: ClusterState, target: Split) -> ResizePlan | str:
     lent = set(state.lent_devices())
     live = state.live_workers_by_device()
     eligible = [d for d in sorted(state.pool_devices(from_pool), reverse=True)
-                if (d, dst_kind) in live and d not in held_back and d not in lent]
+                if (d, dst_kind) in live and d not in held_back and d not in lent and d not in state.engines]
     if len(eligible) < count:
         notes = [f"{len(held_back)} left out: a worker on them has not converged"] if held_back else []
+        if wide := [d for d in state.pool_devices(from_pool) if d in state.engines]:
+            notes.append(f"{len(wide)} serve in engines of several devices: regroup them first")
         if lent_here := [d for d in lent if state.devices[d].pool is from_pool]:
             notes.append(f"{len(lent_here)} lent until the step boundary")
         note = f" ({'; '.join(notes)})" if notes else ""
@@ -752,6 +823,8 @@ def _advance(core: Core, tx: _Tx, at: float, *, fresh: bool = False) -> None:
         step = tx.state.last_step
         if fl.rolling_back:
             tx.emit(f.ResizeRolledBack(at=at, resize_id=fl.plan.resize_id, reason=fl.abort_reason, step=step))
+        elif fl.plan.kind is PlanKind.REGROUP:
+            tx.emit(f.RegroupCommitted(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at, step=step))
         elif fl.plan.kind is not PlanKind.RESIZE:
             _end_loan(core, tx, at)
         else:
@@ -775,10 +848,19 @@ def _send(tx: _Tx, only: list[str] | None) -> None:
     training = tuple(sorted(d for d, p in s.devices.items() if p.pool is Pool.TRAINING or d in moving))
     in_training = set(training)  # membership in the tuple made this quadratic in the cluster
     rollout = tuple(sorted(d for d in s.devices if d not in in_training))
+    # A regroup's engines once it is done going forward; the engines the log holds otherwise.
+    new_engines = ({d: g for g in plan.engines for d in g}
+                   if plan.kind is PlanKind.REGROUP and not fl.rolling_back and not fl.reconciling else {})
     for w in only if only is not None else _pending(s):
+        worker = s.workers.get(w)
+        engine: tuple[DeviceId, ...] = ()
+        if worker is not None and worker.kind is WorkerKind.ROLLOUT_ENGINE and len(worker.devices) == 1:
+            d = worker.devices[0]
+            group = new_engines.get(d) or s.engine_of(d)
+            engine = group if len(group) > 1 else ()
         tx.commands.append(SendOp(worker_id=w, resize_id=plan.resize_id, op=fl.op, deadline=fl.op_deadline,
                                   training=training, rollout=rollout,
-                                  plan=PlanKind.RECONCILE if fl.reconciling else plan.kind))
+                                  plan=PlanKind.RECONCILE if fl.reconciling else plan.kind, engine=engine))
 
 
 def _op_failed(core: Core, tx: _Tx, reason: str, at: float) -> None:
@@ -849,10 +931,12 @@ _CONVERGE: dict[tuple[Holding, Holding], tuple[OpKind, ...]] = {
     (Holding.SERVING, Holding.DRAINED): (OpKind.RESUME,),
     (Holding.RELEASED, Holding.SERVING): (OpKind.DRAIN, OpKind.RELEASE),
     (Holding.RELEASED, Holding.DRAINED): (OpKind.RELEASE,),
+    # serving, but as another engine than the log's (it restarted alone, its engine regrouped)
+    (Holding.SERVING, Holding.SERVING): (OpKind.DRAIN, OpKind.RELEASE, OpKind.RECLAIM, OpKind.RESUME),
 }
 
 _RECHECK = frozenset({f.WorkerRegistered, f.WorkerReported, f.ResizeCommitted, f.ResizeRolledBack,
-                      f.ReconcileFinished, f.ResizingResumed})
+                      f.ReconcileFinished, f.ResizingResumed, f.RegroupCommitted})
 """Facts after which a live worker may disagree with the log: the core looks for one then (and
 at every tick, which is when a worker that could not converge is tried again)."""
 
@@ -866,9 +950,20 @@ def divergence(state: ClusterState, worker: Worker, now: float, retry_s: float) 
     if stuck is not None and (now - stuck.at < retry_s or worker.actual.holding is Holding.FAILED):
         return None  # tried lately, or it cannot act at all: wait for it to report something else
     want, have = state.desired(worker), worker.actual.holding
-    if want is None or have is Holding.DONE or have is want or _left_with_its_loan(state, worker):
+    if want is None or have is Holding.DONE or _left_with_its_loan(state, worker):
+        return None
+    if have is want and (want is not Holding.SERVING or not wrong_engine(state, worker)):
         return None
     return want, have
+
+
+def wrong_engine(state: ClusterState, worker: Worker) -> bool:
+    """An engine worker that says which engine it runs (`ActualState.engine`), and it is not
+    the one the log says its device serves in."""
+    if worker.kind is not WorkerKind.ROLLOUT_ENGINE or worker.actual is None or len(worker.devices) != 1:
+        return False
+    says = worker.actual.engine or worker.devices
+    return tuple(says) != state.engine_of(worker.devices[0])
 
 
 def _left_with_its_loan(state: ClusterState, worker: Worker) -> bool:
@@ -922,10 +1017,13 @@ def _finish_reconcile(tx: _Tx, resize_id: str, worker_id: str, at: float) -> Non
     w = tx.state.workers[worker_id]
     want = tx.state.desired(w)
     have = w.actual.holding if w.actual is not None else None
-    if have is None or want is None or have is want:
+    if have is None or want is None or (have is want and not (want is Holding.SERVING and wrong_engine(tx.state, w))):
         tx.emit(f.ReconcileFinished(at=at, resize_id=resize_id, worker_id=worker_id, ok=True))
         return
     reason = f"its converging ops succeeded, but it still reports {have.value} (the log says {want.value})"
+    if have is want:
+        reason = (f"its converging ops succeeded, but it still runs the engine [{', '.join(w.actual.engine or w.devices)}] "
+                  f"(the log says [{', '.join(tx.state.engine_of(w.devices[0]))}])")
     tx.emit(f.ReconcileFinished(at=at, resize_id=resize_id, worker_id=worker_id, ok=False, reason=reason))
     tx.emit(f.WorkerUnconverged(at=at, worker_id=worker_id, reason=reason))
 # -- loans ---------------------------------------------------------------------------
@@ -1040,6 +1138,8 @@ def plan_loan(state: ClusterState, devices: tuple[DeviceId, ...], to_pool: Pool,
     # One worker may serve several of the devices (verl's rollout worker holds every hybrid slot).
     if kind is PlanKind.LOAN and any((d, WorkerKind.for_pool(to_pool)) not in live for d in devices):
         return f"not every device of {', '.join(devices)} has a live {WorkerKind.for_pool(to_pool).value} worker"
+    if kind is PlanKind.LOAN and (wide := [d for d in devices if d in state.engines]):
+        return f"device(s) {', '.join(wide)} serve in engines of several devices: a loan takes one-device engines"
     resize_id = f"l{state.loans_started + 1}" if kind is PlanKind.LOAN else f"l{state.loans_started}-home{state.version}"
     targets = {OpKind.DRAIN: src, OpKind.RELEASE: src, OpKind.JOIN: dst}
     ops = tuple(
@@ -1136,6 +1236,7 @@ _RESIZING: dict[type, Handler] = {
     ev.StepReported: on_step_observe,
     ev.OpReported: on_op_reported,
     ev.ResizeRequested: on_resize_requested_busy,
+    ev.RegroupRequested: on_resize_requested_busy,
 }  # type: ignore[dict-item]
 
 TRANSITIONS: dict[Phase, dict[type, Handler]] = {
@@ -1144,6 +1245,7 @@ TRANSITIONS: dict[Phase, dict[type, Handler]] = {
         ev.Configure: on_configure,
         ev.StepReported: on_step_steady,
         ev.ResizeRequested: on_resize_requested_steady,
+        ev.RegroupRequested: on_regroup_requested_steady,
     },  # type: ignore[dict-item]
     Phase.DRAINING: _RESIZING,
     Phase.RELEASING: _RESIZING,
@@ -1156,6 +1258,7 @@ TRANSITIONS: dict[Phase, dict[type, Handler]] = {
         **_ALWAYS,
         ev.StepReported: on_step_observe,
         ev.ResizeRequested: on_resize_requested_busy,
+        ev.RegroupRequested: on_resize_requested_busy,
     },  # type: ignore[dict-item]
 }
 """Phase x event type -> handler. Anything missing is an IllegalTransition."""

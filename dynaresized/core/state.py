@@ -259,6 +259,11 @@ class ClusterState(msgspec.Struct, frozen=True):
     loans_landed: int = 0
     loan_times: tuple[LoanTime, ...] = ()  # the last LOAN_TIMES_KEPT measured loans per direction
     step_reporter: WorkerId = ""  # the worker whose step reports the job counts (the first to send one)
+    engines: dict[DeviceId, tuple[DeviceId, ...]] = {}
+    """Rollout engines wider than one device (formed by regroups): each of their devices -> the
+    engine's devices, its leader first. A device not here is an engine of its own."""
+    regroups_started: int = 0
+    regroups_committed: int = 0
     last_sent: float = 0.0  # soft: when the pending op was last sent
     last_audit: float = 0.0  # soft: when every live worker was last asked for its state
     last_tick: float = 0.0  # soft: when the core last saw a tick (a long gap: the daemon stalled)
@@ -295,13 +300,15 @@ class ClusterState(msgspec.Struct, frozen=True):
         are the same, and the dry engines' part extended as `dry` grows."""
         def placed_home() -> frozenset[DeviceId]:
             held_back = self.held_back()
+            # an engine of several devices is not lent (a loan takes one-device engines)
             return frozenset(d for d, p in self.devices.items()
-                             if p.home is None and p.pool is not None and d not in held_back)
+                             if p.home is None and p.pool is not None and d not in held_back
+                             and d not in self.engines)
 
         def idle(dry: tuple[DeviceId, ...]) -> tuple[DeviceId, ...]:
             return tuple(d for d in dry if d in home and self.devices[d].pool is Pool.ROLLOUT)
 
-        home = derived("home", placed_home, self.devices, self.unconverged, self.workers)
+        home = derived("home", placed_home, self.devices, self.unconverged, self.workers, self.engines)
         trainers = derived("trainers", lambda: tuple(d for d in self.pool_devices(Pool.TRAINING) if d in home),
                            self.devices, home)
         return grown("idle", self.dry, idle, lambda last, more: last + idle(more), home, self.devices), trainers
@@ -336,13 +343,27 @@ class ClusterState(msgspec.Struct, frozen=True):
         pools = {self.devices[d].pool for d in worker.devices if d in self.devices}
         return pools.pop() if len(pools) == 1 else None
 
+    def engine_of(self, device: DeviceId) -> tuple[DeviceId, ...]:
+        """The devices of the rollout engine `device` serves in: its own alone unless a regroup
+        made it part of a wider one."""
+        return self.engines.get(device, (device,))
+
+    def follows(self, worker: Worker) -> bool:
+        """An engine worker whose device is in a wider engine that another device's worker leads:
+        it holds nothing while that engine serves."""
+        return (worker.kind is WorkerKind.ROLLOUT_ENGINE and len(worker.devices) == 1
+                and self.engine_of(worker.devices[0])[0] != worker.devices[0])
+
     def desired(self, worker: Worker) -> Holding | None:
         """What the log says `worker` should do: serve when all its devices are in its kind's
-        pool, hold nothing when all are in the other pool; None otherwise (nothing to converge)."""
+        pool, hold nothing when all are in the other pool (or when another worker leads the
+        wider engine its device serves in); None otherwise (nothing to converge)."""
         pool = self.pool_of(worker)
         if pool is None:
             return None
-        return Holding.SERVING if pool is worker.kind.pool else Holding.RELEASED
+        if pool is worker.kind.pool and not self.follows(worker):
+            return Holding.SERVING
+        return Holding.RELEASED
 
     def progress_of(self, worker_id: WorkerId) -> Progress | None:
         """`worker_id`'s latest progress report (None: none yet)."""
@@ -716,6 +737,8 @@ def _(s: ClusterState, e: f.ResizeRolledBack) -> ClusterState:
 @_on(f.Degraded)
 def _(s: ClusterState, e: f.Degraded) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
+    if plan.kind is PlanKind.REGROUP and not s.inflight.rolling_back:  # type: ignore[union-attr]
+        s = _regrouped(s, plan)  # its commit failed: past the point of no return, rolled forward
     s = _place(s, plan.devices, _settled(plan, e.placed_in))
     degraded = 1 if plan.kind is PlanKind.RESIZE else 0  # a loan that degraded is not a resize's
     s = replace(s, phase=Phase.DEGRADED, degraded_reason=e.reason, outcome=_outcome_without(s.outcome, plan.resize_id),
@@ -821,6 +844,32 @@ def _(s: ClusterState, e: f.LoanReturned) -> ClusterState:
             times[i] = replace(times[i], returned_s=e.duration_s)
             break
     return replace(s, inflight=None, phase=Phase.STEADY, loan_times=tuple(times))
+
+
+@_on(f.RegroupStarted)
+def _(s: ClusterState, e: f.RegroupStarted) -> ClusterState:
+    plan = e.plan
+    inflight = InFlight(plan=plan, source=e.source, reason=e.reason, started_at=e.at, ops=plan.ops, index=0,
+                        op_started_at=e.at, op_deadline=e.op_deadline, step=s.last_step)
+    return replace(s, inflight=inflight, phase=PHASE_OF_OP[plan.ops[0].kind],
+                   regroups_started=s.regroups_started + 1)
+
+
+@_on(f.RegroupCommitted)
+def _(s: ClusterState, e: f.RegroupCommitted) -> ClusterState:
+    plan = s.inflight.plan  # type: ignore[union-attr]
+    # Steps measured on the old engines do not describe the new ones (as after a resize).
+    return replace(_regrouped(s, plan), inflight=None, phase=Phase.STEADY, recent=(),
+                   regroups_committed=s.regroups_committed + 1)
+
+
+def _regrouped(s: ClusterState, plan: ResizePlan) -> ClusterState:
+    """`s` with `plan.devices` serving as `plan.engines`."""
+    engines = {d: g for d, g in s.engines.items() if d not in plan.devices}
+    for group in plan.engines:
+        if len(group) > 1:
+            engines.update(dict.fromkeys(group, group))
+    return replace(s, engines=engines)
 
 
 def _kept(times: tuple[LoanTime, ...], pool: Pool) -> tuple[LoanTime, ...]:

@@ -799,6 +799,13 @@ class Daemon:
                 started = [x for x in new if isinstance(x, f.ResizeStarted)]
                 text = "; ".join(explain(x) for x in new if isinstance(x, f.ResizeStarted | f.ProposalRejected))
                 reply = wire.ControlReply(ok=bool(started), message=text or "nothing to do")
+            case wire.RegroupRequest():
+                self._step_quiet(ev.RegroupRequested(at=now, devices=tuple(msg.devices), tp=msg.tp,
+                                                     requested_by="operator", reason=msg.reason), facts, commands)
+                new = facts[before:]
+                started = [x for x in new if isinstance(x, f.RegroupStarted)]
+                text = "; ".join(explain(x) for x in new if isinstance(x, f.RegroupStarted | f.ProposalRejected))
+                reply = wire.ControlReply(ok=bool(started), message=text or "nothing to do")
             case wire.DrainRequest():
                 self._begin_stop(now, facts, commands)
                 reply = wire.ControlReply(ok=True, message="draining: no new resize; the daemon exits when the "
@@ -828,13 +835,15 @@ class Daemon:
         # The message names both pools whole: encoded once per op and batch, not once per target
         # (a commit goes to a worker of every device: that was quadratic in the cluster). The
         # core hands every target of one send the same pool tuples, alive for this batch.
-        key = (op.op_id, command.resize_id, command.deadline, command.plan, id(command.training), id(command.rollout))
+        key = (op.op_id, command.resize_id, command.deadline, command.plan, id(command.training), id(command.rollout),
+               command.engine)
         data = encoded.get(key)
         if data is None:
             msg = wire.OpCommand(op_id=op.op_id, resize_id=command.resize_id, kind=op.kind, devices=op.devices,
                                  from_pool=op.from_pool, to_pool=op.to_pool,
                                  timeout_s=max(command.deadline - self.clock(), 0.0) / self.scale,
-                                 training=command.training, rollout=command.rollout, plan=command.plan)
+                                 training=command.training, rollout=command.rollout, plan=command.plan,
+                                 engine=command.engine)
             data = encoded[key] = wire.encode(msg)
         outbox.append((self.workers_sock, route, data))
         log.info("op sent", op_id=op.op_id, op=op.kind.value, worker=command.worker_id,
@@ -894,6 +903,8 @@ def status_of(state: ClusterState, daemon: Daemon | None = None) -> dict[str, An
         "devices": {d: (p.pool.value if p.pool else f"moving {p.moving_from.value}->{p.moving_to.value}")  # type: ignore[union-attr]
                     for d, p in sorted(state.devices.items())},
         "lent": {d: state.devices[d].home.value for d in state.lent_devices()},  # type: ignore[union-attr]
+        "engines": sorted({list(g)[0]: list(g) for g in state.engines.values()}.values()),
+        "regroups": {"started": state.regroups_started, "committed": state.regroups_committed},
         "workers": [_worker_status(state, w) for w in sorted(state.workers.values(), key=lambda w: w.worker_id)],
         "in_flight": None if fl is None else {
             "resize_id": fl.plan.resize_id, "from": str(fl.plan.before), "to": str(fl.plan.after),

@@ -111,6 +111,7 @@ SAMPLE_EVENTS: dict[type, ev.Event] = {
     ev.ProgressReported: ev.ProgressReported(at=50.0, worker_id="eng3", step=0, done=1, total=2),
     ev.OpReported: ev.OpReported(at=50.0, worker_id="tr2", op_id="r1/0-drain", ok=True),
     ev.ResizeRequested: ev.ResizeRequested(at=50.0, target=Split(train=1, rollout=3)),
+    ev.RegroupRequested: ev.RegroupRequested(at=50.0, devices=("n0:gpu3",), tp=1),
     ev.PauseRequested: ev.PauseRequested(at=50.0),
     ev.ResumeRequested: ev.ResumeRequested(at=50.0),
     ev.ShutdownRequested: ev.ShutdownRequested(at=50.0),

@@ -1,0 +1,204 @@
+"""Regroups: rollout devices that change the size of the engines they form (two TP-1 engines
+become one TP-2 engine and back), as an op sequence serialized, recorded, undone and
+reconciled like a resize's (issue 22, item 3)."""
+
+from __future__ import annotations
+
+from dynaresized.core import SendOp
+from dynaresized.core import events as ev
+from dynaresized.core import facts as f
+from dynaresized.core.state import Phase
+from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, Split, WorkerKind
+
+from .cluster import Driver, boot, device, engine, make_core
+
+PAIR = (device(2), device(3))
+FORWARD = [OpKind.DRAIN, OpKind.RELEASE, OpKind.JOIN, OpKind.RESTORE, OpKind.COMMIT]
+
+
+def regroup(d: Driver, devices: tuple[str, ...], tp: int) -> tuple[list[f.Fact], list]:
+    return d.send(ev.RegroupRequested(at=d.at(), devices=devices, tp=tp, reason="test"))
+
+
+def run_ops(d: Driver) -> list[SendOp]:
+    """Acknowledge every op of the sequence in flight; every op sent on the way."""
+    sent: list[SendOp] = []
+    for _ in range(12):
+        if d.state.inflight is None:
+            return sent
+        sent += [c for c in d.ack_current() if isinstance(c, SendOp)]
+    raise AssertionError("the regroup did not finish")
+
+
+def rejected(facts: list[f.Fact]) -> f.ProposalRejected:
+    (r,) = [x for x in facts if isinstance(x, f.ProposalRejected)]
+    return r
+
+
+def test_two_engines_become_one_and_back() -> None:
+    d = boot(make_core(), 2, 2)
+    facts, cmds = regroup(d, PAIR, 2)
+    (started,) = [x for x in facts if isinstance(x, f.RegroupStarted)]
+    plan = started.plan
+    assert plan.kind is PlanKind.REGROUP and plan.engines == (PAIR,) and plan.before == plan.after == Split(2, 2)
+    assert [op.kind for op in plan.ops] == FORWARD
+    assert all(op.targets == (engine(2), engine(3)) for op in plan.ops)
+    assert {c.worker_id for c in cmds} == {engine(2), engine(3)} and cmds[0].op.kind is OpKind.DRAIN
+    # Every op of a regroup names the engine it builds (its JOIN starts it on the leader).
+    assert all(c.engine == PAIR and c.plan is PlanKind.REGROUP for c in cmds)
+    assert d.state.phase is Phase.DRAINING and d.state.split == Split(2, 2)
+    sent = cmds + run_ops(d)
+    assert [k for k in dict.fromkeys(c.op.kind for c in sent)] == FORWARD
+    assert all(c.engine == PAIR for c in sent)
+    assert isinstance(d.log[-1], f.RegroupCommitted)
+    s = d.state
+    assert s.phase is Phase.STEADY and s.engines == {device(2): PAIR, device(3): PAIR}
+    assert s.regroups_committed == 1 and s.split == Split(2, 2)
+    assert s.desired(s.workers[engine(2)]) is Holding.SERVING  # leads the TP-2 engine
+    assert s.desired(s.workers[engine(3)]) is Holding.RELEASED  # its device serves in engine 2's
+    assert d.replayed().durable() == s.durable()
+
+    facts, cmds = regroup(d, PAIR, 1)
+    back = [x for x in facts if isinstance(x, f.RegroupStarted)][0].plan
+    assert back.engines == ((device(2),), (device(3),)) and back.resize_id == "g2"
+    # Going forward each engine is told its new engine: its own device (empty means that).
+    sent = run_ops(d)
+    assert all(c.engine == () for c in sent)
+    assert d.state.engines == {} and d.state.desired(d.state.workers[engine(3)]) is Holding.SERVING
+    assert d.replayed().durable() == d.state.durable()
+
+
+def test_a_regroup_that_is_impossible_says_why_and_changes_nothing() -> None:
+    d = boot(make_core(), 2, 4)
+    cases = [
+        ((device(0), device(1)), 2, "in training"),
+        ((device(2), device(3), device(4)), 2, "do not form engines of 2"),
+        ((device(2), device(3)), 1, "already serve"),
+        ((device(2), "n9:gpu9"), 2, "not in this cluster"),
+    ]
+    for devices, tp, words in cases:
+        version = d.state.version
+        facts, cmds = regroup(d, devices, tp)
+        assert words in rejected(facts).reason and rejected(facts).guard == "regroup", (devices, words)
+        assert not cmds and d.state.version == version + 1 and d.state.inflight is None
+    regroup(d, PAIR, 2)
+    run_ops(d)
+    facts, _ = regroup(d, (device(3), device(4)), 2)  # half of the TP-2 engine
+    assert "name all of its devices" in rejected(facts).reason
+    facts, _ = regroup(d, (device(4), device(5)), 2)
+    facts, _ = regroup(d, (device(0), device(1)), 2)  # one sequence at a time
+    assert rejected(facts).guard == "in_flight"
+
+
+def test_a_worker_of_several_devices_is_not_regrouped() -> None:
+    d = Driver(make_core())
+    d.send(ev.Configure(at=0, devices=PAIR, pools=(Pool.ROLLOUT, Pool.ROLLOUT)))
+    d.send(ev.WorkerHello(at=0, worker_id="hybrid", kind=WorkerKind.ROLLOUT_ENGINE, devices=PAIR))
+    facts, _ = regroup(d, PAIR, 2)
+    assert "shapes its own engines" in rejected(facts).reason
+    assert d.state.inflight is None
+
+
+def test_a_failed_regroup_rolls_back_to_the_old_engines() -> None:
+    d = boot(make_core(), 2, 2)
+    regroup(d, PAIR, 2)
+    d.ack_current()  # drain
+    d.ack_current()  # release
+    assert d.state.inflight.op.kind is OpKind.JOIN
+    d.ack(engine(2))
+    facts, cmds = d.ack(engine(3), ok=False, detail="no room for a TP-2 engine")
+    (aborted,) = [x for x in facts if isinstance(x, f.ResizeAborted)]
+    assert [op.kind for op in aborted.undo] == [OpKind.EVICT, OpKind.RECLAIM, OpKind.RESUME]
+    # Undoing, each engine is told the engines the log still holds: its own.
+    assert cmds and all(c.engine == () and c.op.kind is OpKind.EVICT for c in cmds)
+    run_ops(d)
+    assert isinstance(d.log[-1], f.ResizeRolledBack)
+    s = d.state
+    assert s.engines == {} and s.regroups_committed == 0 and s.resizes_rolled_back == 0
+    assert s.phase is Phase.STEADY and s.split == Split(2, 2)
+    assert d.replayed().durable() == s.durable()
+
+
+def test_a_lost_engine_worker_rolls_a_regroup_back_and_a_restart_replays_it() -> None:
+    d = boot(make_core(heartbeat_timeout_s=5.0), 2, 2)
+    regroup(d, PAIR, 2)
+    d.ack_current()
+    # A daemon restart mid-regroup: the log replays to the same sequence, which goes on.
+    replayed = d.replayed()
+    assert replayed.durable() == d.state.durable() and replayed.inflight.plan.kind is PlanKind.REGROUP
+    d.send(ev.DaemonStarted(at=d.at()))
+    t = d.at(6.0)
+    for w in sorted(d.state.workers):
+        if w != engine(3):
+            d.send(ev.Heartbeat(at=t - 1, worker_id=w))
+    facts, _ = d.send(ev.Tick(at=t))
+    assert any(isinstance(x, f.WorkerLost) and x.worker_id == engine(3) for x in facts)
+    assert any(isinstance(x, f.ResizeAborted) for x in facts)
+    run_ops(d)
+    assert d.state.engines == {} and d.state.inflight is None
+
+
+def test_a_commit_that_fails_rolls_forward_to_the_new_engines() -> None:
+    d = boot(make_core(), 2, 2)
+    regroup(d, PAIR, 2)
+    for _ in range(4):
+        d.ack_current()
+    assert d.state.inflight.op.kind is OpKind.COMMIT
+    facts, _ = d.ack(engine(2), ok=False, detail="router refused")
+    assert any(isinstance(x, f.Degraded) for x in facts)
+    assert d.state.engines == {device(2): PAIR, device(3): PAIR}
+    assert d.replayed().durable() == d.state.durable()
+
+
+def test_devices_of_a_wide_engine_are_neither_moved_nor_lent() -> None:
+    d = boot(make_core(), 2, 2)
+    regroup(d, PAIR, 2)
+    run_ops(d)
+    facts, cmds = d.force(3, 1)
+    r = rejected(facts)
+    assert r.guard == "capacity" and "regroup them first" in r.reason and not cmds
+    # An idle wide engine is not lendable; a one-device engine is.
+    idle, _ = d.state.lendable()
+    assert idle == ()
+    d.send(ev.EngineQueueEmpty(at=d.at(), worker_id=engine(2), step=1, running=0))
+    assert d.state.lendable()[0] == ()
+    regroup(d, PAIR, 1)
+    run_ops(d)
+    facts, _ = d.force(3, 1)
+    assert any(isinstance(x, f.ResizeStarted) for x in facts)
+
+
+def test_an_engine_that_runs_another_engine_than_the_log_is_converged() -> None:
+    d = boot(make_core(), 2, 2)
+    regroup(d, PAIR, 2)
+    run_ops(d)
+    # The leader restarted alone: it serves a TP-1 engine again.
+    alone = ActualState(holding=Holding.SERVING, engine=())
+    facts, cmds = d.send(ev.StateReported(at=d.at(), worker_id=engine(2), actual=alone))
+    (rec,) = [x for x in facts if isinstance(x, f.ReconcileStarted)]
+    assert rec.worker_id == engine(2)
+    assert [op.kind for op in rec.plan.ops] == [OpKind.DRAIN, OpKind.RELEASE, OpKind.RECLAIM, OpKind.RESUME]
+    assert cmds[0].engine == PAIR and cmds[0].plan is PlanKind.RECONCILE
+    # It converges once it says it runs the wide engine.
+    wide = ActualState(holding=Holding.SERVING, engine=PAIR)
+    for _ in range(4):
+        fl = d.state.inflight
+        d.send(ev.OpReported(at=d.at(), worker_id=engine(2), op_id=fl.op.op_id, ok=True, actual=wide))
+    assert isinstance(d.log[-1], f.ReconcileFinished) and d.log[-1].ok
+    # A follower that serves (restarted alone) is released.
+    facts, _ = d.send(ev.StateReported(at=d.at(), worker_id=engine(3), actual=ActualState(holding=Holding.SERVING)))
+    (rec,) = [x for x in facts if isinstance(x, f.ReconcileStarted)]
+    assert rec.desired is Holding.RELEASED and [op.kind for op in rec.plan.ops] == [OpKind.DRAIN, OpKind.RELEASE]
+
+
+def test_an_engine_that_cannot_take_the_layout_is_left_out_not_reconciled_forever() -> None:
+    d = boot(make_core(), 2, 2)
+    regroup(d, PAIR, 2)
+    run_ops(d)
+    alone = ActualState(holding=Holding.SERVING)
+    d.send(ev.StateReported(at=d.at(), worker_id=engine(2), actual=alone))
+    for _ in range(4):
+        fl = d.state.inflight
+        d.send(ev.OpReported(at=d.at(), worker_id=engine(2), op_id=fl.op.op_id, ok=True, actual=alone))
+    assert isinstance(d.log[-1], f.WorkerUnconverged) and "runs the engine" in d.log[-1].reason
+    assert d.state.inflight is None and engine(2) in d.state.unconverged
