@@ -120,7 +120,9 @@ class SimDevice:
         return client
 
     async def _op(self, op: OpRequest) -> str:
-        if op.plan in (PlanKind.RESIZE, PlanKind.RECONCILE, PlanKind.REGROUP):
+        if op.plan is PlanKind.REGROUP:
+            seconds = self.cluster.profile.resize.regroup.op_s(op.kind)
+        elif op.plan in (PlanKind.RESIZE, PlanKind.RECONCILE):
             seconds = self.cluster.op_seconds(op.kind, op.to_pool)
         else:
             seconds = self.cluster.loan_op_seconds(op.kind, op.to_pool)

@@ -165,6 +165,14 @@ class RolloutEngine:
         self._lock = asyncio.Lock()  # one life-cycle change at a time
 
     # -- life cycle -----------------------------------------------------------------------
+    def reconfigure(self, config: EngineConfig) -> None:
+        """Start with `config` from the next start on (a regroup changes the engine's tensor
+        parallelism): only while the engine is stopped, since a running vLLM engine cannot
+        change its number of ranks."""
+        if self.state not in (EngineState.STOPPED, EngineState.DEAD):
+            raise RuntimeError(f"engine {self.engine_id} is {self.state.value}: stop it before reconfiguring")
+        self.config = config
+
     async def start(self) -> float:
         """Start the engine with the base weights; returns seconds taken."""
         async with self._lock:

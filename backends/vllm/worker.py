@@ -35,6 +35,16 @@ down, and the way back (join or reclaim, then restore and commit as for any resi
 and reloads the current policy version, so it never serves stale weights. A dead or stopped
 engine is released (and later started) as without the option.
 
+A regroup (`op.plan` REGROUP: rollout devices form engines of another size, issue 22) is
+the same five ops on the engine workers of the devices, each op naming in `op.engine` the
+engine the worker serves in once it is done (empty: one of its own device). Release and evict
+shut the engine down (a vLLM engine cannot change its number of ranks while it runs); join,
+reclaim and resume start it shaped as `op.engine` says (tensor parallelism `len(op.engine)`,
+one rank per device, bound to the device's core where `device_cores` says which) on the
+worker whose device is the engine's first, and restore loads the current policy version on
+every rank (each takes its slice of the published weights). The other devices' workers hold
+nothing while that engine serves (their answers say `released`), whatever op reaches them.
+
 Every op is idempotent: a repeated op finds the work done and says so. The worker also
 reports its engine's per-sample progress and, once the step's queue holds nothing for it,
 `queue_empty` (running requests and an upper bound on their tokens left; again with running
@@ -101,6 +111,7 @@ class EngineWorker:
         missed_heartbeats: int = 3,
         drain_timeout_s: float | None = None,
         keep_loaded: bool = False,
+        device_cores: dict[str, int] | None = None,
     ) -> None:
         if not devices:
             raise ValueError(f"engine {engine.engine_id}: a worker needs at least one device")
@@ -114,6 +125,8 @@ class EngineWorker:
         self.missed_heartbeats = missed_heartbeats
         self.drain_timeout_s = drain_timeout_s
         self.keep_loaded = keep_loaded
+        self.device_cores = dict(device_cores or {})  # CPU: the core of each device, for a wide engine's ranks
+        self.runs: tuple[str, ...] = ()  # the devices of the wide engine this worker's engine is shaped as (): its own
         self.lost_reason: str | None = None
         self.progress = Progress(step=-1, done=0, total=0, tokens=0)
         self.client: Any = None  # a dynaresized.client.WorkerClient once attached
@@ -149,6 +162,43 @@ class EngineWorker:
                 f"engine only does {op.kind.value} when its device joins the rollout pool"
             )
 
+    def _follows(self, op: Any) -> bool:
+        """The op says this worker's device serves in an engine another device's worker runs."""
+        engine = tuple(getattr(op, "engine", ()))
+        return bool(engine) and engine[0] not in self.devices
+
+    async def _follow(self, op: Any) -> str:
+        """Hold nothing: the device serves in the engine `op.engine`'s first device's worker runs."""
+        if self.engine.engine_id in self.router.admitted:
+            await self.router.drain(self.engine.engine_id, timeout_s=0.0)
+        stopped = ""
+        if self.engine.state is not EngineState.STOPPED:
+            seconds = await self.engine.stop()
+            stopped = f"stopped {self.engine.engine_id} in {seconds:.3f}s; "
+        return f"{stopped}{self.devices[0]} serves in the TP-{len(op.engine)} engine [{', '.join(op.engine)}]"
+
+    def _tp(self) -> str:
+        """", TP-k" for an engine of several ranks, "" for one of one."""
+        tp = self.engine.config.tensor_parallel_size
+        return f", TP-{tp}" if tp > 1 else ""
+
+    async def _shape(self, op: Any) -> str:
+        """Shape the engine as `op.engine` says before it starts: its tensor parallelism, and
+        each rank's core (stopping it first if it runs in another shape)."""
+        want = tuple(getattr(op, "engine", ()))
+        if want == self.runs:
+            return ""
+        if self.engine.state is not EngineState.STOPPED:
+            await self.engine.stop()
+        if self.engine.engine_id in self.router.admitted:
+            await self.router.drain(self.engine.engine_id, timeout_s=0.0)
+        cores = tuple(self.device_cores[d] for d in want) if want and all(
+            d in self.device_cores for d in want) else ()
+        self.engine.reconfigure(msgspec.structs.replace(self.engine.config, tensor_parallel_size=max(len(want), 1),
+                                                        cpu_cores=cores))
+        self.runs = want
+        return f"; shaped as TP-{max(len(want), 1)} over [{', '.join(want or self.devices)}]"
+
     async def drain(self, op: Any) -> str:
         self._check(op, leaving=True)
         if self.engine.engine_id not in self.router.admitted:
@@ -164,6 +214,11 @@ class EngineWorker:
         self._check(op, leaving=True)
         if self.engine.engine_id in self.router.admitted:
             raise RuntimeError(f"release before drain: {self.engine.engine_id} is still admitting samples")
+        if op.plan is PlanKind.REGROUP:  # a new engine shape needs a new engine
+            if self.engine.state is EngineState.STOPPED:
+                return f"{self.engine.engine_id} already stopped"
+            seconds = await self.engine.stop()
+            return f"stopped {self.engine.engine_id} for a regroup in {seconds:.3f}s"
         if op.plan in _LOANS or self._stays_loaded():
             return await self._lend()
         # a resize takes the device for good: a paused (lent) engine is shut down too
@@ -185,13 +240,16 @@ class EngineWorker:
 
     async def join(self, op: Any) -> str:
         self._check(op, leaving=False)
+        if self._follows(op):
+            return await self._follow(op)
         if op.plan in _LOANS:
             return await self._start_serving(op.plan)
+        shaped = await self._shape(op)
         if self.engine.state is EngineState.RUNNING:
             return f"{self.engine.engine_id} already running"
         seconds = await self.engine.join()
         self.lost_reason = None
-        return f"{self.engine.engine_id} up ({self.engine.device_type.value}) in {seconds:.3f}s"
+        return f"{self.engine.engine_id} up ({self.engine.device_type.value}{self._tp()}) in {seconds:.3f}s{shaped}"
 
     async def _start_serving(self, plan: PlanKind) -> str:
         """A loan's way home, or a trainer's device lent to the rollout: no restore or commit
@@ -207,6 +265,8 @@ class EngineWorker:
 
     async def restore(self, op: Any) -> str:
         self._check(op, leaving=False)
+        if self._follows(op):
+            return await self._follow(op)
         return await self._restore()
 
     async def _restore(self) -> str:
@@ -228,9 +288,11 @@ class EngineWorker:
                 f"commit {op.op_id} places neither pool on worker {self.worker_id}'s devices {list(self.devices)}"
             )
         if set(self.devices) & set(op.rollout):
+            if self._follows(op):
+                return await self._follow(op)
             if self.engine.engine_id in self.router.admitted:
                 return f"{self.engine.engine_id} already in the pool"
-            revived = await self._revive()
+            revived = await self._revive(op)
             await self.router.admit(self.engine.engine_id)
             return f"{self.engine.engine_id} admitted at policy version {self.engine.loaded_version}{revived}"
         if self.engine.engine_id in self.router.admitted:
@@ -243,24 +305,29 @@ class EngineWorker:
     async def resume(self, op: Any) -> str:
         """Undo drain: the engine (still loaded) takes samples again."""
         self._check(op, leaving=True)
-        if self.engine.engine_id in self.router.admitted:
+        if self._follows(op):
+            return await self._follow(op)
+        if self.engine.engine_id in self.router.admitted and tuple(op.engine) == self.runs:
             return f"{self.engine.engine_id} already admitting"
-        revived = await self._revive()
+        revived = await self._revive(op)
         await self.router.admit(self.engine.engine_id)
         return f"{self.engine.engine_id} admitting again{revived}"
 
-    async def _revive(self) -> str:
+    async def _revive(self, op: Any = None) -> str:
         """Before the engine takes samples again: restart it if it died (or was stopped) in the
         meantime, at the current policy version. An undo or a commit that finds its engine dead
         leaves it serving rather than failing, which would leave the daemon degraded."""
-        if self.engine.state is EngineState.RUNNING:
+        if self.engine.state is EngineState.RUNNING and (op is None or tuple(op.engine) == self.runs):
             return ""
         was = self.engine.state.value
-        seconds, restored = await self._start_at_current_version()
+        seconds, restored = await self._start_at_current_version(op)
         return f" (it was {was}: restarted in {seconds:.3f}s; {restored})"
 
-    async def _start_at_current_version(self) -> tuple[float, str]:
-        """Wake or (re)start the engine and load the current policy version: (seconds, detail)."""
+    async def _start_at_current_version(self, op: Any = None) -> tuple[float, str]:
+        """Wake or (re)start the engine (shaped as `op.engine` says) and load the current policy
+        version: (seconds, detail)."""
+        if op is not None:
+            await self._shape(op)
         seconds = await self.engine.join()
         self.lost_reason = None
         return seconds, await self._restore()
@@ -268,14 +335,19 @@ class EngineWorker:
     async def reclaim(self, op: Any) -> str:
         """Undo release: wake or restart the engine and bring its weights up to date."""
         self._check(op, leaving=True)
-        seconds, restored = await self._start_at_current_version()
-        return f"{self.engine.engine_id} reclaimed in {seconds:.3f}s; {restored}"
+        if self._follows(op):
+            return await self._follow(op)
+        seconds, restored = await self._start_at_current_version(op)
+        return f"{self.engine.engine_id} reclaimed in {seconds:.3f}s{self._tp()}; {restored}"
 
     async def evict(self, op: Any) -> str:
         """Undo join: the engine gives the device back (a loan's failed way home: lent again)."""
         self._check(op, leaving=False)
         if self.engine.engine_id in self.router.admitted:
             await self.router.drain(self.engine.engine_id, timeout_s=0.0)
+        if op.plan is PlanKind.REGROUP:  # the new engine goes: reclaim starts the old one
+            seconds = await self.engine.stop() if self.engine.state is not EngineState.STOPPED else 0.0
+            return f"evicted {self.engine.engine_id} (stopped) in {seconds:.3f}s"
         if op.plan in _LOANS or self._stays_loaded():
             return await self._lend()
         if self.engine.state in (EngineState.STOPPED, EngineState.SLEEPING):
@@ -305,8 +377,8 @@ class EngineWorker:
             holding = Holding.DRAINED
         else:
             holding = Holding.RELEASED
-        return ActualState(holding=holding, detail=f"engine {state.value}" + (
-            f", lost: {self.lost_reason}" if self.lost_reason else ""))
+        return ActualState(holding=holding, engine=self.runs if state is EngineState.RUNNING else (),
+                           detail=f"engine {state.value}" + (f", lost: {self.lost_reason}" if self.lost_reason else ""))
 
     # -- reporting ---------------------------------------------------------------------------
     def _step_started(self, step: int, total: int) -> None:

@@ -723,18 +723,20 @@ def plan_resize(state: ClusterState, target: Split) -> ResizePlan | str:
     held_back = state.held_back()
     lent = set(state.lent_devices())
     live = state.live_workers_by_device()
-    eligible = [d for d in sorted(state.pool_devices(from_pool), reverse=True)
-                if (d, dst_kind) in live and d not in held_back and d not in lent and d not in state.engines]
+    usable = {d for d in state.pool_devices(from_pool)
+              if (d, dst_kind) in live and d not in held_back and d not in lent}
+    eligible, skipped = _whole_engines(state, usable, count)
     if len(eligible) < count:
         notes = [f"{len(held_back)} left out: a worker on them has not converged"] if held_back else []
-        if wide := [d for d in state.pool_devices(from_pool) if d in state.engines]:
-            notes.append(f"{len(wide)} serve in engines of several devices: regroup them first")
+        if wide := [d for d in skipped if d in state.engines]:
+            notes.append(f"{len(wide)} serve in engines of several devices, which move whole: regroup them "
+                         "first or move a multiple of their size")
         if lent_here := [d for d in lent if state.devices[d].pool is from_pool]:
             notes.append(f"{len(lent_here)} lent until the step boundary")
         note = f" ({'; '.join(notes)})" if notes else ""
         return (f"only {len(eligible)} device(s) in the {from_pool.value} pool have a live "
                 f"{dst_kind.value} worker to take them over{note}; {count} needed for {before} -> {target}")
-    devices = tuple(sorted(eligible[:count]))
+    devices = tuple(sorted(eligible))
     src = _unique(live.get((d, src_kind)) for d in devices)
     dst = _unique(live.get((d, dst_kind)) for d in devices)
     moved = set(devices)
@@ -752,6 +754,37 @@ def plan_resize(state: ClusterState, target: Split) -> ResizePlan | str:
     )
     return ResizePlan(resize_id=resize_id, devices=devices, from_pool=from_pool, to_pool=to_pool, ops=ops,
                       before=before, after=target)
+
+
+def _whole_engines(state: ClusterState, usable: set[DeviceId], count: int) -> tuple[list[DeviceId], list[DeviceId]]:
+    """`count` of `usable` devices to move, highest ids first, an engine of several devices
+    whole or not at all (fewer when no choice adds up); and the wide engines' devices left out."""
+    units: list[tuple[DeviceId, ...]] = []
+    seen: set[DeviceId] = set()
+    for d in sorted(usable, reverse=True):
+        if d not in seen:
+            unit = state.engine_of(d)
+            seen.update(unit)
+            if all(x in usable for x in unit):
+                units.append(unit)
+    if all(len(u) == 1 for u in units):  # no wide engine: the highest `count`
+        return [u[0] for u in units[:count]], []
+    # reach[i]: the device counts units[i:] can add up to (bit n set: n is reachable)
+    mask = (1 << (count + 1)) - 1
+    reach = [1] * (len(units) + 1)
+    for i in range(len(units) - 1, -1, -1):
+        reach[i] = (reach[i + 1] | (reach[i + 1] << len(units[i]))) & mask
+    if not (reach[0] >> count) & 1:
+        count = max(n for n in range(count + 1) if (reach[0] >> n) & 1)
+    taken: list[DeviceId] = []
+    left: list[DeviceId] = []
+    for i, unit in enumerate(units):
+        rest = count - len(taken) - len(unit)
+        if rest >= 0 and (reach[i + 1] >> rest) & 1:
+            taken.extend(unit)
+        elif len(unit) > 1:
+            left.extend(unit)
+    return taken, left
 
 
 def _unique(workers: object) -> tuple[str, ...]:

@@ -703,7 +703,7 @@ def _(s: ClusterState, e: f.ResizeAborted) -> ClusterState:
 @_on(f.ResizeCommitted)
 def _(s: ClusterState, e: f.ResizeCommitted) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
-    s = _place(s, plan.devices, placed(plan.to_pool))
+    s = _place(_unengined(s, plan.devices), plan.devices, placed(plan.to_pool))
     costs = dict(s.cost_per_device_s)
     per_device = e.duration_s / max(len(plan.devices), 1)
     old = costs.get(plan.direction)
@@ -739,6 +739,8 @@ def _(s: ClusterState, e: f.Degraded) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
     if plan.kind is PlanKind.REGROUP and not s.inflight.rolling_back:  # type: ignore[union-attr]
         s = _regrouped(s, plan)  # its commit failed: past the point of no return, rolled forward
+    if plan.kind is PlanKind.RESIZE and e.placed_in is plan.to_pool:
+        s = _unengined(s, plan.devices)  # a resize's engines that left the rollout pool are gone
     s = _place(s, plan.devices, _settled(plan, e.placed_in))
     degraded = 1 if plan.kind is PlanKind.RESIZE else 0  # a loan that degraded is not a resize's
     s = replace(s, phase=Phase.DEGRADED, degraded_reason=e.reason, outcome=_outcome_without(s.outcome, plan.resize_id),
@@ -861,6 +863,14 @@ def _(s: ClusterState, e: f.RegroupCommitted) -> ClusterState:
     # Steps measured on the old engines do not describe the new ones (as after a resize).
     return replace(_regrouped(s, plan), inflight=None, phase=Phase.STEADY, recent=(),
                    regroups_committed=s.regroups_committed + 1)
+
+
+def _unengined(s: ClusterState, devices: Iterable[DeviceId]) -> ClusterState:
+    """`s` with no engine of several devices on `devices` (a resize moved them out whole)."""
+    gone = set(devices) & set(s.engines)
+    if not gone:
+        return s
+    return replace(s, engines={d: g for d, g in s.engines.items() if d not in gone})
 
 
 def _regrouped(s: ClusterState, plan: ResizePlan) -> ClusterState:

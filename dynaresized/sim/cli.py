@@ -283,8 +283,8 @@ def plan_summary(p: Plan) -> str:
                      f"{ph.simulated_configs} of {ph.space} simulated, {ph.search_s:.2f} s")
     lines.append(f"  {'total':<27} {p.predicted_total_s:>12.1f} {p.simulated_total_s:>12.1f} "
                  f"{p.prediction_error:>+7.1%}  {p.search_s:.2f} s")
-    lines.append(f"  {p.changes} change(s) of configuration, not charged: resizes that change an engine's size "
-                 "are not built")
+    lines.append(f"  {p.changes} change(s) of configuration, charged {p.change_s:.1f} s in both totals "
+                 "(a regroup where the engine size changes, a resize's commit where the split does)")
     return "\n".join(lines) + "\n"
 
 

@@ -77,6 +77,13 @@ class Config(msgspec.Struct, frozen=True, order=True):
     def __str__(self) -> str:
         return f"{self.train}:{self.rollout}/TP-{self.tp}"
 
+    @staticmethod
+    def parse(text: str) -> Config:
+        """`"4:4/TP-2"` -> Config(4, 4, 2)."""
+        split, tp = text.split("/TP-")
+        train, rollout = split.split(":")
+        return Config(int(train), int(rollout), int(tp))
+
 
 class Search(msgspec.Struct, frozen=True):
     best: Config
@@ -118,14 +125,30 @@ class Plan(msgspec.Struct, frozen=True):
     phases: list[PhasePlan]
     predicted_total_s: float
     simulated_total_s: float
-    """The run simulated with each phase on its configuration (`plan`; a change of configuration
-    between phases is not charged: a resize that changes an engine's tensor-parallel degree is
-    not built yet)."""
+    """The run simulated with each phase on its configuration, plus `change_s`."""
     prediction_error: float
     """predicted_total_s / simulated_total_s - 1."""
     search_s: float
     changes: int = 0
     """Phase boundaries where the configuration changes."""
+    change_s: float = 0.0
+    """Seconds charged for those changes (`change_seconds`), in both totals."""
+
+
+def change_seconds(profile: Profile, a: Config, b: Config) -> float:
+    """What changing configuration `a` to `b` at a step boundary adds to the run: a regroup of
+    the rollout pool when the engine size changes (every op of `[resize.regroup]` and the new
+    engines' first step: the pool serves nothing meanwhile), and a resize's commit and its
+    destination's first step when the split changes (its other ops overlap the window, as in a
+    pipelined resize)."""
+    seconds = 0.0
+    if a.tp != b.tp:
+        r = profile.resize.regroup
+        seconds += r.drain_s + r.release_s + r.join_s + r.restore_s + r.commit_s + r.first_step_s
+    if a.split != b.split:
+        c = profile.resize.to_rollout if b.rollout > a.rollout else profile.resize.to_training
+        seconds += c.commit_s + c.first_step_s
+    return seconds
 
 
 def space(model: StageModel, gpus: int, candidates: Sequence[Split] = ()) -> list[Config]:
@@ -265,9 +288,8 @@ def plan(profile: Profile, trace: Trace, *, router: str = "pull", pilot_steps: i
     The simulated run is spliced from each chosen configuration's static windows over the whole
     trace: a phase's windows are those whose rollout is one of its steps (the window where the
     configuration changes overlaps the previous step's training, charged to the new one), the
-    last window (the last step's training) to the last phase. Within a phase that is exact; a
-    change of configuration costs nothing here (a resize that changes an engine's size is not
-    built), so `changes` says how many the plan asks for."""
+    last window (the last step's training) to the last phase. Within a phase that is exact; each
+    change of configuration adds what `change_seconds` says (a regroup, a resize) to both totals."""
     if pilot_steps < 1:
         raise ValueError(f"a pilot needs at least one step, got pilot_steps={pilot_steps}")
     gpus = profile.cluster.gpus
@@ -290,13 +312,15 @@ def plan(profile: Profile, trace: Trace, *, router: str = "pull", pilot_steps: i
                              simulated_s=round(simulated, 3), prediction_error=round(predicted / simulated - 1.0, 4),
                              method=found.method, space=found.space, simulated_configs=found.simulated,
                              search_s=round(found.search_s, 4)))
-    predicted_total = sum(p.predicted_s for p in out)
-    simulated_total = sum(p.simulated_s for p in out)
+    configs = [Config.parse(p.config) for p in out]
+    change_s = sum(change_seconds(profile, a, b) for a, b in zip(configs, configs[1:], strict=False))
+    predicted_total = sum(p.predicted_s for p in out) + change_s
+    simulated_total = sum(p.simulated_s for p in out) + change_s
     return Plan(profile=profile.name, workload=trace.name, gpus=gpus, pilot_steps=pilot_steps, phases=out,
                 predicted_total_s=round(predicted_total, 3), simulated_total_s=round(simulated_total, 3),
                 prediction_error=round(predicted_total / simulated_total - 1.0, 4),
                 search_s=round(sum(p.search_s for p in out), 4),
-                changes=sum(a.config != b.config for a, b in zip(out, out[1:], strict=False)))
+                changes=sum(a != b for a, b in zip(configs, configs[1:], strict=False)), change_s=round(change_s, 3))
 
 
 def plan_start(profile: Profile, trace: Trace, make_policy: Callable[[], Policy], guards: GuardConfig, *,

@@ -139,6 +139,21 @@ class OpCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     first_step_s: float = 0.0
     """Extra seconds of the destination's first step (lazy optimizer restore, graph capture)."""
 
+    def op_s(self, kind: OpKind) -> float:
+        """Seconds of op `kind` (an undo costs what the op it undoes cost)."""
+        kind = _FORWARD_OF_UNDO.get(kind, kind)
+        return {OpKind.DRAIN: self.drain_s, OpKind.RELEASE: self.release_s, OpKind.JOIN: self.join_s,
+                OpKind.RESTORE: self.restore_s, OpKind.COMMIT: self.commit_s}[kind]
+
+
+REGROUP_COSTS = OpCosts(drain_s=1.0, release_s=5.0, join_s=30.0, restore_s=5.0, commit_s=0.0, first_step_s=3.0)
+"""A regroup's seconds where a profile does not say (`[resize.regroup]`): at a step boundary
+nothing is in flight (drain); the old engines shut down (release: a vLLM engine cannot change
+its ranks while it runs); the new ones start over their devices, a process per rank, with a
+fresh communicator and the base weights from disk (join); the current weights come from host
+memory, each rank its slice, and the KV cache and CUDA graphs are made (restore). An
+assumption for GPUs (on CPU slots a regroup measured 16-21 s: `benchmarks/vllm_regroup.py`)."""
+
 
 class NaiveCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The naive baseline: stop the pipeline, destroy and recreate actors with fresh
@@ -159,6 +174,9 @@ class ResizeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     to_training: OpCosts
     to_rollout: OpCosts
     naive: NaiveCosts
+    regroup: OpCosts = REGROUP_COSTS
+    """Seconds of each op of a regroup (rollout devices forming engines of another size), on
+    each of its devices at once (`[resize.regroup]`)."""
     op_timeout_s: float = 86_400.0
     """The core's op timeout in the simulator: COMMIT waits for a step boundary, so it must
     exceed the longest step."""
@@ -225,13 +243,7 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 OpKind.COMMIT: n.restart_s,
             }[kind]
         c = self.resize.to_training if to_pool is Pool.TRAINING else self.resize.to_rollout
-        return {
-            OpKind.DRAIN: c.drain_s,
-            OpKind.RELEASE: c.release_s,
-            OpKind.JOIN: c.join_s,
-            OpKind.RESTORE: c.restore_s,
-            OpKind.COMMIT: c.commit_s,
-        }[kind]
+        return c.op_s(kind)
 
     def loan_op_seconds(self, kind: OpKind, to_pool: Pool, *, naive: bool = False) -> float:
         """Seconds of one op of a loan (to_pool TRAINING) or of its return (to_pool ROLLOUT).

@@ -150,13 +150,13 @@ def test_a_commit_that_fails_rolls_forward_to_the_new_engines() -> None:
     assert d.replayed().durable() == d.state.durable()
 
 
-def test_devices_of_a_wide_engine_are_neither_moved_nor_lent() -> None:
+def test_a_wide_engine_moves_whole_and_is_never_lent() -> None:
     d = boot(make_core(), 2, 2)
     regroup(d, PAIR, 2)
     run_ops(d)
-    facts, cmds = d.force(3, 1)
+    facts, cmds = d.force(3, 1)  # half of the TP-2 engine: impossible
     r = rejected(facts)
-    assert r.guard == "capacity" and "regroup them first" in r.reason and not cmds
+    assert r.guard == "capacity" and "move whole" in r.reason and not cmds
     # An idle wide engine is not lendable; a one-device engine is.
     idle, _ = d.state.lendable()
     assert idle == ()
@@ -202,3 +202,24 @@ def test_an_engine_that_cannot_take_the_layout_is_left_out_not_reconciled_foreve
         d.send(ev.OpReported(at=d.at(), worker_id=engine(2), op_id=fl.op.op_id, ok=True, actual=alone))
     assert isinstance(d.log[-1], f.WorkerUnconverged) and "runs the engine" in d.log[-1].reason
     assert d.state.inflight is None and engine(2) in d.state.unconverged
+
+
+def test_a_resize_moves_a_wide_engine_whole_and_its_devices_come_back_as_one_device_engines() -> None:
+    d = boot(make_core(), 2, 4)
+    regroup(d, PAIR, 2)  # gpu2+gpu3 one engine; gpu4, gpu5 one each
+    run_ops(d)
+    facts, _ = d.force(3, 3)  # one device: gpu5 alone, the wide engine stays
+    assert [x for x in facts if isinstance(x, f.ResizeStarted)][0].plan.devices == (device(5),)
+    d.finish()
+    facts, cmds = d.force(5, 1)  # two more: the TP-2 engine whole (gpu4 alone would leave one)
+    plan = [x for x in facts if isinstance(x, f.ResizeStarted)][0].plan
+    assert plan.devices == PAIR and {c.worker_id for c in cmds} == {engine(2), engine(3)}
+    assert all(c.engine == PAIR for c in cmds)  # the engine it leaves, named to both workers
+    d.finish()
+    s = d.state
+    assert s.engines == {} and s.split == Split(5, 1) and s.pool_devices(Pool.ROLLOUT) == (device(4),)
+    assert d.replayed().durable() == s.durable()
+    facts, cmds = d.force(3, 3)  # back: one-device engines
+    assert all(c.engine == () for c in cmds)
+    d.finish()
+    assert s.engines == {} and d.state.desired(d.state.workers[engine(3)]) is Holding.SERVING

@@ -74,9 +74,10 @@ async def test_regroup_two_engines_into_one_and_back(make_daemon) -> None:
         assert status["split"] == {"train": 2, "rollout": 2} and status["phase"] == "steady"
         desired = {w["id"]: (w["actual"], w["desired"]) for w in status["workers"]}
         assert set(desired.values()) == {("serving", "serving"), ("released", "released")}
-        # A resize cannot take a device of the wide engine.
+        # A resize that cannot be planned (no trainers here) starts nothing and leaves the engine.
         refused = daemon.control(wire.ResizeRequest(train=3, rollout=1))
-        assert not refused.ok and "regroup them first" in refused.message
+        assert not refused.ok and "guard capacity" in refused.message
+        assert daemon.status()["engines"] == [list(PAIR)]
         # And back: two one-device engines.
         assert daemon.control(wire.RegroupRequest(devices=PAIR, tp=1)).ok
         await until(lambda: len(facts_of(daemon, f.RegroupCommitted)) == 2, timeout=15, what="the way back")

@@ -131,7 +131,12 @@ def test_a_plan_follows_a_change_of_workload():
     w = {c: static_windows(model.at_tp(c.tp), c.split) for c in (before, after)}
     assert p.phases[0].simulated_s == pytest.approx(w[before][:30].sum(), abs=0.01)
     assert p.phases[1].simulated_s == pytest.approx(w[after][30:].sum(), abs=0.01)
-    assert p.changes == int(before != after)
+    assert p.changes == 1 and Config.parse(p.phases[1].config) == after
+    # the change is a regroup (TP-2 -> TP-4) and a resize (6:2 -> 4:4), charged in both totals
+    r, c = PROFILE.resize.regroup, PROFILE.resize.to_rollout
+    regroup_s = r.drain_s + r.release_s + r.join_s + r.restore_s + r.commit_s + r.first_step_s
+    assert p.change_s == pytest.approx(regroup_s + c.commit_s + c.first_step_s)
+    assert p.simulated_total_s == pytest.approx(sum(ph.simulated_s for ph in p.phases) + p.change_s, abs=0.01)
 
 
 def test_plan_start_runs_the_policy_from_the_searchs_best_few_and_is_deterministic():

