@@ -13,8 +13,9 @@ process per device (4 devices, 2:2; each process hosts the device's rollout engi
 rank through the real `WorkerClient`, says what it holds, and records it in a file). Workers
 reach the daemon through a fault-injecting proxy in this process: per message it drops,
 duplicates, delays (which reorders) or, for op results, turns success into failure. The run
-forces resizes at random moments while it SIGKILLs and restarts the daemon and SIGKILLs workers
-(restarted as fresh processes holding nothing). In half the runs (`faults.loans`) the workers
+forces resizes and regroups (two devices' engines into one engine of both, or back) at random
+moments while it SIGKILLs and restarts the daemon and SIGKILLs workers (restarted as fresh
+processes holding nothing). In half the runs (`faults.loans`) the workers
 also run a job that reports mini-batches, idle engines and steps, and the daemon's hysteresis
 policy lends idle engines to the training step and idle trainers to the rollout, so faults hit
 loans and their returns as well as resizes. Then the faults stop and the run waits for the
@@ -23,7 +24,8 @@ cluster to settle (an operator's `resume` if it is degraded) and checks:
 * DESIGN.md §4: every device in exactly one pool or moving, moving only during a resize, at most
   one operation sequence in flight (checked after every fact of the log); nothing left in flight;
 * every worker's real state (its own record, not the daemon's belief) equals the log's desired
-  state; no worker left unconverged;
+  state, and every serving engine runs the engine the log says (its own device's, or the wide
+  engine it leads); no worker left unconverged;
 * replay of the log equals the live state; `python -m dynaresized.store check` passes.
 
 A degraded outcome is counted by cause; one in a run whose only faults were lost, repeated,
@@ -59,6 +61,8 @@ import zmq
 
 DEVICES = ("node0:cpu0", "node0:cpu1", "node0:cpu2", "node0:cpu3")
 SPLITS = ((1, 3), (2, 2), (3, 1))
+PAIRS = (DEVICES[:2], DEVICES[2:], DEVICES[1:3])  # what a regroup asks for: a TP-2 engine of a pair, or back
+REGROUP_SHARE = 0.5  # of the operator's requests in a run: regroups; the rest are resizes
 CHAOS_S = 3.0  # how long faults are injected in a run
 SETTLE_LIMIT_S = 30.0
 START_LIMIT_S = 60.0  # startup is not what is measured: under load, Python processes start slowly
@@ -73,15 +77,16 @@ def worker_main(endpoint: str, device: str, pool: str, record: Path, loans: bool
     ("none": a restarted process, holding nothing). With `loans`, also the job's reports that
     make the daemon lend (`job_reports`). With `curve_dir`, over CURVE: each worker's key pair
     `<worker_id>.key_secret` and the daemon's `server.key` are there."""
-    from dynaresized.backends.sim import HOLDING_AFTER as after
+    from dynaresized.backends.sim import after_op
     from dynaresized.client import CurveKeys, OpRequest, WorkerClient
     from dynaresized.domain import ActualState, Holding, OpKind, WorkerKind
 
     holding = {kind: Holding.SERVING if kind.pool.value == pool else Holding.RELEASED for kind in WorkerKind}
+    runs: list[tuple[str, ...]] = [()]  # the wider engine this device's engine runs (regroups); (): its own
 
     def save() -> None:
         tmp = record.with_suffix(".tmp")
-        tmp.write_text(json.dumps({kind.value: h.value for kind, h in holding.items()}))
+        tmp.write_text(json.dumps({**{kind.value: h.value for kind, h in holding.items()}, "engine": list(runs[0])}))
         os.replace(tmp, record)
 
     async def main() -> None:
@@ -92,15 +97,20 @@ def worker_main(endpoint: str, device: str, pool: str, record: Path, loans: bool
 
             async def handle(op: OpRequest, kind: WorkerKind = kind) -> str:
                 await asyncio.sleep(rng.uniform(0.0, 0.05))
-                if device in op.devices and op.kind in after:
-                    holding[kind] = after[op.kind]
+                before = (holding[kind], runs[0])
+                holding[kind], engine = after_op(op, device, kind, holding[kind], runs[0])
+                if kind is WorkerKind.ROLLOUT_ENGINE:
+                    runs[0] = engine
+                if (holding[kind], runs[0]) != before:
                     save()
                 return f"{op.kind.value} on {device}"
 
             curve = None if curve_dir is None else CurveKeys(curve_dir / f"{name}.key_secret",
                                                              curve_dir / "server.key")
             client = WorkerClient(endpoint, name, kind, (device,), hello_timeout_s=hello_timeout_s, curve=curve,
-                                  actual=lambda kind=kind: ActualState(holding=holding[kind]))
+                                  actual=lambda kind=kind: ActualState(
+                                      holding=holding[kind],
+                                      engine=runs[0] if kind is WorkerKind.ROLLOUT_ENGINE else ()))
             client.on_all({k: handle for k in OpKind})
             clients.append(client)
         save()
@@ -523,8 +533,12 @@ class Run:
                     self.start_worker(device, "none")  # a fresh process holds nothing
                     del dead[device]
             if now >= next_resize:
-                train, rollout = rng.choice(SPLITS)
-                await self.control(wire.ResizeRequest(train=train, rollout=rollout, reason="chaos"))
+                if rng.random() < REGROUP_SHARE:  # two devices' engines become one, or back
+                    devices, tp = await self.regroup_target()
+                    await self.control(wire.RegroupRequest(devices=devices, tp=tp, reason="chaos"))
+                else:
+                    train, rollout = rng.choice(SPLITS)
+                    await self.control(wire.ResizeRequest(train=train, rollout=rollout, reason="chaos"))
                 next_resize = now + rng.uniform(0.2, 0.8)
             await asyncio.sleep(0.02)
         self.proxy.on = False
@@ -533,6 +547,19 @@ class Run:
             self.start_daemon()
         for device in dead:
             self.start_worker(device, "none")
+
+    async def regroup_target(self) -> tuple[tuple[str, ...], int]:
+        """What an operator would regroup now: a wide engine back to one-device engines, or two
+        rollout devices into one engine (as the status says; a pair at random without one)."""
+        rng = self.rng
+        st = await self.status(0.5)
+        if st is None:
+            return rng.choice(PAIRS), rng.choice((1, 2))
+        if st.get("engines") and rng.random() < 0.5:
+            return tuple(rng.choice(st["engines"])), 1
+        rollout = [d for d, p in sorted(st["devices"].items()) if p == "rollout"]
+        pairs = [p for p in PAIRS if all(d in rollout for d in p)] or list(PAIRS)
+        return rng.choice(pairs), 2
 
     def truth(self) -> dict[str, dict[str, str]]:
         out = {}
@@ -565,6 +592,18 @@ class Run:
             real = truth.get(device, {}).get(w["kind"])
             if real != w["desired"]:
                 return f"{w['id']} really holds {real}, the log says {w['desired']}"
+        return self.wrong_engine(st, truth)
+
+    def wrong_engine(self, st: dict[str, Any], truth: dict[str, dict[str, Any]]) -> str:
+        """An engine that serves, but as another engine than the log's ("" if none)."""
+        groups = {d: g for g in st.get("engines", []) for d in g}
+        for w in st["workers"]:
+            (device,) = w["devices"]
+            if w["kind"] == "rollout-engine" and w["desired"] == "serving":
+                want = groups.get(device, [])
+                have = truth.get(device, {}).get("engine", [])
+                if have != want:
+                    return f"{w['id']} runs the engine {have or 'of its own device'}, the log says {want}"
         return ""
 
     async def settle(self) -> dict[str, Any] | None:
@@ -602,6 +641,8 @@ class Run:
             real = truth.get(device, {}).get(w["kind"])
             if real != w["desired"]:
                 self.violate("worker_vs_log", f"{w['id']} holds {real}, the log says {w['desired']}")
+        if wrong := self.wrong_engine(st, truth):
+            self.violate("engine_vs_log", wrong)
 
     async def stop_and_check(self, live: dict[str, Any] | None) -> None:
         from dynaresized.core import facts as fx
@@ -633,7 +674,7 @@ class Run:
         for i, fact in enumerate(facts):
             if live is not None and state.version == live["facts"]:
                 at_settle = state
-            starting = isinstance(fact, fx.ResizeStarted | fx.ReconcileStarted)
+            starting = isinstance(fact, fx.ResizeStarted | fx.ReconcileStarted | fx.RegroupStarted)
             if starting and state.inflight is not None:
                 self.violate("one_in_flight", f"fact {i + 1} starts a sequence while {state.inflight.plan.resize_id} "
                                               "is in flight")
@@ -655,7 +696,7 @@ class Run:
             # The status taken at settle against the log folded to the same fact: later facts
             # (a heartbeat lost while stopping, the stop itself) are not the replay's business.
             replayed = status_of(at_settle)
-            for key in ("devices", "split", "resizes", "phase"):
+            for key in ("devices", "split", "resizes", "phase", "engines", "regroups"):
                 if replayed[key] != live[key]:
                     self.violate("replay", f"{key}: replayed {replayed[key]} != live {live[key]}")
             strip = lambda ws: sorted((w["id"], w["status"], w["incarnation"], w["actual"]) for w in ws)  # noqa: E731
@@ -678,6 +719,7 @@ class Run:
             "converged": sum(isinstance(x, fx.ReconcileFinished) and x.ok for x in facts),
             "daemon_restarts": count(fx.DaemonRestarted), "workers_lost": count(fx.WorkerLost),
             "loans_started": count(fx.LoanStarted), "loans_returned": count(fx.LoanReturned),
+            "regroups_started": count(fx.RegroupStarted), "regroups_committed": count(fx.RegroupCommitted),
         }
 
 
@@ -1026,6 +1068,8 @@ def summarize(results: list[dict[str, Any]], wall_s: float, jobs: int) -> dict[s
         "partitions": partition_summary(results),
         "loans_started": sum(r.get("loans_started", 0) for r in results),
         "loans_returned": sum(r.get("loans_returned", 0) for r in results),
+        "regroups_started": sum(r.get("regroups_started", 0) for r in results),
+        "regroups_committed": sum(r.get("regroups_committed", 0) for r in results),
         "messages_injected": injected,
         "operator_resumes": sum(len(r["degraded"]) for r in results),
         "jobs": jobs,

@@ -1,5 +1,6 @@
 """A fixed-seed slice of the chaos harness (benchmarks/chaos.py): real daemon processes, real
-worker processes, lost/repeated/delayed/failed messages and SIGKILLs of both; every invariant holds."""
+worker processes, lost/repeated/delayed/failed messages and SIGKILLs of both, resizes and
+regroups; every invariant holds."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def test_a_fixed_seed_slice_of_chaos_runs_keeps_every_invariant(tmp_path: Path) 
     # runs it did in 45% of the runs that fail messages, so a rollback is not asserted here; the
     # rollback paths have their own deterministic tests (tests/daemon/test_service.py).
     assert report["resizes_committed"] > 0
+    # half the operator's requests are regroups, picked from what the status shows (9 of 9 seeds
+    # tried started 6-9 of them); whether one commits or rolls back is timing
+    assert report["regroups_started"] > 0
     assert report["daemon_restarts"] > 0 and report["workers_lost"] > 0
     injected = report["messages_injected"]
     assert injected["dropped"] > 0 and injected["delayed"] > 0 and injected["duplicated"] > 0
