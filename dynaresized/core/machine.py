@@ -761,14 +761,17 @@ def _whole_engines(state: ClusterState, usable: set[DeviceId], count: int) -> tu
     whole or not at all (fewer when no choice adds up); and the wide engines' devices left out."""
     units: list[tuple[DeviceId, ...]] = []
     seen: set[DeviceId] = set()
+    left: list[DeviceId] = []
     for d in sorted(usable, reverse=True):
         if d not in seen:
             unit = state.engine_of(d)
             seen.update(unit)
             if all(x in usable for x in unit):
                 units.append(unit)
-    if all(len(u) == 1 for u in units):  # no wide engine: the highest `count`
-        return [u[0] for u in units[:count]], []
+            else:
+                left.extend(unit)  # a wide engine one of whose devices cannot move now
+    if all(len(u) == 1 for u in units):  # no wide engine to fit: the highest `count`
+        return [u[0] for u in units[:count]], left
     # reach[i]: the device counts units[i:] can add up to (bit n set: n is reachable)
     mask = (1 << (count + 1)) - 1
     reach = [1] * (len(units) + 1)
@@ -777,7 +780,6 @@ def _whole_engines(state: ClusterState, usable: set[DeviceId], count: int) -> tu
     if not (reach[0] >> count) & 1:
         count = max(n for n in range(count + 1) if (reach[0] >> n) & 1)
     taken: list[DeviceId] = []
-    left: list[DeviceId] = []
     for i, unit in enumerate(units):
         rest = count - len(taken) - len(unit)
         if rest >= 0 and (reach[i + 1] >> rest) & 1:
