@@ -85,6 +85,10 @@ def render_status(data: dict[str, Any]) -> str:
         f"{data['resizes']['rolled_back']} rolled back, {data['resizes'].get('degraded', 0)} degraded, "
         f"{data['resizes'].get('in_flight', 0)} in flight",
     ]
+    if data.get("engines"):
+        regroups = data.get("regroups", {})
+        lines.append("engines     " + "; ".join(f"TP-{len(g)} [{', '.join(g)}]" for g in data["engines"]) +
+                     f" (the rest one device each; {regroups.get('committed', 0)} regroup(s) committed)")
     if data["degraded_reason"]:
         lines.append(f"DEGRADED    {data['degraded_reason']}")
     fl = data["in_flight"]

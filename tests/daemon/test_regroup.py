@@ -10,6 +10,7 @@ from typing import Any
 
 from dynaresized import wire
 from dynaresized.backends.sim import after_op
+from dynaresized.cli import render_status
 from dynaresized.client import OpRequest, WorkerClient
 from dynaresized.core import facts as f
 from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, WorkerKind
@@ -72,6 +73,7 @@ async def test_regroup_two_engines_into_one_and_back(make_daemon) -> None:
         status = daemon.status()
         assert status["engines"] == [list(PAIR)] and status["regroups"] == {"started": 1, "committed": 1}
         assert status["split"] == {"train": 2, "rollout": 2} and status["phase"] == "steady"
+        assert f"engines     TP-2 [{PAIR[0]}, {PAIR[1]}]" in render_status(status)
         desired = {w["id"]: (w["actual"], w["desired"]) for w in status["workers"]}
         assert set(desired.values()) == {("serving", "serving"), ("released", "released")}
         # A resize that cannot be planned (no trainers here) starts nothing and leaves the engine.
