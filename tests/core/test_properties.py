@@ -18,6 +18,7 @@ from dynaresized.core import facts as f
 from dynaresized.core.guards import GuardConfig
 from dynaresized.core.state import PHASE_OF_OP, decode_state, encode_state
 from dynaresized.backends.sim import HOLDING_AFTER
+from dynaresized.core.machine import wrong_engine
 from dynaresized.core.policy import load_policy
 from dynaresized.domain import (
     ActualState,
@@ -80,6 +81,9 @@ common = [
     report,
     st.tuples(st.just("progress"), st.sampled_from(WORKERS), st.integers(-1, 5), st.integers(0, 4)),
     *[st.tuples(st.just("force"), st.integers(0, N))] * 2,
+    # regroups: two devices' engines into one engine of both (or back), or all four into two
+    *[st.tuples(st.just("regroup"), st.sampled_from([(2, 3), (0, 1), (1, 2), (0, 1, 2, 3)]),
+                st.sampled_from([1, 2, 2]))] * 2,
     operator,
     # loans: engines run dry, trainers finish mini-batches (the lending policy lends on these)
     *[st.tuples(st.just("queue_empty"), st.sampled_from(WORKERS), st.sampled_from([0, 0, 0, 2, -1]))] * 2,
@@ -157,7 +161,9 @@ class Run:
             fl = self.state.inflight
             if fl is None:
                 return []
-            return [ev.OpReported(at=self.now, worker_id=w, op_id=fl.op.op_id, ok=True, actual=self.after(fl.op.kind))
+            # (a regroup's workers do not say: what each holds depends on the engine it is told)
+            actual = None if fl.plan.kind is PlanKind.REGROUP else self.after(fl.op.kind)
+            return [ev.OpReported(at=self.now, worker_id=w, op_id=fl.op.op_id, ok=True, actual=actual)
                     for w in fl.op.targets if w not in fl.acked and self.state.is_live(w)]
         return [self.event(action)]
 
@@ -212,6 +218,8 @@ class Run:
                                     total=total[0] if total else 4)
         if kind == "force":
             return ev.ResizeRequested(at=now, target=Split(train=args[0], rollout=N - args[0]))
+        if kind == "regroup":
+            return ev.RegroupRequested(at=now, devices=tuple(device(i) for i in args[0]), tp=args[1])
         if kind == "pause":
             return ev.PauseRequested(at=now)
         if kind == "resume":
@@ -299,6 +307,9 @@ class Run:
             return
         if isinstance(fact, f.ResizeCommitted | f.ResizeRolledBack | f.Degraded):
             plan = before.inflight.plan
+            if plan.kind is PlanKind.REGROUP:  # a regroup moves no device, whatever its end
+                assert not changed
+                return
             assert changed == set(plan.devices)
             land = {f.ResizeCommitted: plan.to_pool, f.ResizeRolledBack: plan.from_pool}.get(
                 type(fact), getattr(fact, "placed_in", None))
@@ -322,16 +333,19 @@ class Run:
         elif isinstance(fact, f.LoanLanded | f.LoanReturned):
             assert self.open_resizes == 1
             self.open_resizes = 0
-        elif isinstance(fact, f.ResizeStarted):
-            assert self.open_resizes == 0, "a resize started while another was in flight"
+        elif isinstance(fact, f.ResizeStarted | f.RegroupStarted):
+            assert self.open_resizes == 0, "a resize or regroup started while another was in flight"
             self.open_resizes = 1
-        elif isinstance(fact, f.ResizeCommitted | f.ResizeRolledBack | f.Degraded | f.ReconcileFinished):
+        elif isinstance(fact, f.ResizeCommitted | f.ResizeRolledBack | f.Degraded | f.ReconcileFinished
+                        | f.RegroupCommitted):
             assert self.open_resizes == 1, "an operation sequence ended that was not in flight"
             self.open_resizes = 0
         if isinstance(fact, f.ReconcileStarted):
             w = self.state.workers[fact.worker_id]
             assert w.status is WorkerStatus.LIVE and w.actual is not None and w.actual.holding is fact.actual
-            assert fact.desired is not fact.actual and fact.plan.before == fact.plan.after
+            # a worker that serves as the log says may still run another engine than the log's
+            assert fact.desired is not fact.actual or wrong_engine(self.state, w)
+            assert fact.plan.before == fact.plan.after
 
     def check_command(self, c: SendOp | QueryState) -> None:
         if isinstance(c, QueryState):
@@ -366,6 +380,11 @@ class Run:
         elif s.inflight.reconciling:  # converging a worker moves no device
             assert not moving_now and s.phase is Phase.RECONCILING
             assert s.inflight.index < len(s.inflight.ops)
+        elif s.inflight.plan.kind is PlanKind.REGROUP:  # nor does a regroup: its devices stay in the rollout
+            assert not moving_now and s.inflight.index < len(s.inflight.ops)
+            assert all(s.devices[d] == placed(Pool.ROLLOUT) for d in s.inflight.plan.devices)
+            expected = Phase.ROLLING_BACK if s.inflight.rolling_back else PHASE_OF_OP[s.inflight.op.kind]
+            assert s.phase is expected
         else:
             plan = s.inflight.plan
             assert moving_now == set(plan.devices) and moving_now
@@ -378,6 +397,13 @@ class Run:
             if p.home is not None and p.pool is not None:
                 assert p.home is not p.pool
         assert s.split.total + len(moving_now) == len(self.devices)
+        # an engine of several devices: each of its devices names it, and it serves the rollout
+        # (or is on its way out whole, in the resize in flight)
+        for d, group in s.engines.items():
+            assert d in group and len(group) > 1 and all(s.engines.get(x) == group for x in group)
+            p = s.devices[d]
+            assert p.pool is Pool.ROLLOUT and p.home is None or (
+                p.is_moving and s.inflight is not None and set(group) <= set(s.inflight.plan.devices))
         assert s.resizes_started >= s.resizes_committed + s.resizes_rolled_back
         # a live worker always has a heartbeat deadline, or it could never be declared lost
         for w in s.workers.values():
