@@ -405,7 +405,8 @@ says is reconciled with `drain`, `release`, `reclaim`, `resume` carrying the log
 Devices of an engine of several devices are neither moved by a resize nor lent: regroup them
 to one-device engines first. A regroup is refused (`regroup_started` never comes; `status`
 says why) unless every device is at home in the rollout pool with a live engine worker of its
-own, the devices hold whole engines, and the layout changes.
+own, the devices hold whole engines, and the layout changes. `status` shows `engines` and
+`regroups`; Prometheus, `dynaresized_wide_engines` and `dynaresized_regroups{{state}}`.
 
 ## What a worker reports between the steps of a resize
 

@@ -22,6 +22,10 @@ class Metrics:
         self.pool_devices = Gauge("dynaresized_pool_devices", "Devices per pool", ["pool"], registry=r)
         self.moving_devices = Gauge("dynaresized_moving_devices", "Devices moving between pools", registry=r)
         self.workers = Gauge("dynaresized_workers", "Workers by kind and status", ["kind", "status"], registry=r)
+        self.wide_engines = Gauge("dynaresized_wide_engines", "Rollout engines of several devices (regroups)",
+                                  registry=r)
+        self.regroups = Gauge("dynaresized_regroups", "Regroups since the log began, started and committed",
+                              ["state"], registry=r)
         self.resizes = Counter("dynaresized_resizes_total", "Resizes by outcome", ["outcome"], registry=r)
         self.op_seconds = Histogram("dynaresized_op_seconds", "Duration of resize operations", ["op"],
                                     buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300), registry=r)
@@ -137,6 +141,9 @@ class Metrics:
         self.pool_devices.labels(Pool.TRAINING.value).set(split.train)
         self.pool_devices.labels(Pool.ROLLOUT.value).set(split.rollout)
         self.moving_devices.set(sum(1 for p in state.devices.values() if p.is_moving))
+        self.wide_engines.set(len({g for g in state.engines.values()}))
+        self.regroups.labels("started").set(state.regroups_started)
+        self.regroups.labels("committed").set(state.regroups_committed)
         counts: dict[tuple[str, str], int] = {}
         for w in state.workers.values():
             counts[(w.kind.value, w.status.value)] = counts.get((w.kind.value, w.status.value), 0) + 1

@@ -6,6 +6,7 @@ comes back running the wrong engine is converged."""
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 from typing import Any
 
 from dynaresized import wire
@@ -74,6 +75,8 @@ async def test_regroup_two_engines_into_one_and_back(make_daemon) -> None:
         assert status["engines"] == [list(PAIR)] and status["regroups"] == {"started": 1, "committed": 1}
         assert status["split"] == {"train": 2, "rollout": 2} and status["phase"] == "steady"
         assert f"engines     TP-2 [{PAIR[0]}, {PAIR[1]}]" in render_status(status)
+        metrics = urllib.request.urlopen(daemon.metrics_url, timeout=5).read().decode()
+        assert "dynaresized_wide_engines 1.0" in metrics and 'dynaresized_regroups{state="committed"} 1.0' in metrics
         desired = {w["id"]: (w["actual"], w["desired"]) for w in status["workers"]}
         assert set(desired.values()) == {("serving", "serving"), ("released", "released")}
         # A resize that cannot be planned (no trainers here) starts nothing and leaves the engine.
