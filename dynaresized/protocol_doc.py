@@ -402,8 +402,8 @@ whose `op.engine` names the engines the log still holds); a failed `commit` leav
 engines in the log (the daemon is then degraded, as for a resize). A worker reports the engine
 it runs in `actual.engine` (empty: its own device); one that serves another engine than the log
 says is reconciled with `drain`, `release`, `reclaim`, `resume` carrying the log's `op.engine`.
-Devices of an engine of several devices are neither moved by a resize nor lent: regroup them
-to one-device engines first. A regroup is refused (`regroup_started` never comes; `status`
+An engine of several devices moves between pools whole (a resize that would split it is
+refused: regroup it first, or move a multiple of its size), and is never lent. A regroup is refused (`regroup_started` never comes; `status`
 says why) unless every device is at home in the rollout pool with a live engine worker of its
 own, the devices hold whole engines, and the layout changes. `status` shows `engines` and
 `regroups`; Prometheus, `dynaresized_wide_engines` and `dynaresized_regroups{{state}}`.

@@ -167,14 +167,19 @@ class EngineWorker:
         engine = tuple(getattr(op, "engine", ()))
         return bool(engine) and engine[0] not in self.devices
 
-    async def _follow(self, op: Any) -> str:
-        """Hold nothing: the device serves in the engine `op.engine`'s first device's worker runs."""
+    async def _stop_out(self) -> float | None:
+        """Out of the router and stopped (a regroup's engines, which cannot change their ranks
+        while they run): the seconds the stop took, None if it was stopped already."""
         if self.engine.engine_id in self.router.admitted:
             await self.router.drain(self.engine.engine_id, timeout_s=0.0)
-        stopped = ""
-        if self.engine.state is not EngineState.STOPPED:
-            seconds = await self.engine.stop()
-            stopped = f"stopped {self.engine.engine_id} in {seconds:.3f}s; "
+        if self.engine.state is EngineState.STOPPED:
+            return None
+        return await self.engine.stop()
+
+    async def _follow(self, op: Any) -> str:
+        """Hold nothing: the device serves in the engine `op.engine`'s first device's worker runs."""
+        seconds = await self._stop_out()
+        stopped = "" if seconds is None else f"stopped {self.engine.engine_id} in {seconds:.3f}s; "
         return f"{stopped}{self.devices[0]} serves in the TP-{len(op.engine)} engine [{', '.join(op.engine)}]"
 
     def _tp(self) -> str:
@@ -188,10 +193,7 @@ class EngineWorker:
         want = tuple(getattr(op, "engine", ()))
         if want == self.runs:
             return ""
-        if self.engine.state is not EngineState.STOPPED:
-            await self.engine.stop()
-        if self.engine.engine_id in self.router.admitted:
-            await self.router.drain(self.engine.engine_id, timeout_s=0.0)
+        await self._stop_out()
         cores = tuple(self.device_cores[d] for d in want) if want and all(
             d in self.device_cores for d in want) else ()
         self.engine.reconfigure(msgspec.structs.replace(self.engine.config, tensor_parallel_size=max(len(want), 1),
@@ -215,9 +217,9 @@ class EngineWorker:
         if self.engine.engine_id in self.router.admitted:
             raise RuntimeError(f"release before drain: {self.engine.engine_id} is still admitting samples")
         if op.plan is PlanKind.REGROUP:  # a new engine shape needs a new engine
-            if self.engine.state is EngineState.STOPPED:
+            seconds = await self._stop_out()
+            if seconds is None:
                 return f"{self.engine.engine_id} already stopped"
-            seconds = await self.engine.stop()
             return f"stopped {self.engine.engine_id} for a regroup in {seconds:.3f}s"
         if op.plan in _LOANS or self._stays_loaded():
             return await self._lend()
@@ -346,8 +348,8 @@ class EngineWorker:
         if self.engine.engine_id in self.router.admitted:
             await self.router.drain(self.engine.engine_id, timeout_s=0.0)
         if op.plan is PlanKind.REGROUP:  # the new engine goes: reclaim starts the old one
-            seconds = await self.engine.stop() if self.engine.state is not EngineState.STOPPED else 0.0
-            return f"evicted {self.engine.engine_id} (stopped) in {seconds:.3f}s"
+            seconds = await self._stop_out()
+            return f"evicted {self.engine.engine_id} (stopped) in {seconds or 0.0:.3f}s"
         if op.plan in _LOANS or self._stays_loaded():
             return await self._lend()
         if self.engine.state in (EngineState.STOPPED, EngineState.SLEEPING):

@@ -987,9 +987,14 @@ def divergence(state: ClusterState, worker: Worker, now: float, retry_s: float) 
     want, have = state.desired(worker), worker.actual.holding
     if want is None or have is Holding.DONE or _left_with_its_loan(state, worker):
         return None
-    if have is want and (want is not Holding.SERVING or not wrong_engine(state, worker)):
+    if _agrees(state, worker, want, have):
         return None
     return want, have
+
+
+def _agrees(state: ClusterState, worker: Worker, want: Holding, have: Holding) -> bool:
+    """The worker holds what the log says, and (serving) runs the engine the log says."""
+    return have is want and (want is not Holding.SERVING or not wrong_engine(state, worker))
 
 
 def wrong_engine(state: ClusterState, worker: Worker) -> bool:
@@ -1052,7 +1057,7 @@ def _finish_reconcile(tx: _Tx, resize_id: str, worker_id: str, at: float) -> Non
     w = tx.state.workers[worker_id]
     want = tx.state.desired(w)
     have = w.actual.holding if w.actual is not None else None
-    if have is None or want is None or (have is want and not (want is Holding.SERVING and wrong_engine(tx.state, w))):
+    if have is None or want is None or _agrees(tx.state, w, want, have):
         tx.emit(f.ReconcileFinished(at=at, resize_id=resize_id, worker_id=worker_id, ok=True))
         return
     reason = f"its converging ops succeeded, but it still reports {have.value} (the log says {want.value})"

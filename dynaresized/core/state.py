@@ -348,6 +348,10 @@ class ClusterState(msgspec.Struct, frozen=True):
         made it part of a wider one."""
         return self.engines.get(device, (device,))
 
+    def wide_engines(self) -> list[tuple[DeviceId, ...]]:
+        """The rollout engines of several devices, each once, in order of their leaders."""
+        return sorted(set(self.engines.values()))
+
     def follows(self, worker: Worker) -> bool:
         """An engine worker whose device is in a wider engine that another device's worker leads:
         it holds nothing while that engine serves."""

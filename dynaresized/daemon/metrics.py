@@ -141,7 +141,7 @@ class Metrics:
         self.pool_devices.labels(Pool.TRAINING.value).set(split.train)
         self.pool_devices.labels(Pool.ROLLOUT.value).set(split.rollout)
         self.moving_devices.set(sum(1 for p in state.devices.values() if p.is_moving))
-        self.wide_engines.set(len({g for g in state.engines.values()}))
+        self.wide_engines.set(len(state.wide_engines()))
         self.regroups.labels("started").set(state.regroups_started)
         self.regroups.labels("committed").set(state.regroups_committed)
         counts: dict[tuple[str, str], int] = {}

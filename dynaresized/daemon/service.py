@@ -781,7 +781,6 @@ class Daemon:
     def _control(self, item: _ControlIn, now: float, facts: list[f.Fact], commands: list[Command],
                  outbox: list[tuple[zmq.asyncio.Socket, bytes, bytes]]) -> None:
         msg = item.msg
-        before = len(facts)
         match msg:
             case wire.StatusRequest():
                 reply = wire.ControlReply(ok=True, message="status", data=status_of(self.state, self))
@@ -793,19 +792,13 @@ class Daemon:
                 self._step_quiet(ev.ResumeRequested(at=now, requested_by="operator"), facts, commands)
                 reply = wire.ControlReply(ok=True, message="resizing resumed")
             case wire.ResizeRequest():
-                self._step_quiet(ev.ResizeRequested(at=now, target=Split(train=msg.train, rollout=msg.rollout),
-                                                    requested_by="operator", reason=msg.reason), facts, commands)
-                new = facts[before:]
-                started = [x for x in new if isinstance(x, f.ResizeStarted)]
-                text = "; ".join(explain(x) for x in new if isinstance(x, f.ResizeStarted | f.ProposalRejected))
-                reply = wire.ControlReply(ok=bool(started), message=text or "nothing to do")
+                event = ev.ResizeRequested(at=now, target=Split(train=msg.train, rollout=msg.rollout),
+                                           requested_by="operator", reason=msg.reason)
+                reply = self._start_sequence(event, f.ResizeStarted, facts, commands)
             case wire.RegroupRequest():
-                self._step_quiet(ev.RegroupRequested(at=now, devices=tuple(msg.devices), tp=msg.tp,
-                                                     requested_by="operator", reason=msg.reason), facts, commands)
-                new = facts[before:]
-                started = [x for x in new if isinstance(x, f.RegroupStarted)]
-                text = "; ".join(explain(x) for x in new if isinstance(x, f.RegroupStarted | f.ProposalRejected))
-                reply = wire.ControlReply(ok=bool(started), message=text or "nothing to do")
+                event = ev.RegroupRequested(at=now, devices=tuple(msg.devices), tp=msg.tp, requested_by="operator",
+                                            reason=msg.reason)
+                reply = self._start_sequence(event, f.RegroupStarted, facts, commands)
             case wire.DrainRequest():
                 self._begin_stop(now, facts, commands)
                 reply = wire.ControlReply(ok=True, message="draining: no new resize; the daemon exits when the "
@@ -815,6 +808,16 @@ class Daemon:
         if item.identity:
             assert self.control_sock is not None
             outbox.append((self.control_sock, item.identity, wire.encode(reply)))
+
+    def _start_sequence(self, event: ev.Event, started: type[f.Fact], facts: list[f.Fact],
+                        commands: list[Command]) -> wire.ControlReply:
+        """An operator's resize or regroup: ok when `started` (its start fact) was written; the
+        message explains that fact or the guard that refused it."""
+        before = len(facts)
+        self._step_quiet(event, facts, commands)
+        new = facts[before:]
+        text = "; ".join(explain(x) for x in new if isinstance(x, started | f.ProposalRejected))
+        return wire.ControlReply(ok=any(isinstance(x, started) for x in new), message=text or "nothing to do")
 
     def _begin_stop(self, now: float, facts: list[f.Fact], commands: list[Command]) -> None:
         if self._stop_deadline is None:
@@ -903,7 +906,7 @@ def status_of(state: ClusterState, daemon: Daemon | None = None) -> dict[str, An
         "devices": {d: (p.pool.value if p.pool else f"moving {p.moving_from.value}->{p.moving_to.value}")  # type: ignore[union-attr]
                     for d, p in sorted(state.devices.items())},
         "lent": {d: state.devices[d].home.value for d in state.lent_devices()},  # type: ignore[union-attr]
-        "engines": sorted({list(g)[0]: list(g) for g in state.engines.values()}.values()),
+        "engines": [list(g) for g in state.wide_engines()],
         "regroups": {"started": state.regroups_started, "committed": state.regroups_committed},
         "workers": [_worker_status(state, w) for w in sorted(state.workers.values(), key=lambda w: w.worker_id)],
         "in_flight": None if fl is None else {

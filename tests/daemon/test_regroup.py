@@ -6,7 +6,9 @@ comes back running the wrong engine is converged."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import urllib.request
+from collections.abc import AsyncIterator
 from typing import Any
 
 from dynaresized import wire
@@ -48,12 +50,19 @@ class Engine:
         return c
 
 
-async def attach(daemon: Any) -> tuple[dict[str, Engine], list[WorkerClient]]:
+@contextlib.asynccontextmanager
+async def attached(daemon: Any) -> AsyncIterator[tuple[dict[str, Engine], list[WorkerClient]]]:
+    """An engine worker on each device of PAIR, attached; closed at the end (a test may swap
+    in a restarted one's client)."""
     engines = {d: Engine(d) for d in PAIR}
     clients = [e.client(daemon.worker_endpoint) for e in engines.values()]
-    for c in clients:
-        await c.start()
-    return engines, clients
+    try:
+        for c in clients:
+            await c.start()
+        yield engines, clients
+    finally:
+        for c in clients:
+            await c.close()
 
 
 def facts_of(daemon: Any, kind: type) -> list[Any]:
@@ -62,8 +71,7 @@ def facts_of(daemon: Any, kind: type) -> list[Any]:
 
 async def test_regroup_two_engines_into_one_and_back(make_daemon) -> None:
     daemon = make_daemon()
-    engines, clients = await attach(daemon)
-    try:
+    async with attached(daemon) as (engines, clients):
         reply = daemon.control(wire.RegroupRequest(devices=PAIR, tp=2, reason="tail"))
         assert reply.ok and "TP-2 engine" in reply.message, reply.message
         await until(lambda: facts_of(daemon, f.RegroupCommitted), timeout=15, what="the regroup")
@@ -91,15 +99,11 @@ async def test_regroup_two_engines_into_one_and_back(make_daemon) -> None:
         # A regroup that cannot be says why, and starts nothing.
         bad = daemon.control(wire.RegroupRequest(devices=(DEVICES[0], DEVICES[1]), tp=2))
         assert not bad.ok and "only devices at home in the rollout pool" in bad.message
-    finally:
-        for c in clients:
-            await c.close()
 
 
 async def test_a_failed_regroup_rolls_back_and_a_killed_daemon_finishes_one_from_its_log(make_daemon) -> None:
     daemon = make_daemon()
-    engines, clients = await attach(daemon)
-    try:
+    async with attached(daemon) as (engines, clients):
         engines[PAIR[1]].fail = OpKind.JOIN
         assert daemon.control(wire.RegroupRequest(devices=PAIR, tp=2)).ok
         await until(lambda: facts_of(daemon, f.ResizeRolledBack), timeout=15, what="the rollback")
@@ -125,15 +129,11 @@ async def test_a_failed_regroup_rolls_back_and_a_killed_daemon_finishes_one_from
         await until(lambda: len(facts_of(daemon, f.RegroupCommitted)) == 1, timeout=20, what="the regroup after restart")
         assert daemon.status()["engines"] == [list(PAIR)]
         assert (lead.holding, lead.runs) == (Holding.SERVING, PAIR) and engines[PAIR[1]].holding is Holding.RELEASED
-    finally:
-        for c in clients:
-            await c.close()
 
 
 async def test_an_engine_back_with_the_wrong_engine_is_converged(make_daemon) -> None:
     daemon = make_daemon()
-    engines, clients = await attach(daemon)
-    try:
+    async with attached(daemon) as (engines, clients):
         assert daemon.control(wire.RegroupRequest(devices=PAIR, tp=2)).ok
         await until(lambda: facts_of(daemon, f.RegroupCommitted), timeout=15, what="the regroup")
         # The leader's process restarts: a fresh one runs its own device's engine only.
@@ -147,6 +147,3 @@ async def test_an_engine_back_with_the_wrong_engine_is_converged(make_daemon) ->
         assert [op.kind for op in facts_of(daemon, f.ReconcileStarted)[0].plan.ops] == [
             OpKind.DRAIN, OpKind.RELEASE, OpKind.RECLAIM, OpKind.RESUME]
         assert (lead.holding, lead.runs) == (Holding.SERVING, PAIR)
-    finally:
-        for c in clients:
-            await c.close()
