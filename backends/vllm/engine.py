@@ -161,6 +161,7 @@ class RolloutEngine:
         self.state = EngineState.STOPPED
         self.loaded_version: int | None = None
         self.starts = 0
+        self.outputs = 0  # output chunks received, all requests together: progress the health watch sees
         self._llm: Any = None
         self._lock = asyncio.Lock()  # one life-cycle change at a time
 
@@ -241,8 +242,17 @@ class RolloutEngine:
 
     async def _shutdown_quietly(self) -> None:
         llm, self._llm = self._llm, None
-        if llm is not None:
-            await asyncio.to_thread(llm.shutdown, self.config.shutdown_timeout_s)
+        if llm is None:
+            return
+        handler = getattr(llm, "output_handler", None)
+        if handler is not None and llm.get_num_unfinished_requests() == 0:
+            # vLLM cancels its output handler only after the engine core has gone, and the
+            # handler logs that as "AsyncLLM output_handler failed" (EngineDeadError) on every
+            # ordinary stop. With no request left to tell, stop listening first. (With requests
+            # in flight the handler stays: it is what fails them with EngineDeadError.)
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
+        await asyncio.to_thread(llm.shutdown, self.config.shutdown_timeout_s)
 
     async def release(self) -> float:
         """Give the device up: sleep on a GPU, shut down on a CPU. Returns seconds taken."""
@@ -324,6 +334,7 @@ class RolloutEngine:
             async for out in llm.generate(
                 {"prompt_token_ids": list(request.prompt_token_ids)}, params, request_id=request_id
             ):
+                self.outputs += 1
                 completion = out.outputs[0]
                 tokens.extend(completion.token_ids)
                 if on_tokens is not None:

@@ -49,9 +49,9 @@ Every op is idempotent: a repeated op finds the work done and says so. The worke
 reports its engine's per-sample progress and, once the step's queue holds nothing for it,
 `queue_empty` (running requests and an upper bound on their tokens left; again with running
 0 once idle), which is what the daemon lends on. It watches the engine's health: a dead engine
-(EngineDeadError) or one that misses `missed_heartbeats` pings in a row is reported lost,
-its requests are re-placed by the router, and the worker stops heartbeating to the daemon
-so that the daemon marks it lost.
+(EngineDeadError) or one that misses `missed_heartbeats` pings in a row, with no output for
+any request meanwhile, is reported lost, its requests are re-placed by the router, and the
+worker stops heartbeating to the daemon so that the daemon marks it lost.
 """
 
 from __future__ import annotations
@@ -447,6 +447,7 @@ class EngineWorker:
         missed = 0
         starts = self.engine.starts
         while True:
+            outputs = self.engine.outputs
             await asyncio.sleep(self.heartbeat_interval_s)
             if self.engine.starts != starts:  # a fresh engine: count its misses from zero
                 starts, missed = self.engine.starts, 0
@@ -459,7 +460,9 @@ class EngineWorker:
                 missed = 0  # stopped, asleep, or already reported lost: nothing to watch (a lent,
                 # paused engine is watched: it must come back at the step boundary)
                 continue
-            if await self.engine.ping(self.heartbeat_interval_s):
+            if await self.engine.ping(self.heartbeat_interval_s) or self.engine.outputs != outputs:
+                # A ping waits behind the engine's model step: on a loaded machine a busy engine
+                # answers late, but its requests still make progress, and that is alive too.
                 missed = 0
                 continue
             missed += 1

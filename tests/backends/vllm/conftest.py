@@ -57,7 +57,7 @@ async def rollout(tiny_model: Path, weight_store) -> AsyncIterator[Rollout]:
         engine = RolloutEngine(f"e{index}", config)
         engines[engine.engine_id] = engine
         workers[engine.engine_id] = EngineWorker(
-            engine, router, (f"node0:cpu{index}",), heartbeat_interval_s=0.5, missed_heartbeats=4
+            engine, router, (f"node0:cpu{index}",), heartbeat_interval_s=1.0, missed_heartbeats=5
         )
         await engine.start()
     for engine_id, worker in workers.items():

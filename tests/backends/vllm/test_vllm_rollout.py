@@ -92,7 +92,7 @@ async def test_a_hung_engine_is_lost_by_missed_heartbeats(rollout: Rollout) -> N
         os.kill(pid, signal.SIGCONT)
     assert_exactly_once(result, requests, 0)
     assert result.ledger.lost >= 1
-    assert "missed 4 heartbeats" in rollout.workers["e1"].lost_reason
+    assert "missed 5 heartbeats" in rollout.workers["e1"].lost_reason
     await ready(rollout)
 
 
