@@ -403,7 +403,9 @@ engines in the log (the daemon is then degraded, as for a resize). A worker repo
 it runs in `actual.engine` (empty: its own device); one that serves another engine than the log
 says is reconciled with `drain`, `release`, `reclaim`, `resume` carrying the log's `op.engine`.
 An engine of several devices moves between pools whole (a resize that would split it is
-refused: regroup it first, or move a multiple of its size), and is never lent. A regroup is refused (`regroup_started` never comes; `status`
+refused: regroup it first, or move a multiple of its size), and is lent whole: once the worker that runs it (its
+first device's) says its queue is empty, a loan takes all of its devices, or none (`op.engine` names it in
+every op of the loan and its way home). A regroup is refused (`regroup_started` never comes; `status`
 says why) unless every device is at home in the rollout pool with a live engine worker of its
 own, the devices hold whole engines, and the layout changes. `status` shows `engines` and
 `regroups`; Prometheus, `dynaresized_wide_engines` and `dynaresized_regroups{{state}}`.

@@ -300,13 +300,18 @@ class ClusterState(msgspec.Struct, frozen=True):
         are the same, and the dry engines' part extended as `dry` grows."""
         def placed_home() -> frozenset[DeviceId]:
             held_back = self.held_back()
-            # an engine of several devices is not lent (a loan takes one-device engines)
             return frozenset(d for d, p in self.devices.items()
-                             if p.home is None and p.pool is not None and d not in held_back
-                             and d not in self.engines)
+                             if p.home is None and p.pool is not None and d not in held_back)
 
         def idle(dry: tuple[DeviceId, ...]) -> tuple[DeviceId, ...]:
-            return tuple(d for d in dry if d in home and self.devices[d].pool is Pool.ROLLOUT)
+            # An engine of several devices is lent whole: all its devices once its first
+            # device's worker (the one that runs it) has run dry, none before.
+            out: list[DeviceId] = []
+            for d in dry:
+                group = self.engines.get(d, (d,))
+                if d == group[0] and all(x in home and self.devices[x].pool is Pool.ROLLOUT for x in group):
+                    out.extend(group)
+            return tuple(out)
 
         home = derived("home", placed_home, self.devices, self.unconverged, self.workers, self.engines)
         trainers = derived("trainers", lambda: tuple(d for d in self.pool_devices(Pool.TRAINING) if d in home),

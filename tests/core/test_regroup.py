@@ -4,13 +4,16 @@ reconciled like a resize's (issue 22, item 3)."""
 
 from __future__ import annotations
 
+from msgspec.structs import replace
+
 from dynaresized.core import SendOp
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
+from dynaresized.core.machine import plan_loan
 from dynaresized.core.state import Phase
-from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, Split, WorkerKind
+from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, Split, StepTiming, WorkerKind
 
-from .cluster import Driver, boot, device, engine, make_core
+from .cluster import EAGER, Driver, boot, device, engine, make_core, trainer
 
 PAIR = (device(2), device(3))
 FORWARD = [OpKind.DRAIN, OpKind.RELEASE, OpKind.JOIN, OpKind.RESTORE, OpKind.COMMIT]
@@ -150,22 +153,42 @@ def test_a_commit_that_fails_rolls_forward_to_the_new_engines() -> None:
     assert d.replayed().durable() == d.state.durable()
 
 
-def test_a_wide_engine_moves_whole_and_is_never_lent() -> None:
+def test_a_wide_engine_moves_whole() -> None:
     d = boot(make_core(), 2, 2)
     regroup(d, PAIR, 2)
     run_ops(d)
     facts, cmds = d.force(3, 1)  # half of the TP-2 engine: impossible
     r = rejected(facts)
     assert r.guard == "capacity" and "move whole" in r.reason and not cmds
-    # An idle wide engine is not lendable; a one-device engine is.
-    idle, _ = d.state.lendable()
-    assert idle == ()
-    d.send(ev.EngineQueueEmpty(at=d.at(), worker_id=engine(2), step=1, running=0))
-    assert d.state.lendable()[0] == ()
     regroup(d, PAIR, 1)
     run_ops(d)
     facts, _ = d.force(3, 1)
     assert any(isinstance(x, f.ResizeStarted) for x in facts)
+
+
+def test_a_wide_engine_is_lent_whole_once_the_worker_that_runs_it_has_run_dry() -> None:
+    d = boot(make_core(replace(EAGER), "hysteresis", op_timeout_s=30.0), 2, 2)
+    regroup(d, PAIR, 2)
+    run_ops(d)
+    for done in (1, 2):  # the trainer's pace: 60 s a mini-batch
+        d.send(ev.MiniBatchDone(at=d.at(60.0), worker_id=trainer(0), step=0, done=done, total=8))
+    # the follower holds nothing: its word alone lends nothing
+    facts, _ = d.send(ev.EngineQueueEmpty(at=d.at(), worker_id=engine(3), step=1, running=0))
+    assert d.state.lendable()[0] == () and not any(isinstance(x, f.LoanStarted) for x in facts)
+    facts, cmds = d.send(ev.EngineQueueEmpty(at=d.at(), worker_id=engine(2), step=1, running=0))
+    (started,) = [x for x in facts if isinstance(x, f.LoanStarted)]
+    assert started.plan.devices == PAIR
+    assert {c.worker_id for c in cmds} == {engine(2), engine(3)} and all(c.engine == PAIR for c in cmds)
+    d.finish()
+    assert d.state.lent_devices() == PAIR and d.state.engines == {device(2): PAIR, device(3): PAIR}
+    facts, _ = d.send(ev.StepReported(at=d.at(), worker_id=trainer(0), timing=StepTiming(
+        step=0, rollout_s=10.0, train_s=10.0, rollout_devices=2, train_devices=2)))
+    assert any(isinstance(x, f.LoanReturnStarted) for x in facts)
+    d.finish()
+    assert d.state.lent_devices() == () and d.state.engines == {device(2): PAIR, device(3): PAIR}
+    assert d.replayed().durable() == d.state.durable()
+    # a loan of part of a wide engine is refused with its reason
+    assert "a loan takes whole engines" in plan_loan(d.state, (device(2),), Pool.TRAINING, PlanKind.LOAN)
 
 
 def test_an_engine_that_runs_another_engine_than_the_log_is_converged() -> None:
