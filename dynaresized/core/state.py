@@ -862,7 +862,9 @@ def _(s: ClusterState, e: f.RegroupStarted) -> ClusterState:
     plan = e.plan
     inflight = InFlight(plan=plan, source=e.source, reason=e.reason, started_at=e.at, ops=plan.ops, index=0,
                         op_started_at=e.at, op_deadline=e.op_deadline, step=s.last_step)
-    return replace(s, inflight=inflight, phase=PHASE_OF_OP[plan.ops[0].kind],
+    # the regrouped engines stop: whatever they had run dry in is over for them
+    dry = tuple(d for d in s.dry if d not in plan.devices)
+    return replace(s, inflight=inflight, phase=PHASE_OF_OP[plan.ops[0].kind], dry=dry,
                    regroups_started=s.regroups_started + 1)
 
 

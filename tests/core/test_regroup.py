@@ -168,7 +168,10 @@ def test_a_wide_engine_moves_whole() -> None:
 
 def test_a_wide_engine_is_lent_whole_once_the_worker_that_runs_it_has_run_dry() -> None:
     d = boot(make_core(replace(EAGER), "hysteresis", op_timeout_s=30.0), 2, 2)
+    d.send(ev.EngineQueueEmpty(at=d.at(), worker_id=engine(2), step=1, running=0))
+    assert d.state.dry == (device(2),)
     regroup(d, PAIR, 2)
+    assert d.state.dry == (), "a regroup stops the engines: what they ran dry in is over"
     run_ops(d)
     for done in (1, 2):  # the trainer's pace: 60 s a mini-batch
         d.send(ev.MiniBatchDone(at=d.at(60.0), worker_id=trainer(0), step=0, done=done, total=8))

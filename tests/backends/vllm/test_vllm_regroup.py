@@ -84,3 +84,44 @@ async def test_two_engines_regroup_into_one_tp2_engine_and_back_on_a_running_rol
             assert {("e0", rid, kind.value), ("e1", rid, kind.value)} <= acked
     seconds = [x.duration_s for x in facts if isinstance(x, f.RegroupCommitted)]
     print(f"regroup TP-1x2 -> TP-2: {seconds[0]:.2f}s; TP-2 -> TP-1x2: {seconds[1]:.2f}s")
+
+
+async def test_a_tp2_engine_that_runs_dry_is_lent_whole_and_comes_home(rollout: Rollout, tmp_path: Path) -> None:
+    """The two engines regrouped into one TP-2 engine; once its step's queue is empty and it
+    runs nothing, the daemon lends both of its devices to the training step in progress (the
+    leader pauses its engine, the follower holds nothing), and brings them home at the step
+    boundary, where the same engine, not restarted, serves the next step with the same tokens."""
+    router, engines = rollout.router, rollout.engines
+    async with attached(rollout, tmp_path, policy={"name": "hysteresis", "options": {"lend_trainers": False}},
+                        loan_costs={"to_training_s": 0.0, "return_s": 0.0, "lead_s": 0.0}) as (daemon, trainers):
+        version = router.version if router.version is not None else 1
+        before = await step(router, 60, version)
+        await regroup(daemon, 2, 1)
+        e0 = engines["e0"]
+        pids = list(e0.core_pids)
+        trainer = trainers.clients[2]  # the training pool's rank reports its mini-batches
+        for done in (1, 2):
+            await trainer.report_mini_batch(step=60, done=done, total=8)
+            await asyncio.sleep(0.2)
+        wide = await step(router, 61, version)
+        assert_exactly_once(wide, greedy_step(61), version)
+        status = await until(lambda: (s := daemon.status())["phase"] == "steady"
+                             and s["devices"]["node0:cpu0"] == "training" and s, timeout=90, what="TP-2 engine lent")
+        assert status["devices"]["node0:cpu1"] == "training" and status["engines"] == [list(PAIR)]
+        assert e0.state is EngineState.PAUSED and e0.config.tensor_parallel_size == 2 and "e0" not in router.admitted
+        await trainer.report_mini_batch(step=60, done=8, total=8)
+        await rollout.workers["e0"].report_step(wide, train_s=wide.rollout_s)
+        await until(lambda: "e0" in router.admitted and daemon.status()["phase"] == "steady"
+                    and daemon.status()["devices"]["node0:cpu0"] == "rollout", timeout=90, what="TP-2 engine home")
+        assert e0.state is EngineState.RUNNING and e0.core_pids == pids, "home without a restart"
+        again = await asyncio.wait_for(router.run_step(62, version, greedy_step(60)), timeout=180)
+        assert {s.sample_id: s.token_ids for s in again.samples} == {s.sample_id: s.token_ids for s in before.samples}
+        await regroup(daemon, 1, 2)  # the session's engines are one-device engines again
+
+    facts = read_facts(daemon.state_dir)
+    [lent] = [x for x in facts if isinstance(x, f.LoanStarted)]
+    assert lent.plan.devices == PAIR
+    assert [type(x) for x in facts].count(f.LoanReturned) == 1
+    ops = {(x.worker_id, x.op_id.split("/")[-1]) for x in facts if isinstance(x, f.OpAcked)
+           and x.op_id.startswith(lent.plan.resize_id + "/")}
+    assert {("e0", "0-drain"), ("e0", "1-release"), ("e1", "0-drain"), ("e1", "1-release")} <= ops
