@@ -16,7 +16,7 @@ import msgspec
 
 from dynaresized.core.idle import percent
 from dynaresized.core.policy import UnknownPolicyError, available_policies, load_policy
-from dynaresized.sim.plan import PILOT_STEPS, Plan, plan, plan_start
+from dynaresized.sim.plan import PILOT_STEPS, Plan, Replanner, plan, plan_start
 from dynaresized.sim.plot import PlotUnavailable
 from dynaresized.sim.profile import Profile, ProfileError, builtin_profiles, load_profile, parse_split
 from dynaresized.sim.stages import ROUTERS, StageModel
@@ -111,6 +111,10 @@ def add_parsers(subparsers: Any) -> None:
                           "stay those of the profile)")
     sim.add_argument("--pilot-steps", type=int, default=PILOT_STEPS, metavar="K",
                      help=f"steps the plan search sees (--layout plan; default {PILOT_STEPS})")
+    sim.add_argument("--replan-every", type=int, default=0, metavar="N",
+                     help="every N steps, search the configuration again on the last --pilot-steps steps generated "
+                          "and regroup the rollout pool into the engine size it picks, when the saving it predicts "
+                          "is twice the regroup's cost, twice in a row (default 0: never)")
     sim.add_argument("--samples", type=int, metavar="S", help="samples per step of a built-in scenario")
     sim.add_argument("--seed", type=int, default=0, help="seed of a built-in scenario (default 0)")
     sim.add_argument("--naive", action="store_true",
@@ -213,6 +217,10 @@ def _workload(args: argparse.Namespace) -> tuple[Profile, Trace, int | None]:
 
 def _simulate(args: argparse.Namespace, out: TextIO) -> int:
     _positive(args.pilot_steps, "--pilot-steps")
+    if args.replan_every < 0:
+        raise ValueError(f"--replan-every must be >= 0 (0: never), got {args.replan_every}")
+    if args.replan_every and args.naive:
+        raise ValueError("--replan-every regroups, which are simulated pipelined only: drop --naive")
     _positive(args.jobs, "--jobs")
     profile, trace, seed = _workload(args)
     _require_policies([args.policy])
@@ -247,6 +255,8 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
         model=StageModel(profile, trace, router=args.router),
         progress=ProgressBar(f"simulate {trace.name}/{args.policy}"),
         jobs=args.jobs,
+        layout=Replanner(profile, trace, router=args.router, pilot_steps=args.pilot_steps, every=args.replan_every,
+                         confirm=2) if args.replan_every else None,
     )
     report = msgspec.structs.replace(result.report, layout=layout, planned_start=planned)
     if args.plot:
@@ -297,7 +307,8 @@ def summary(r: SimReport) -> str:
         f"policy {r.policy}, {r.cost_mode} resize costs"
         + (f", started where the plan search chose: {r.planned_start}" if r.planned_start else ""),
         f"  total time           {r.total_time_s:12.1f} s   ({r.mean_step_s:.1f} s/step)",
-        f"  resizes              {r.resizes:12d}     {r.initial_split} -> {r.final_split}",
+        f"  resizes              {r.resizes:12d}     {r.initial_split} -> {r.final_split}"
+        + (f"; regroups {r.regroups}" if r.regroups else ""),
         f"  best static config   {b.total_time_s:12.1f} s   at {b.train}:{b.rollout}, TP-{b.tp} engines   "
         f"speedup {r.speedup_vs_best_static:.3f}x",
         f"  best static, TP-{t1.tp:<3}  {t1.total_time_s:12.1f} s   at {t1.train}:{t1.rollout}   "

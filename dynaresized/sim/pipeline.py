@@ -43,6 +43,10 @@ from dynaresized.sim.stages import EngineSchedule, StageModel
 
 Progress = Callable[[int, int], None]
 
+Layout = Callable[[int, int], "tuple[int, str] | None"]
+"""A layout advisor: given the last step generated and the rollout engines' size now, the
+engine size to regroup the rollout pool into, and why; None to keep it (`plan.Replanner`)."""
+
 PROGRESS_POINTS = 128
 """Engines report their sample counts this many times per rollout step (at every 1/128 of its
 samples), to a policy that reads progress: fine enough for verl's rules (verl polls its queue
@@ -236,8 +240,11 @@ class DynamicPipeline:
         guards: GuardConfig,
         naive: bool = False,
         progress: Progress | None = None,
+        layout: Layout | None = None,
     ) -> None:
         profile = model.profile
+        if layout is not None and naive:
+            raise ValueError("regroups are simulated pipelined only: drop --naive or the layout advisor")
         gpe = profile.rollout.gpus_per_engine
         if profile.initial_split.rollout < gpe:
             raise ProfileError(f"profile {profile.name}: the initial rollout pool of {profile.initial_split.rollout} "
@@ -247,6 +254,7 @@ class DynamicPipeline:
         self.policy = policy
         self.naive = naive
         self.progress = progress
+        self.layout = layout
         self.gpus = profile.cluster.gpus
         self.devices = device_ids(self.gpus, profile.cluster.gpus_per_node)
         self.index = {d: i for i, d in enumerate(self.devices)}
@@ -329,6 +337,13 @@ class DynamicPipeline:
     def _schedule(self, command: SendOp, now: float) -> None:
         op = command.op
         kind = self.state.inflight.plan.kind if self.state.inflight is not None else PlanKind.RESIZE
+        if kind is PlanKind.REGROUP:
+            # one op after the other on every device of the pool; what the pool loses meanwhile
+            # was charged when the regroup started (`_regroup`)
+            self._seq += 1
+            heapq.heappush(self._acks, _Ack(now + self.model.profile.resize.regroup.op_s(op.kind), self._seq,
+                                            command.worker_id, op.op_id))
+            return
         if kind is not PlanKind.RESIZE:
             self._schedule_loan(command, now, kind)
             return
@@ -676,14 +691,55 @@ class DynamicPipeline:
                 or fl.started_at != now):
             return model.rollout_seconds(w, split.rollout)
         profile = model.profile
-        c = profile.resize.to_rollout
-        ready = c.drain_s + c.release_s + c.join_s + c.restore_s + c.first_step_s
+        ready = profile.resize.to_rollout.ready_s()
         home, extra = model.engines(split.rollout), model.engines(len(fl.plan.devices))
         if extra == 0:
             return model.rollout_seconds(w, split.rollout)  # too few devices moving for one engine
         late = np.concatenate([np.zeros(home), np.full(extra, ready)])
         self._served_early.add(fl.plan.resize_id)
         return float(model.engine_finish(w, home + extra, late).max())
+
+    # -- regroups ------------------------------------------------------------------------
+    def _initial_engines(self) -> None:
+        """Engines of several devices from the start: the core learns them as the daemon would
+        from a regroup before the first step (at no cost: the job's engines start that way), so
+        that it moves them whole and lends none of them, as it does on real engines."""
+        gpe = self.model.profile.rollout.gpus_per_engine
+        if gpe == 1:
+            return
+        rollout = sorted(self.state.pool_devices(Pool.ROLLOUT), key=self.index.__getitem__)
+        devices = tuple(rollout[:len(rollout) // gpe * gpe])
+        self._feed(ev.RegroupRequested(at=0.0, devices=devices, tp=gpe, requested_by="profile",
+                                       reason="the job's engines as they start"))
+        while self.state.inflight is not None:
+            acks, self._acks = self._acks, []
+            self._feed_answers([ev.OpReported(at=0.0, worker_id=a.worker_id, op_id=a.op_id, ok=True) for a in acks])
+
+    def _regroup(self, w: int, now: float) -> None:
+        """At the boundary after rollout `w`, ask the layout advisor; when it names another
+        engine size, request the regroup of the rollout pool from the core (as `dynaresized
+        regroup` does) and, once the core has started it, price the rollout on the new engines
+        from the next window on, which starts late by the regroup's ops and first step (the
+        pool serves nothing meanwhile; training goes on)."""
+        s = self.state
+        if self.layout is None or s.inflight is not None or s.phase is not Phase.STEADY or s.paused:
+            return
+        tp = self.model.profile.rollout.gpus_per_engine
+        advice = self.layout(w, tp)
+        if advice is None or advice[0] == tp:
+            return
+        target, why = advice
+        lent = set(s.lent_devices())
+        home = sorted((d for d, p in s.devices.items() if p.pool is Pool.ROLLOUT and p.home is None and d not in lent),
+                      key=self.index.__getitem__)
+        devices = tuple(home[:len(home) // target * target])
+        if not devices:
+            return
+        before = len(self.facts)
+        self._feed(ev.RegroupRequested(at=now, devices=devices, tp=target, requested_by="planner", reason=why))
+        if any(isinstance(x, f.RegroupStarted) for x in self.facts[before:]):
+            self.model = self.model.at_tp(target)
+            self._penalty[Pool.ROLLOUT] += self.model.profile.resize.regroup.ready_s()
 
     # -- the run -------------------------------------------------------------------------
     def run(self) -> DynamicRun:
@@ -695,6 +751,7 @@ class DynamicPipeline:
         for i, d in enumerate(self.devices):
             self._feed(ev.WorkerHello(at=0.0, worker_id=engine_id(i), kind=WorkerKind.ROLLOUT_ENGINE, devices=(d,)))
             self._feed(ev.WorkerHello(at=0.0, worker_id=trainer_id(i), kind=WorkerKind.TRAINER_RANK, devices=(d,)))
+        self._initial_engines()
         k = model.steps
         sync = model.weight_sync_s
         now = 0.0
@@ -754,6 +811,8 @@ class DynamicPipeline:
             if not self.naive:
                 self._commit_at_boundary(now)
             self._ack_until(now)  # a loan's way home is answered at the boundary
+            if w + 1 < k:
+                self._regroup(w, now)
             last_rollout = (rollout_s, split.rollout, served)
             if self.progress is not None:
                 self.progress(w + 1, k + 1)

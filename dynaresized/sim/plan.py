@@ -34,7 +34,7 @@ import numpy as np
 from dynaresized.core.guards import GuardConfig
 from dynaresized.core.policy import Policy
 from dynaresized.domain import Split
-from dynaresized.sim.pipeline import DynamicPipeline, static_floor, static_total, static_windows
+from dynaresized.sim.pipeline import DynamicPipeline, best_static, static_floor, static_total, static_windows
 from dynaresized.sim.profile import Profile
 from dynaresized.sim.stages import StageModel
 from dynaresized.sim.workload import Trace
@@ -54,6 +54,10 @@ MCMC_TEMPERATURE = 0.01
 
 PILOT_STEPS = 10
 """Steps of each phase the prediction sees."""
+
+REPLAN_MARGIN = 2.0
+"""A re-plan regroups only when the saving it predicts over the steps left is this many times
+the regroup's own seconds (the hysteresis of a layout change)."""
 
 PHASE_TOLERANCE = 0.1
 """A window whose mean or 90th-percentile response length is this far (relative) from its
@@ -143,8 +147,7 @@ def change_seconds(profile: Profile, a: Config, b: Config) -> float:
     pipelined resize)."""
     seconds = 0.0
     if a.tp != b.tp:
-        r = profile.resize.regroup
-        seconds += r.drain_s + r.release_s + r.join_s + r.restore_s + r.commit_s + r.first_step_s
+        seconds += profile.resize.regroup.sequence_s()
     if a.split != b.split:
         c = profile.resize.to_rollout if b.rollout > a.rollout else profile.resize.to_training
         seconds += c.commit_s + c.first_step_s
@@ -340,3 +343,63 @@ def plan_start(profile: Profile, trace: Trace, make_policy: Callable[[], Policy]
             best = (total, c)
     assert best is not None
     return best[1], best[0]
+
+
+class Replanner:
+    """ReaL's plan search during a run, with no hindsight: every `every` steps, the search
+    (`search`) runs again on the last `pilot_steps` steps generated, and when the fastest
+    configuration's engines are of another size than the run's, the rollout pool is regrouped
+    into them, if the predicted saving over the steps left exceeds `margin` times what the
+    regroup costs (`[resize.regroup]`). The split stays the policy's. A `DynamicPipeline`
+    layout advisor (`pipeline.Layout`)."""
+
+    def __init__(self, profile: Profile, trace: Trace, *, router: str = "pull", pilot_steps: int = PILOT_STEPS,
+                 every: int = PILOT_STEPS, margin: float = REPLAN_MARGIN,
+                 make_policy: Callable[[], Policy] | None = None, guards: GuardConfig | None = None,
+                 confirm: int = 1) -> None:
+        if pilot_steps < 1 or every < 1:
+            raise ValueError(f"re-planning needs pilot_steps >= 1 and every >= 1, got {pilot_steps} and {every}")
+        self.profile, self.trace, self.router = profile, trace, router
+        self.pilot_steps, self.every, self.margin = pilot_steps, every, margin
+        self.searches: list[tuple[int, str, float]] = []  # (step, best configuration, search seconds)
+        self.make_policy, self.guards, self.confirm = make_policy, guards, confirm
+        self._streak: tuple[int, int] = (0, 0)  # (engine size advised, times in a row)
+
+    def __call__(self, step: int, tp: int) -> tuple[int, str] | None:
+        seen = step + 1  # rollouts 0..step are generated
+        left = len(self.trace) - seen
+        if seen < self.pilot_steps or seen % self.every or left < 1:
+            return None
+        gpus = self.profile.cluster.gpus
+        pilot = StageModel(self.profile, Trace(self.trace.name, self.trace.steps[seen - self.pilot_steps:seen]),
+                           router=self.router)
+        found = search(pilot, gpus, candidates=self.profile.candidate_splits())
+        self.searches.append((step, str(found.best), found.search_s))
+        if found.best.tp == tp:
+            return None
+        here = min(((t, c) for t, c in found.ranked if c.tp == tp), default=None)
+        if here is None:  # pruned by the bound, or no split of this size: its best, exactly
+            split, t = best_static(pilot.at_tp(tp), gpus)
+            here = (t, Config(split.train, split.rollout, tp))
+        there = (found.predicted_s, found.best)
+        if self.make_policy is not None:
+            # what the policy makes of each layout over the pilot, from its best split
+            here, there = (self._dynamic(pilot.trace, here[1]), here[1]), (self._dynamic(pilot.trace, there[1]), there[1])
+        saving = (here[0] - there[0]) / self.pilot_steps * left
+        cost = self.profile.resize.regroup.sequence_s()
+        if saving <= self.margin * cost:
+            self._streak = (tp, 0)
+            return None
+        streak = self._streak[1] + 1 if self._streak[0] == found.best.tp else 1
+        self._streak = (found.best.tp, streak)
+        if streak < self.confirm:
+            return None
+        return found.best.tp, (f"re-planned on steps {seen - self.pilot_steps}-{step}: {found.best} "
+                               f"saves {saving:.0f} s over the {left} steps left, against {cost:.0f} s to regroup")
+
+    def _dynamic(self, trace: Trace, c: Config) -> float:
+        assert self.make_policy is not None
+        guards = self.guards or GuardConfig()
+        g = msgspec.structs.replace(guards, min_rollout=max(guards.min_rollout, c.tp))
+        model = StageModel(self.profile.with_layout(c.tp, c.split), trace, router=self.router)
+        return DynamicPipeline(model, self.make_policy(), guards=g).run().total_time_s

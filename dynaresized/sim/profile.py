@@ -145,6 +145,15 @@ class OpCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return {OpKind.DRAIN: self.drain_s, OpKind.RELEASE: self.release_s, OpKind.JOIN: self.join_s,
                 OpKind.RESTORE: self.restore_s, OpKind.COMMIT: self.commit_s}[kind]
 
+    def ready_s(self) -> float:
+        """Drain, release, join and restore one after the other, and the first step: how long
+        the moving devices serve nothing before they serve again (the commit aside)."""
+        return self.drain_s + self.release_s + self.join_s + self.restore_s + self.first_step_s
+
+    def sequence_s(self) -> float:
+        """Every op of the sequence and the first step after it."""
+        return self.ready_s() + self.commit_s
+
 
 REGROUP_COSTS = OpCosts(drain_s=1.0, release_s=5.0, join_s=30.0, restore_s=5.0, commit_s=0.0, first_step_s=3.0)
 """A regroup's seconds where a profile does not say (`[resize.regroup]`): at a step boundary

@@ -28,6 +28,7 @@ from dynaresized.sim.bounds import fluid_windows, lower_bound
 from dynaresized.sim.pipeline import (
     DynamicPipeline,
     DynamicRun,
+    Layout,
     Progress,
     best_static,
     best_static_config,
@@ -146,6 +147,9 @@ class SimReport(msgspec.Struct, frozen=True):
     (`--tp` / `--initial-split`) or "plan" (`--layout plan`: the plan search's start)."""
     planned_start: str = ""
     """With `layout` "plan": the configuration the search started the run from, "T:R/TP-K"."""
+    regroups: int = 0
+    """Regroups of the rollout pool into engines of another size during the run (`simulate
+    --replan-every`), committed."""
 
 
 @dataclass(frozen=True)
@@ -330,6 +334,7 @@ def simulate(
     verl_rules: bool = True,
     progress: Progress | None = None,
     jobs: int | None = 1,
+    layout: Layout | None = None,
 ) -> SimRun:
     """Run `policy` (an installed policy name) over `trace` on `profile` in dynamic mode, and
     beside it verl's own rules (`verl`, when given, must be of the same model and cost mode;
@@ -339,7 +344,7 @@ def simulate(
     `jobs=None`: as many as the machine's cores, from `AUTO_JOBS_FROM_GPUS` devices on."""
     model = model if model is not None else StageModel(profile, trace)
     guards = guards_for(profile, guard_overrides)
-    plain = policy in VERL_RULES and not policy_options and guards == verl_guards(profile)
+    plain = policy in VERL_RULES and not policy_options and guards == verl_guards(profile) and layout is None
     if jobs is None:
         jobs = (os.cpu_count() or 1) if profile.cluster.gpus >= AUTO_JOBS_FROM_GPUS else 1
     others = [name for name in VERL_RULES if not (plain and name == policy)]
@@ -352,7 +357,7 @@ def simulate(
             run = verl.runs[policy]
         else:
             run = DynamicPipeline(model, load_policy(policy, policy_options), guards=guards, naive=naive,
-                                  progress=progress).run()
+                                  progress=progress, layout=layout).run()
         if forked is not None:
             verl = VerlRuns(runs={policy: run} if plain else {}, guards=verl_guards(profile),
                             totals=dict(zip(others, forked(), strict=True)))
@@ -414,6 +419,7 @@ def simulate(
         best_static_tp1=BestStatic(own.train, own.rollout, _r(tp1_static_s(base)), base.tp1_engine),
         speedup_vs_best_static_tp1=_r(tp1_static_s(base) / total, 4),
         tp=profile.rollout.gpus_per_engine,
+        regroups=sum(isinstance(x, f.RegroupCommitted) and x.at > 0 for x in run.facts),
         **_fluid_gap(run, base),
         **_versus_verl(verl, total),
     )

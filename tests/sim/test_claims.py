@@ -199,13 +199,14 @@ def test_on_tp2_engines_from_4_4_the_policy_beats_the_best_static_configuration(
     assert report.speedup_vs_best_static >= floor, report.speedup_vs_best_static
 
 
-@pytest.mark.parametrize(("scenario", "start", "floor", "below"),
-                         [("noisy", "4:4/TP-4", 1.08, None), ("longtail-drift", "4:4/TP-4", 1.0, 1.03),
-                          ("verl-dapo", "4:4/TP-4", 1.0, None)])
-def test_from_the_planned_layout_the_policy_beats_the_best_static_configuration(scenario, start, floor, below):
+@pytest.mark.parametrize(("scenario", "start", "floor"),
+                         [("noisy", "4:4/TP-4", 1.08), ("longtail-drift", "4:4/TP-4", 1.03),
+                          ("verl-dapo", "4:4/TP-4", 1.0)])
+def test_from_the_planned_layout_the_policy_beats_the_best_static_configuration(scenario, start, floor):
     # `simulate --layout plan`: the plan search picks the start from the first 10 steps, no
-    # hindsight; noisy clears issue 22's 1.08, and longtail-drift misses its 1.03 (1.027: the
-    # pilot ranks TP-4 first where TP-2 would give 1.032); docs/simulator.md, "The plan search".
+    # hindsight; the core knows the TP-4 engines (moves them whole, lends each whole once dry),
+    # and noisy and longtail-drift clear issue 22's 1.08 and 1.03 (docs/simulator.md, "The plan
+    # search").
     trace = scenario_trace(scenario, scenario_shape(PROFILE), seed=0)
     base = baselines(StageModel(PROFILE, trace))
     config, _ = plan_start(PROFILE, trace, lambda: load_policy("hysteresis"), guards_for(PROFILE))
@@ -213,5 +214,3 @@ def test_from_the_planned_layout_the_policy_beats_the_best_static_configuration(
     report = simulate(trace, PROFILE.with_layout(config.tp, config.split), "hysteresis", seed=0, base=base,
                       verl_rules=False).report
     assert report.speedup_vs_best_static >= floor, report.speedup_vs_best_static
-    if below is not None:
-        assert report.speedup_vs_best_static < below, report.speedup_vs_best_static

@@ -10,10 +10,12 @@ import json
 import numpy as np
 import pytest
 
+from dynaresized.core import facts as f
+from dynaresized.core import fold
 from dynaresized.core.policy import load_policy
 from dynaresized.domain import Split
-from dynaresized.sim.pipeline import best_static_config, static_total, static_windows
-from dynaresized.sim.plan import Config, extrapolate, phases, plan, plan_start, search, space
+from dynaresized.sim.pipeline import DynamicPipeline, best_static_config, static_total, static_windows
+from dynaresized.sim.plan import Config, Replanner, extrapolate, phases, plan, plan_start, search, space
 from dynaresized.sim.profile import load_profile
 from dynaresized.sim.run import guards_for, scenario_shape
 from dynaresized.sim.stages import StageModel
@@ -135,6 +137,7 @@ def test_a_plan_follows_a_change_of_workload():
     # the change is a regroup (TP-2 -> TP-4) and a resize (6:2 -> 4:4), charged in both totals
     r, c = PROFILE.resize.regroup, PROFILE.resize.to_rollout
     regroup_s = r.drain_s + r.release_s + r.join_s + r.restore_s + r.commit_s + r.first_step_s
+    assert r.sequence_s() == pytest.approx(regroup_s)
     assert p.change_s == pytest.approx(regroup_s + c.commit_s + c.first_step_s)
     assert p.simulated_total_s == pytest.approx(sum(ph.simulated_s for ph in p.phases) + p.change_s, abs=0.01)
 
@@ -179,6 +182,8 @@ def test_simulate_from_the_planned_layout_keeps_the_profiles_baselines():
     [
         (("simulate", "--scenario", "noisy", "--steps", "2", "--layout", "plan", "--tp", "2"), "drop --tp"),
         (("simulate", "--scenario", "noisy", "--steps", "2", "--pilot-steps", "0"), "--pilot-steps must be >= 1"),
+        (("simulate", "--scenario", "noisy", "--steps", "2", "--replan-every", "-1"), "--replan-every must be >= 0"),
+        (("simulate", "--scenario", "noisy", "--steps", "2", "--replan-every", "5", "--naive"), "drop --naive"),
         (("plan", "--scenario", "nope"), "unknown scenario"),
         (("plan", "--scenario", "noisy", "--gpus", "1"), "at least 2 devices"),
         (("plan", "--scenario", "noisy", "--pilot-steps", "0"), "--pilot-steps must be >= 1"),
@@ -188,3 +193,67 @@ def test_bad_plan_input_is_a_clear_error(argv, message, capsys):
     code, _ = cli(*argv)
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def _replanned(trace: Trace, start: Config, **options):
+    profile = PROFILE.with_layout(start.tp, start.split)
+    guards = guards_for(profile)
+    replanner = Replanner(profile, trace, **options)
+    model = StageModel(profile, trace)
+    run = DynamicPipeline(model, load_policy("hysteresis"), guards=guards, layout=replanner).run()
+    still = DynamicPipeline(StageModel(profile, trace), load_policy("hysteresis"), guards=guards).run()
+    return run, still, replanner
+
+
+def test_a_run_regroups_its_rollout_pool_when_the_re_plan_says_it_pays():
+    """Short responses, then few long ones from step 30 (the tail decodes faster on wider
+    engines): the search on the last 10 steps seen says TP-4 engines from step 39 on, where the
+    run had TP-1 engines, and the run regroups its rollout pool into them through the
+    core (a `regroup_started` and `regroup_committed` in its log, which replays to its state);
+    the pool serves nothing for the regroup's ops and first step, and the run still ends sooner
+    than the one that kept its TP-1 engines."""
+    trace = step_change(200, 3000, switch=30, steps=60, samples=32)
+    run, still, replanner = _replanned(trace, Config(4, 4, 1), every=10, margin=2.0)
+    started = [x for x in run.facts if isinstance(x, f.RegroupStarted)]
+    assert len(started) == 1 and started[0].source == "planner" and "re-planned on steps 30-39" in started[0].reason
+    assert [len(g) for g in started[0].plan.engines] == [4] * (len(started[0].plan.devices) // 4)
+    assert any(isinstance(x, f.RegroupCommitted) for x in run.facts)
+    assert fold(run.facts).durable() == run.state.durable()
+    assert [s for s, _, _ in replanner.searches] == [9, 19, 29, 39, 49]  # every 10 steps, none before the pilot
+    window = next(w for w in run.windows if w.start_s >= started[0].at)
+    assert window.rollout_s >= PROFILE.resize.regroup.ready_s()
+    assert run.total_time_s < still.total_time_s / 1.2
+
+
+def test_a_re_plan_confirmed_twice_waits_a_search_and_one_that_does_not_pay_is_no_regroup():
+    trace = step_change(200, 3000, switch=30, steps=60, samples=32)
+    run, _, _ = _replanned(trace, Config(4, 4, 1), every=10, confirm=2)
+    [started] = [x for x in run.facts if isinstance(x, f.RegroupStarted)]
+    assert "re-planned on steps 40-49" in started.reason
+    # TP-2 engines where TP-4 would be a little faster: not by twice the regroup's cost
+    trace = step_change(200, 3000, switch=30, steps=60, samples=256)
+    run, still, replanner = _replanned(trace, Config(6, 2, 2))
+    assert replanner.searches[3][1] == "4:4/TP-4"
+    # the one regroup: the core learns the job's TP-2 engines before its first step, at no cost
+    [initial] = [x for x in run.facts if isinstance(x, f.RegroupStarted)]
+    assert initial.at == 0.0 and initial.source == "profile" and [len(g) for g in initial.plan.engines] == [2]
+    assert run.total_time_s == still.total_time_s
+
+
+def test_regroups_are_simulated_pipelined_only():
+    with pytest.raises(ValueError, match="pipelined only"):
+        DynamicPipeline(pilot("noisy"), load_policy("hysteresis"), guards=guards_for(PROFILE), naive=True,
+                        layout=lambda step, tp: None)
+
+
+def test_simulate_re_plans_on_request_and_counts_its_regroups():
+    """`simulate --layout plan --replan-every 10` on bimodal (long and short phases): the run
+    starts on the planned TP-4 engines and regroups when two searches in a row say so; without
+    `--replan-every` it never regroups after its start."""
+    argv = ("simulate", "--scenario", "bimodal", "--layout", "plan", "--json")
+    _, text = cli(*argv, "--replan-every", "10")
+    replanned = json.loads(text)
+    _, text = cli(*argv)
+    kept = json.loads(text)
+    assert replanned["planned_start"] == kept["planned_start"] and kept["regroups"] == 0
+    assert replanned["regroups"] >= 1 and replanned["total_time_s"] != kept["total_time_s"]
