@@ -703,16 +703,21 @@ class DynamicPipeline:
     def _initial_engines(self) -> None:
         """Engines of several devices from the start: the core learns them as the daemon would
         from a regroup before the first step (at no cost: the job's engines start that way), so
-        that it moves them whole and lends none of them, as it does on real engines."""
+        that it moves each whole and lends each whole, as the daemon does."""
         gpe = self.model.profile.rollout.gpus_per_engine
         if gpe == 1:
             return
         rollout = sorted(self.state.pool_devices(Pool.ROLLOUT), key=self.index.__getitem__)
         devices = tuple(rollout[:len(rollout) // gpe * gpe])
+        if not devices:
+            return
         self._feed(ev.RegroupRequested(at=0.0, devices=devices, tp=gpe, requested_by="profile",
                                        reason="the job's engines as they start"))
         while self.state.inflight is not None:
             acks, self._acks = self._acks, []
+            if not acks:
+                rid = self.state.inflight.plan.resize_id
+                raise RuntimeError(f"the initial regroup {rid} waits for an op nobody runs")
             self._feed_answers([ev.OpReported(at=0.0, worker_id=a.worker_id, op_id=a.op_id, ok=True) for a in acks])
 
     def _regroup(self, w: int, now: float) -> None:
