@@ -1178,7 +1178,8 @@ def plan_loan(state: ClusterState, devices: tuple[DeviceId, ...], to_pool: Pool,
     # One worker may serve several of the devices (verl's rollout worker holds every hybrid slot).
     if kind is PlanKind.LOAN and any((d, WorkerKind.for_pool(to_pool)) not in live for d in devices):
         return f"not every device of {', '.join(devices)} has a live {WorkerKind.for_pool(to_pool).value} worker"
-    if kind is PlanKind.LOAN and (part := [d for d in devices if not set(state.engine_of(d)) <= set(devices)]):
+    named = set(devices)
+    if kind is PlanKind.LOAN and (part := [d for d in devices if not named.issuperset(state.engine_of(d))]):
         return (f"device(s) {', '.join(part)} serve in engines of several devices whose other devices are not "
                 "lent with them: a loan takes whole engines")
     resize_id = f"l{state.loans_started + 1}" if kind is PlanKind.LOAN else f"l{state.loans_started}-home{state.version}"

@@ -308,7 +308,7 @@ class ClusterState(msgspec.Struct, frozen=True):
             # device's worker (the one that runs it) has run dry, none before.
             out: list[DeviceId] = []
             for d in dry:
-                group = self.engines.get(d, (d,))
+                group = self.engine_of(d)
                 if d == group[0] and all(x in home and self.devices[x].pool is Pool.ROLLOUT for x in group):
                     out.extend(group)
             return tuple(out)
@@ -824,11 +824,15 @@ def _start_sequence(s: ClusterState, e: f.LoanStarted | f.LoanReturnStarted, hom
     return replace(s, inflight=inflight, phase=PHASE_OF_OP[plan.ops[0].kind])
 
 
+def _undry(s: ClusterState, devices: tuple[DeviceId, ...]) -> tuple[DeviceId, ...]:
+    """`s.dry` without `devices`: their engines leave the step they ran dry in (lent, or regrouped)."""
+    return tuple(d for d in s.dry if d not in devices)
+
+
 @_on(f.LoanStarted)
 def _(s: ClusterState, e: f.LoanStarted) -> ClusterState:
     s = _start_sequence(s, e, home=e.plan.from_pool)
-    dry = tuple(d for d in s.dry if d not in e.plan.devices)
-    return replace(s, dry=dry, loans_started=s.loans_started + 1)
+    return replace(s, dry=_undry(s, e.plan.devices), loans_started=s.loans_started + 1)
 
 
 @_on(f.LoanLanded)
@@ -863,8 +867,7 @@ def _(s: ClusterState, e: f.RegroupStarted) -> ClusterState:
     inflight = InFlight(plan=plan, source=e.source, reason=e.reason, started_at=e.at, ops=plan.ops, index=0,
                         op_started_at=e.at, op_deadline=e.op_deadline, step=s.last_step)
     # the regrouped engines stop: whatever they had run dry in is over for them
-    dry = tuple(d for d in s.dry if d not in plan.devices)
-    return replace(s, inflight=inflight, phase=PHASE_OF_OP[plan.ops[0].kind], dry=dry,
+    return replace(s, inflight=inflight, phase=PHASE_OF_OP[plan.ops[0].kind], dry=_undry(s, plan.devices),
                    regroups_started=s.regroups_started + 1)
 
 

@@ -734,8 +734,8 @@ class DynamicPipeline:
         if advice is None or advice[0] == tp:
             return
         target, why = advice
-        lent = set(s.lent_devices())
-        home = sorted((d for d, p in s.devices.items() if p.pool is Pool.ROLLOUT and p.home is None and d not in lent),
+        # at home in the rollout pool: neither lent (a home elsewhere) nor moving (no pool)
+        home = sorted((d for d, p in s.devices.items() if p.pool is Pool.ROLLOUT and p.home is None),
                       key=self.index.__getitem__)
         devices = tuple(home[:len(home) // target * target])
         if not devices:

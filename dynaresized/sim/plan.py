@@ -354,15 +354,13 @@ class Replanner:
     layout advisor (`pipeline.Layout`)."""
 
     def __init__(self, profile: Profile, trace: Trace, *, router: str = "pull", pilot_steps: int = PILOT_STEPS,
-                 every: int = PILOT_STEPS, margin: float = REPLAN_MARGIN,
-                 make_policy: Callable[[], Policy] | None = None, guards: GuardConfig | None = None,
-                 confirm: int = 1) -> None:
+                 every: int = PILOT_STEPS, margin: float = REPLAN_MARGIN, confirm: int = 1) -> None:
         if pilot_steps < 1 or every < 1:
             raise ValueError(f"re-planning needs pilot_steps >= 1 and every >= 1, got {pilot_steps} and {every}")
         self.profile, self.trace, self.router = profile, trace, router
         self.pilot_steps, self.every, self.margin = pilot_steps, every, margin
         self.searches: list[tuple[int, str, float]] = []  # (step, best configuration, search seconds)
-        self.make_policy, self.guards, self.confirm = make_policy, guards, confirm
+        self.confirm = confirm
         self._streak: tuple[int, int] = (0, 0)  # (engine size advised, times in a row)
 
     def __call__(self, step: int, tp: int) -> tuple[int, str] | None:
@@ -377,15 +375,10 @@ class Replanner:
         self.searches.append((step, str(found.best), found.search_s))
         if found.best.tp == tp:
             return None
-        here = min(((t, c) for t, c in found.ranked if c.tp == tp), default=None)
+        here = min((t for t, c in found.ranked if c.tp == tp), default=None)
         if here is None:  # pruned by the bound, or no split of this size: its best, exactly
-            split, t = best_static(pilot.at_tp(tp), gpus)
-            here = (t, Config(split.train, split.rollout, tp))
-        there = (found.predicted_s, found.best)
-        if self.make_policy is not None:
-            # what the policy makes of each layout over the pilot, from its best split
-            here, there = (self._dynamic(pilot.trace, here[1]), here[1]), (self._dynamic(pilot.trace, there[1]), there[1])
-        saving = (here[0] - there[0]) / self.pilot_steps * left
+            here = best_static(pilot.at_tp(tp), gpus)[1]
+        saving = (here - found.predicted_s) / self.pilot_steps * left
         cost = self.profile.resize.regroup.sequence_s()
         if saving <= self.margin * cost:
             self._streak = (tp, 0)
@@ -396,10 +389,3 @@ class Replanner:
             return None
         return found.best.tp, (f"re-planned on steps {seen - self.pilot_steps}-{step}: {found.best} "
                                f"saves {saving:.0f} s over the {left} steps left, against {cost:.0f} s to regroup")
-
-    def _dynamic(self, trace: Trace, c: Config) -> float:
-        assert self.make_policy is not None
-        guards = self.guards or GuardConfig()
-        g = msgspec.structs.replace(guards, min_rollout=max(guards.min_rollout, c.tp))
-        model = StageModel(self.profile.with_layout(c.tp, c.split), trace, router=self.router)
-        return DynamicPipeline(model, self.make_policy(), guards=g).run().total_time_s
