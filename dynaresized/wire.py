@@ -130,7 +130,9 @@ class StateReport(_Msg, frozen=True, kw_only=True, tag="state_report"):
 class QueueEmpty(_Msg, frozen=True, kw_only=True, tag="queue_empty"):
     """A rollout engine has no queued request of rollout step `step` left: `running` still
     decode, about `tokens_left` tokens to go (the engine's own estimate). Sent again with
-    `running` 0 when the last one finished: the engine is idle and may be lent to training."""
+    `running` 0 when the last one finished: the engine is idle and may be lent to training.
+    One that arrives while a resize, regroup or loan moves the engine's devices is dropped:
+    the engine drains first, and whatever it ran dry in is over for it."""
 
     worker_id: Name
     step: Count

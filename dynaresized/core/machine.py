@@ -1079,6 +1079,12 @@ def on_engine_queue_empty(core: Core, tx: _Tx, e: ev.EngineQueueEmpty) -> None:
         # Late: that step's report already arrived (it cleared the idle engines); recorded, the
         # engine would look lendable while it serves the next step.
         return
+    fl = tx.state.inflight
+    if fl is not None and not set(w.devices).isdisjoint(fl.plan.devices):
+        # Sent before the engine heard of the resize, regroup or loan now moving its devices
+        # (it drains first): what it ran dry in is over for it. Recorded, a regrouped engine
+        # would look dry before it served a step.
+        return
     tx.emit(f.EngineQueueEmptyObserved(at=e.at, worker_id=e.worker_id, device=w.devices[0], step=e.step,
                                        running=e.running, tokens_left=e.tokens_left))
     _consider_loan(core, tx, e.at)

@@ -194,6 +194,28 @@ def test_a_wide_engine_is_lent_whole_once_the_worker_that_runs_it_has_run_dry() 
     assert "a loan takes whole engines" in plan_loan(d.state, (device(2),), Pool.TRAINING, PlanKind.LOAN)
 
 
+def test_an_engine_that_ran_dry_before_a_regroup_but_said_so_during_it_is_not_lent() -> None:
+    """What CI met: the engines' reports that they ran dry in step 1 left after the regroup
+    began (the test's blocking control call held them back), so the new TP-2 engine looked dry
+    and was lent before it served a step; the step it should have served stalled until the
+    boundary that the step itself had to reach. Reports from an engine whose devices a plan
+    in flight moves are dropped: the engine drains first, whatever it ran dry in is over."""
+    d = boot(make_core(replace(EAGER), "hysteresis", op_timeout_s=30.0), 2, 2)
+    regroup(d, PAIR, 2)
+    for w in (engine(2), engine(3)):  # late: sent at step 1's end, received after the regroup began
+        facts, _ = d.send(ev.EngineQueueEmpty(at=d.at(), worker_id=w, step=1, running=0))
+        assert facts == []
+    run_ops(d)
+    assert d.state.dry == () and d.state.lendable()[0] == ()
+    for done in (1, 2, 3):  # the trainer's pace is known from the second mini-batch on
+        facts, _ = d.send(ev.MiniBatchDone(at=d.at(60.0), worker_id=trainer(0), step=1, done=done, total=8))
+        assert not any(isinstance(x, f.LoanStarted) for x in facts), "lent before it served a step"
+    facts, _ = d.send(ev.EngineQueueEmpty(at=d.at(), worker_id=engine(2), step=2, running=0))
+    (started,) = [x for x in facts if isinstance(x, f.LoanStarted)]
+    assert started.plan.devices == PAIR
+    assert d.replayed().durable() == d.state.durable()
+
+
 def test_an_engine_that_runs_another_engine_than_the_log_is_converged() -> None:
     d = boot(make_core(), 2, 2)
     regroup(d, PAIR, 2)
