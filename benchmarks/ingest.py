@@ -3,7 +3,8 @@
 Prints one JSON object:
 * `daemon`: messages/s the real daemon (subprocess, SQLite log with synchronous=FULL) turns into
   recorded facts, from several client processes; p50/p99 latency from a client's send to the
-  fact's `recorded_at` in the log.
+  fact's `recorded_at` in the log. The messages are `queue_empty` reports, one fact each
+  (`progress` reports were, until they became soft state on 5 December 2026).
 * `ceiling`: the same clients against a bare pyzmq ROUTER + msgspec decode loop.
 * `heartbeats`: CPU share of one core the daemon spends on N workers heartbeating at 1 Hz.
 
@@ -65,7 +66,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def _client(endpoint: str, index: int, workers: int, messages: int, start_evt, out_q, register: bool) -> None:
-    """One process; `workers` DEALER sockets each register, then send progress messages."""
+    """One process; `workers` DEALER sockets each register, then send queue_empty reports
+    (`running` numbers them)."""
     ctx = zmq.Context()
     socks = []
     decoder = wire.daemon_decoder()
@@ -92,7 +94,7 @@ def _client(endpoint: str, index: int, workers: int, messages: int, start_evt, o
     for i in range(per):
         for wid, s, token in socks:
             now = time.time()
-            s.send(wire.encode(wire.Progress(worker_id=wid, step=1, done=i, total=per, sent_at=now, token=token)))
+            s.send(wire.encode(wire.QueueEmpty(worker_id=wid, step=1, running=i, sent_at=now, token=token)))
             sent.append((wid, i, now))
     out_q.put(sent)
     time.sleep(1.0)
@@ -198,10 +200,10 @@ def bench_daemon(clients: int, workers: int, messages: int) -> dict[str, float]:
             deadline = time.time() + 120
             position = 0
             while len(recorded) < len(expected) and time.time() < deadline:
-                for e in rec.read_all(after_position=position, types={"progress_observed"}):
+                for e in rec.read_all(after_position=position, types={"engine_queue_empty"}):
                     position = e.position
                     fact = msgspec.msgpack.decode(e.data)
-                    recorded[(fact["worker_id"], fact["done"])] = e.recorded_at
+                    recorded[(fact["worker_id"], fact["running"])] = e.recorded_at
                 time.sleep(0.2)
             rec.close()
             cpu1 = cpu_seconds(proc.pid)

@@ -359,6 +359,7 @@ Operators send one request (`status`, `pause`, `resume`, `resize`, `regroup`, `d
 | `lent` | device id → its home pool, for each device lent to the other pool until the step boundary |
 | `engines` | the rollout engines of several devices, each a list of its devices (its leader first) |
 | `regroups` | `{{"started": n, "committed": n}}` |
+| `samples` | rollout step (a string) → `{{"done": n, "total": n}}`, summed over the engines whose latest `progress` report is of that step. Soft state, as heartbeat times are: progress reports are not facts, so this is empty for about a second after a restart, until the engines report again |
 | `workers` | list of `{{"id", "kind", "status" (live, lost, gone), "devices", "incarnation", "actual" (its holding, or null if it never said), "desired" (what the log says, or null), "unconverged" (why, or null)}}` |
 | `in_flight` | null, or `{{"resize_id", "from", "to", "devices", "op", "rolling_back", "reason", "acked", "reconciling" (the worker being reconciled, or "")}}` |
 | `policy`, `boot_id` | the policy's name, this daemon run's id |

@@ -84,7 +84,8 @@ class StepReport(_Msg, frozen=True, kw_only=True, tag="step_report"):
 
 
 class Progress(_Msg, frozen=True, kw_only=True, tag="progress"):
-    """Per-sample completion of the current step on this worker (batched by the client)."""
+    """Per-sample completion of the current step on this worker (batched by the client). Kept
+    as soft state, as a heartbeat's time is: not a fact in the log (`status` shows the sums)."""
 
     worker_id: Name
     step: Count

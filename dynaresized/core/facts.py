@@ -81,7 +81,9 @@ class StepObserved(Fact, frozen=True, tag="step_observed"):
 
 
 class ProgressObserved(Fact, frozen=True, tag="progress_observed"):
-    """A `progress` message was accepted: per-sample completion of a step on one worker."""
+    """A `progress` message was accepted: per-sample completion of a step on one worker. Written
+    until 5 December 2026 and still read from older logs; progress is soft state since (the core
+    keeps each engine's latest report without a fact, as it keeps heartbeat times)."""
 
     worker_id: WorkerId
     step: int

@@ -19,7 +19,7 @@ from dynaresized.core import facts as f
 from dynaresized.core import guards
 from dynaresized.core.idle import step_period_s
 from dynaresized.core.policy import LoanCosts, LoanProposal, LoanView, ObservedView, Policy, Proposal, ResizeCosts
-from dynaresized.core.state import ClusterState, InFlight, Phase, derived, grown, mutate, seen_at
+from dynaresized.core.state import ClusterState, InFlight, Phase, Progress, derived, grown, mutate, progressed, seen_at
 from dynaresized.domain import (
     UNDO,
     ActualState,
@@ -379,9 +379,7 @@ def on_progress(core: Core, tx: _Tx, e: ev.ProgressReported) -> None:
     _require_worker(tx.state, e.worker_id)
     if not (0 <= e.done <= e.total) or e.tokens < 0 or e.step < 0:
         raise Refused("bad_value", f"progress done={e.done} total={e.total} tokens={e.tokens} is impossible")
-    tx.emit(
-        f.ProgressObserved(at=e.at, worker_id=e.worker_id, step=e.step, done=e.done, total=e.total, tokens=e.tokens)
-    )
+    tx.state = progressed(tx.state, e.worker_id, Progress(e.step, e.done, e.total, e.tokens))  # soft: no fact
     # A lending policy that sends its loans home on the rollout's progress (verl's rules go home
     # once enough samples are done) is asked after every report.
     s = tx.state

@@ -393,7 +393,9 @@ class ClusterState(msgspec.Struct, frozen=True):
         return {**self.seen_base, **self.seen_recent}
 
     def durable(self) -> ClusterState:
-        return replace(self, seen_base={}, seen_recent={}, last_sent=0.0, last_audit=0.0, last_tick=0.0)
+        """Without the soft state: when workers were last heard from, and the engines' progress."""
+        return replace(self, seen_base={}, seen_recent={}, last_sent=0.0, last_audit=0.0, last_tick=0.0,
+                       progress={}, progress_recent={}, step_progress={})
 
 
 S = TypeVar("S", bound=f.Fact)
@@ -584,13 +586,20 @@ def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
 
 @_on(f.ProgressObserved)
 def _(s: ClusterState, e: f.ProgressObserved) -> ClusterState:
+    # Logs written before 5 December 2026 record progress reports; since then they are soft state.
+    return progressed(s, e.worker_id, Progress(e.step, e.done, e.total, e.tokens))
+
+
+def progressed(s: ClusterState, worker_id: WorkerId, new: Progress) -> ClusterState:
+    """`s` with an engine's latest progress report: soft state, as a heartbeat's time is (no
+    fact: a thousand engines report every second, and the log's rows were mostly these; an
+    engine reports again within a second of a daemon restart)."""
     sums = dict(s.step_progress)
-    new = Progress(e.step, e.done, e.total, e.tokens)
-    old = s.progress_of(e.worker_id)
+    old = s.progress_of(worker_id)
     if old is not None:
         _count(sums, old, -1)
     _count(sums, new, 1)
-    base, recent = overlaid(s.progress, s.progress_recent, e.worker_id, new)
+    base, recent = overlaid(s.progress, s.progress_recent, worker_id, new)
     return replace(s, progress=base, progress_recent=recent, step_progress=sums)
 
 

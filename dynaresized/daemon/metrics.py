@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from dynaresized import wire
 from dynaresized.core import facts as f
@@ -19,13 +22,8 @@ _TELEMETRY = frozenset({f.ProgressObserved, f.MiniBatchObserved, f.EngineQueueEm
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.pool_devices = Gauge("dynaresized_pool_devices", "Devices per pool", ["pool"], registry=r)
-        self.moving_devices = Gauge("dynaresized_moving_devices", "Devices moving between pools", registry=r)
-        self.workers = Gauge("dynaresized_workers", "Workers by kind and status", ["kind", "status"], registry=r)
-        self.wide_engines = Gauge("dynaresized_wide_engines", "Rollout engines of several devices (regroups)",
-                                  registry=r)
-        self.regroups = Gauge("dynaresized_regroups", "Regroups since the log began, started and committed",
-                              ["state"], registry=r)
+        self.state: ClusterState | None = None  # the latest state; its gauges are counted when scraped
+        r.register(_ClusterGauges(self))
         self.resizes = Counter("dynaresized_resizes_total", "Resizes by outcome", ["outcome"], registry=r)
         self.op_seconds = Histogram("dynaresized_op_seconds", "Duration of resize operations", ["op"],
                                     buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300), registry=r)
@@ -94,11 +92,10 @@ class Metrics:
 
     def observe(self, state: ClusterState, facts: list[f.Fact]) -> None:
         self.facts.inc(len(facts))
-        gauges = False  # whether a fact may have changed a pool, a placement or a worker's status
+        self.state = state
         for fact in facts:
             if type(fact) in _TELEMETRY:
                 continue  # the bulk of the facts under load; nothing to count beyond the total
-            gauges = True
             if isinstance(fact, f.ResizeCommitted):
                 self.resizes.labels("committed").inc()
             elif isinstance(fact, f.ResizeRolledBack):
@@ -120,8 +117,6 @@ class Metrics:
             elif isinstance(fact, f.ResizeJudged):
                 self.verdicts.labels(fact.verdict.value).inc()
                 self.payback_factor.set(fact.payback_factor)
-        if gauges:  # a pass over every device and worker: not for each batch of progress reports
-            self.update_gauges(state)
 
     def observe_idle(self, state: ClusterState) -> None:
         ledger, last = state.idle, state.idle.last
@@ -136,17 +131,42 @@ class Metrics:
             ratio = totals.ratio
             self.device_idle_ratio.labels(device).set(ratio if ratio is not None else math.nan)
 
-    def update_gauges(self, state: ClusterState) -> None:
+
+class _ClusterGauges(Collector):
+    """Pools, moving devices, wide engines, regroups and workers by status, counted from the
+    daemon's latest state when Prometheus scrapes: a pass over every device and worker once per
+    scrape, not after every batch of facts (at 1,024 devices a resize's answers come in
+    hundreds of batches). The state is immutable; the reactor only swaps the reference."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []  # no fixed set of samples to check at registration
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        state = self.metrics.state
+        if state is None:
+            return
+        pools = GaugeMetricFamily("dynaresized_pool_devices", "Devices per pool", labels=["pool"])
         split = state.split
-        self.pool_devices.labels(Pool.TRAINING.value).set(split.train)
-        self.pool_devices.labels(Pool.ROLLOUT.value).set(split.rollout)
-        self.moving_devices.set(sum(1 for p in state.devices.values() if p.is_moving))
-        self.wide_engines.set(len(state.wide_engines()))
-        self.regroups.labels("started").set(state.regroups_started)
-        self.regroups.labels("committed").set(state.regroups_committed)
+        pools.add_metric([Pool.TRAINING.value], split.train)
+        pools.add_metric([Pool.ROLLOUT.value], split.rollout)
+        yield pools
+        yield GaugeMetricFamily("dynaresized_moving_devices", "Devices moving between pools",
+                                value=sum(1 for p in state.devices.values() if p.is_moving))
+        yield GaugeMetricFamily("dynaresized_wide_engines", "Rollout engines of several devices (regroups)",
+                                value=len(state.wide_engines()))
+        regroups = GaugeMetricFamily("dynaresized_regroups", "Regroups since the log began, started and committed",
+                                     labels=["state"])
+        regroups.add_metric(["started"], state.regroups_started)
+        regroups.add_metric(["committed"], state.regroups_committed)
+        yield regroups
         counts: dict[tuple[str, str], int] = {}
         for w in state.workers.values():
             counts[(w.kind.value, w.status.value)] = counts.get((w.kind.value, w.status.value), 0) + 1
+        workers = GaugeMetricFamily("dynaresized_workers", "Workers by kind and status", labels=["kind", "status"])
         for kind in ("rollout-engine", "trainer-rank"):
             for status in WorkerStatus:
-                self.workers.labels(kind, status.value).set(counts.get((kind, status.value), 0))
+                workers.add_metric([kind, status.value], counts.get((kind, status.value), 0))
+        yield workers

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import math
 import secrets
 import signal
@@ -251,7 +252,7 @@ class Daemon:
         except Exception:
             self._close()
             raise
-        self.metrics.update_gauges(self.state)
+        self.metrics.state = self.state
         self.metrics.observe_idle(self.state)
         self.metrics.payback_factor.set(self.state.history.payback_factor)
         for key, why in config_warnings(self.config):
@@ -570,6 +571,8 @@ class Daemon:
             encoded: dict[tuple[object, ...], bytes] = {}  # an op goes to every target as the same bytes
             for command in commands:
                 self._queue_op(command, outbox, encoded)
+            if commands:
+                self._log_ops(commands)
             self._pending.append((facts, self.state, outbox))
             self._pending_changed.set()
             while len(self._pending) > _PENDING_MAX:  # the log is the bottleneck: let it catch up
@@ -849,8 +852,20 @@ class Daemon:
                                  engine=command.engine)
             data = encoded[key] = wire.encode(msg)
         outbox.append((self.workers_sock, route, data))
-        log.info("op sent", op_id=op.op_id, op=op.kind.value, worker=command.worker_id,
-                 resize_id=command.resize_id)
+
+    @staticmethod
+    def _log_ops(commands: list[Command]) -> None:
+        """One line per op sent (a commit goes to a worker of every device: at 1,024 devices a
+        line per target was thousands a resize), naming its first 8 targets (all at debug)."""
+        sent: dict[tuple[str, str, str], list[str]] = {}
+        for command in commands:
+            if not isinstance(command, QueryState):
+                sent.setdefault((command.op.op_id, command.op.kind.value, command.resize_id), []).append(
+                    command.worker_id)
+        every = log.is_enabled_for(logging.DEBUG)
+        for (op_id, kind, resize_id), workers in sent.items():
+            shown = workers if every or len(workers) <= 8 else [*workers[:8], f"... {len(workers) - 8} more"]
+            log.info("op sent", op_id=op_id, op=kind, resize_id=resize_id, targets=len(workers), workers=shown)
 
     def _persist(self, facts: list[f.Fact], state: ClusterState) -> None:
         """Append facts durably (and snapshot now and then). Runs in the writer thread."""
@@ -861,10 +876,18 @@ class Daemon:
     def _observe(self, facts: list[f.Fact], state: ClusterState) -> None:
         """Metrics and one log line per fact, once the facts are durable."""
         self.metrics.observe(state, facts)
+        acks = log.is_enabled_for(logging.DEBUG)
         for fact in facts:
             if isinstance(fact, f.ProgressObserved | f.MiniBatchObserved | f.EngineQueueEmptyObserved):
                 continue  # too chatty for the log; it is in the event store
-            level = "warning" if isinstance(fact, f.OpFailed | f.WorkerLost | f.ResizeAborted) else "info"
+            if isinstance(fact, f.OpAcked) and not fact.detail:
+                # One per target of every op, hundreds a resize on a large cluster: at debug. The
+                # op's op_completed line says it was answered; a failure names who did not.
+                if not acks:
+                    continue
+                level = "debug"
+            else:
+                level = "warning" if isinstance(fact, f.OpFailed | f.WorkerLost | f.ResizeAborted) else "info"
             if isinstance(fact, f.ResizeJudged) and fact.verdict is f.Verdict.WORSE:
                 level = "warning"  # the daemon's own decision cost the job time
             if isinstance(fact, f.Degraded):
@@ -908,6 +931,8 @@ def status_of(state: ClusterState, daemon: Daemon | None = None) -> dict[str, An
         "lent": {d: state.devices[d].home.value for d in state.lent_devices()},  # type: ignore[union-attr]
         "engines": [list(g) for g in state.wide_engines()],
         "regroups": {"started": state.regroups_started, "committed": state.regroups_committed},
+        "samples": {str(step): dict(zip(("done", "total"), state.samples(step), strict=True))
+                    for step in sorted(state.step_progress)},
         "workers": [_worker_status(state, w) for w in sorted(state.workers.values(), key=lambda w: w.worker_id)],
         "in_flight": None if fl is None else {
             "resize_id": fl.plan.resize_id, "from": str(fl.plan.before), "to": str(fl.plan.after),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 
 from dynaresized.core import events as ev
+from dynaresized.core import facts as f
 from dynaresized.core import fold
 from dynaresized.core.machine import _pending, plan_resize
 from dynaresized.core.state import decode_state, encode_state
@@ -137,8 +138,11 @@ def test_the_samples_done_are_summed_as_engines_report_and_rebuilt_from_an_older
         mine = [p for p in latest.values() if p.step == step]
         assert d.state.samples(step) == (sum(p.done for p in mine), max(p.total for p in mine))
     assert d.state.samples(2) == (0, 0)
-    # a snapshot written before the sums were kept has the reports only
-    older = decode_state(encode_state(msgspec.structs.replace(d.state, step_progress={})))
+    # a snapshot written before the sums were kept has the reports only (and one written since
+    # progress became soft state, 5 December 2026, has neither)
+    older = decode_state(msgspec.msgpack.encode(msgspec.structs.replace(d.state, step_progress={})))
     assert older.step_progress == d.state.step_progress
-    # the reports are durable; when each engine was last heard from is a soft timer (not logged)
+    assert decode_state(encode_state(d.state)).step_progress == {}
+    # the reports, like when each engine was last heard from, are soft state (not logged)
+    assert not any(isinstance(x, f.ProgressObserved) for x in d.log)
     assert snapshot(fold(d.log).durable()) == snapshot(d.state.durable())

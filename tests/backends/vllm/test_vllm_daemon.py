@@ -128,6 +128,8 @@ async def test_engines_follow_the_daemon_through_resizes_and_a_rollback(rollout:
         timing = await workers["e0"].report_step(result, train_s=2.0)
         await until(lambda: daemon.status()["last_step"] == 31, what="step 31 reported")
         assert timing.samples == 16
+        # the engines' last progress reports, both of step 31, add up to its 16 samples (soft state)
+        await until(lambda: daemon.status()["samples"].get("31") == {"done": 16, "total": 16}, what="step 31's progress")
 
         # 3. training -> rollout for cpu1: e1 starts, loads the pool's version, is admitted.
         status = await resize(daemon, 1, 2, "committed", 2)
@@ -143,9 +145,6 @@ async def test_engines_follow_the_daemon_through_resizes_and_a_rollback(rollout:
     assert ("e1", "drain") in engine_ops and ("e1", "release") in engine_ops
     assert ("e1", "reclaim") in engine_ops and ("e1", "resume") in engine_ops
     assert ("e1", "join") in engine_ops and ("e1", "restore") in engine_ops and ("e1", "commit") in engine_ops
-    progress = [x for x in facts if isinstance(x, f.ProgressObserved) and x.step == 31]
-    assert {x.worker_id for x in progress} == {"e0", "e1"}
-    assert sum(max(x.done for x in progress if x.worker_id == w) for w in ("e0", "e1")) == 16
 
 
 async def test_an_idle_engine_is_lent_mid_step_and_comes_home_at_the_boundary(rollout: Rollout, tmp_path: Path) -> None:
