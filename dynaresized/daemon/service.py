@@ -65,6 +65,7 @@ log = structlog.get_logger("dynaresized")
 _BATCH = 512
 _NOBLOCK = int(zmq.NOBLOCK)  # a plain int: IntFlag arithmetic costs more than the receive
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_POLLIN = int(zmq.POLLIN)
 _PENDING_MAX = 16  # stepped batches awaiting the log before the reactor waits for it (backpressure)
 
 
@@ -124,6 +125,7 @@ class Daemon:
         self.queue: asyncio.Queue[list[_WorkerIn | _ControlIn | _TickIn | _ReloadIn]] = asyncio.Queue()
         self.ctx: zmq.asyncio.Context | None = None
         self.workers_sock: zmq.asyncio.Socket | None = None
+        self._workers_readable = asyncio.Event()  # the worker socket may have a message (see _wait_workers)
         self.control_sock: zmq.asyncio.Socket | None = None
         self._raw: dict[int, zmq.Socket] = {}  # id(socket) -> its shadow, for sends that must not block (_bind)
         self.curve: CurveServer | None = None
@@ -325,14 +327,49 @@ class Daemon:
         arrive meanwhile. On a quiet cluster that costs nothing (the message is taken at once);
         on a busy one it makes the reactor, the log writer's thread and the fsync run once per
         window instead of once per message, the largest part of the daemon's CPU at scale
-        (docs/benchmarks.md)."""
+        (docs/benchmarks.md).
+
+        Readability is watched on the socket's file descriptor directly, not through
+        zmq.asyncio's poll: its futures and event handling were a third of the reactor thread's
+        Python time at 1,024 devices (docs/benchmarks.md, "Scale")."""
         assert self.workers_sock is not None
-        sock = self.workers_sock
-        raw = zmq.Socket.shadow(sock.underlying)
+        raw = self._raw[id(self.workers_sock)]
         loop = asyncio.get_running_loop()
+        fd = raw.getsockopt(zmq.FD)
+        self._workers_readable = readable = asyncio.Event()  # of this loop
+
+        def readable_now() -> None:
+            # The descriptor stays readable until EVENTS is read, and the loop's selector asks it
+            # level-triggered: read EVENTS here, or the loop spins while a batch waits its window.
+            if raw.get(zmq.EVENTS) & _POLLIN:
+                readable.set()
+
+        loop.add_reader(fd, readable_now)
+        try:
+            await self._drain_workers(raw, loop)
+        finally:
+            loop.remove_reader(fd)
+
+    async def _wait_workers(self, raw: zmq.Socket) -> None:
+        """Until the worker socket has a message. The descriptor is edge-triggered: reading
+        EVENTS re-arms it, so a message that arrives after the read sets the event. A send on
+        the socket can take that edge (see `_rearm_workers`)."""
+        while not raw.get(zmq.EVENTS) & _POLLIN:
+            self._workers_readable.clear()
+            await self._workers_readable.wait()
+
+    def _rearm_workers(self) -> None:
+        """After sending on the worker socket from outside its ingress: a send landing between a
+        message's arrival and the ingress's next look takes the descriptor's wake-up, and the
+        ingress would never wake (in the chaos runs, the daemon stopped reading every worker for
+        good while it went on sending). Look at EVENTS and wake it if a message waits."""
+        if self.workers_sock is not None and self._raw[id(self.workers_sock)].get(zmq.EVENTS) & _POLLIN:
+            self._workers_readable.set()
+
+    async def _drain_workers(self, raw: zmq.Socket, loop: asyncio.AbstractEventLoop) -> None:
         handed = -math.inf  # when the last batch was handed on (-inf: take the next one at once)
         while True:
-            await sock.poll(flags=zmq.POLLIN)
+            await self._wait_workers(raw)
             # in the daemon's clock: a demo's daemon, whose clock runs time_scale times faster,
             # waits as much of its own time as a real one does
             window_s = self.config.daemon.batch_window_ms / 1000.0 / self.config.daemon.time_scale
@@ -453,7 +490,7 @@ class Daemon:
         except zmq.ZMQError:
             return False  # EHOSTUNREACH: nobody holds that routing id any more
         finally:
-            _rearm(self.workers_sock)  # the reactor's send: see _rearm
+            self._rearm_workers()  # the reactor's send: see _rearm_workers
         return True
 
     async def _ingress_control(self) -> None:
@@ -618,8 +655,8 @@ class Daemon:
                     _send_to(raw[id(sock)], identity, data)
                 except zmq.ZMQError:  # a peer gone or over its high-water mark
                     pass
-        if any(outboxes):  # see _rearm
-            _rearm(self.workers_sock)
+        if any(outboxes):  # see _rearm_workers and _rearm
+            self._rearm_workers()
             _rearm(self.control_sock)
 
     def _drained(self) -> bool:
