@@ -203,7 +203,7 @@ def host_main(args: dict[str, Any]) -> int:
             s.connect(endpoint)
             workers.append({"id": wid, "kind": kind, "device": device, "process": process, "sock": s,
                             "secret": secrets.token_hex(16), "token": "", "seq": 0, "sent": {},
-                            "acked": -math.inf, "reported": -math.inf})
+                            "acked": -math.inf, "asked": -math.inf, "reported": -math.inf})
     by_sock = {w["sock"]: w for w in workers}
     poller = zmq.Poller()
     for w in workers:
@@ -273,13 +273,15 @@ def host_main(args: dict[str, Any]) -> int:
             w = workers[hb_sent % len(workers)]
             hb_sent += 1
             # as our client does: no beat after another message within the interval unless an
-            # answer is due (the last ack came a quarter of the heartbeat timeout ago)
-            ack = now - w["acked"] >= HEARTBEAT_TIMEOUT_S / 4
+            # answer is due (the last ack, and the last ask, came a quarter of the heartbeat
+            # timeout ago)
+            ack = now - max(w["acked"], w["asked"]) >= HEARTBEAT_TIMEOUT_S / 4
             if not ack and now - w["reported"] < HEARTBEAT_S:
                 continue
             w["seq"] += 1
             if ack:
                 asked += 1
+                w["asked"] = now
                 w["sent"][w["seq"]] = time.monotonic()
                 if len(w["sent"]) > 64:  # acks that never came: keep the record bounded
                     w["sent"].pop(next(iter(w["sent"])))

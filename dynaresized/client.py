@@ -129,6 +129,7 @@ class WorkerClient:
         self._later: wire.Welcome | None = None  # a newer answer to the hello in progress
         self._registered = asyncio.Event()
         self._last_ack = 0.0
+        self._last_ask = 0.0  # when a heartbeat last asked for an answer
         self._last_report = -math.inf  # when this process last sent anything but a heartbeat
         self._seq = 0
         self._closed = False
@@ -340,7 +341,8 @@ class WorkerClient:
     async def _heartbeat(self) -> None:
         """Every `heartbeat_interval_s`, a heartbeat, unless another message went out since the
         last beat (the daemon counts any message as one) and no answer is due. An answer is
-        asked for once the last came `heartbeat_timeout_s / 4` ago: the daemon need not answer
+        asked for once the last answer, and the last ask, came `heartbeat_timeout_s / 4` ago (a
+        late answer does not make every beat ask again): the daemon need not answer
         every beat of every worker (at 1,024 devices, a third of its messages), and silence
         from it for `heartbeat_timeout_s` still means it is gone."""
         while True:
@@ -348,8 +350,13 @@ class WorkerClient:
             if not self._registered.is_set():
                 continue
             now = time.monotonic()
-            ack = now - self._last_ack >= max(self.heartbeat_interval_s, self.heartbeat_timeout_s / 4)
+            # Counted from the last answer or the last ask, whichever is later: a daemon that
+            # answers late is not asked again with every beat (asks would multiply as it slows).
+            ack = now - max(self._last_ack, self._last_ask) >= max(self.heartbeat_interval_s,
+                                                                  self.heartbeat_timeout_s / 4)
             if ack or now - self._last_report >= self.heartbeat_interval_s:
+                if ack:
+                    self._last_ask = now
                 self._seq += 1
                 await self._send(wire.Heartbeat(worker_id=self.worker_id, seq=self._seq, sent_at=time.time(),
                                                 token=self.token, ack=ack))

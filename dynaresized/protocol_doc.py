@@ -178,8 +178,9 @@ connection; ZeroMQ reconnects it. The daemon never dies of a bad message.
    message (`progress`, `op_result`, a report) proves you alive as a `heartbeat` does, so a
    `heartbeat` is needed only in an interval in which you sent nothing else. The daemon answers
    a `heartbeat` with `heartbeat_ack` only when its `ack` is true (the default): ask for one
-   whenever the last came `welcome.heartbeat_timeout_s / 4` ago or more (our client does), so
-   that the daemon need not answer every beat of every worker. A worker silent
+   whenever the last answer, and your last ask, came `welcome.heartbeat_timeout_s / 4` ago or
+   more (our client does), so that the daemon need not answer every beat of every worker, nor
+   more of them when it answers late. A worker silent
    for `welcome.heartbeat_timeout_s` is declared lost (a resize it takes part in is rolled
    back); only time the daemon was running counts, so a daemon that stalled (no CPU, a slow
    disk) does not declare everyone lost when it wakes, nor time out the op in flight whose

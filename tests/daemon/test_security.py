@@ -368,3 +368,44 @@ def test_a_worker_whose_key_file_is_missing_is_told_which_and_how_to_make_one(tm
         CurveKeys(tmp_path / "nope.key_secret", tmp_path / "w-a.key")
     with pytest.raises(ValueError, match=r"daemon's public key file .* is a directory"):
         CurveKeys(tmp_path / "w-a.key_secret", tmp_path)
+
+
+async def test_a_daemon_that_answers_late_is_not_asked_with_every_beat() -> None:
+    """A heartbeat asks for an answer once the last answer, and the last ask, are a quarter of
+    the timeout old: a daemon that falls behind is not asked ten times as often (at 4,096 devices
+    the asks multiplied as it slowed: docs/benchmarks.md, "Scale")."""
+    ctx = zmq.asyncio.Context()
+    daemon = ctx.socket(zmq.ROUTER)  # a stand-in that welcomes and then never answers a beat
+    daemon.setsockopt(zmq.LINGER, 0)
+    daemon.bind("tcp://127.0.0.1:0")
+    decoder = wire.worker_decoder()
+    client = WorkerClient(daemon.getsockopt_string(zmq.LAST_ENDPOINT), "tr-0", WorkerKind.TRAINER_RANK,
+                          ("node0:cpu0",), hello_timeout_s=5.0)
+    try:
+        starting = asyncio.create_task(client.start())
+        while True:
+            identity, data = await asyncio.wait_for(daemon.recv_multipart(), 10)
+            if isinstance(decoder.decode(data), wire.Hello):
+                break
+        await daemon.send_multipart([identity, wire.encode(wire.Welcome(
+            protocol=wire.PROTOCOL_VERSION, worker_id="tr-0", incarnation=1, boot_id="b1",
+            heartbeat_interval_s=0.1, heartbeat_timeout_s=4.0, token="t1"))])
+        await asyncio.wait_for(starting, 10)
+        beats: list[wire.Heartbeat] = []
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 3.0  # under the 4 s timeout: the client stays registered
+        while (left := end - loop.time()) > 0:
+            try:
+                _, data = await asyncio.wait_for(daemon.recv_multipart(), left)
+            except TimeoutError:
+                break
+            if isinstance(msg := decoder.decode(data), wire.Heartbeat):
+                beats.append(msg)
+        asks = sum(b.ack for b in beats)
+        assert len(beats) >= 20, "a silent worker beats every interval"
+        assert 2 <= asks <= 3, f"{asks} of {len(beats)} beats asked for an answer: one a second (4 s / 4) is the rule"
+        assert client.registered
+    finally:
+        await client.close(say_bye=False)
+        daemon.close(0)
+        ctx.term()
