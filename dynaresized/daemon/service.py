@@ -336,15 +336,10 @@ class Daemon:
         raw = self._raw[id(self.workers_sock)]
         loop = asyncio.get_running_loop()
         fd = raw.getsockopt(zmq.FD)
-        self._workers_readable = readable = asyncio.Event()  # of this loop
-
-        def readable_now() -> None:
-            # The descriptor stays readable until EVENTS is read, and the loop's selector asks it
-            # level-triggered: read EVENTS here, or the loop spins while a batch waits its window.
-            if raw.get(zmq.EVENTS) & _POLLIN:
-                readable.set()
-
-        loop.add_reader(fd, readable_now)
+        self._workers_readable = asyncio.Event()  # of this loop
+        # The descriptor stays readable until EVENTS is read, and the loop's selector asks it
+        # level-triggered: the reader reads EVENTS, or the loop spins while a batch waits its window.
+        loop.add_reader(fd, self._rearm_workers)
         try:
             await self._drain_workers(raw, loop)
         finally:
@@ -359,10 +354,11 @@ class Daemon:
             await self._workers_readable.wait()
 
     def _rearm_workers(self) -> None:
-        """After sending on the worker socket from outside its ingress: a send landing between a
+        """Look at EVENTS and wake the ingress if a message waits: the descriptor's reader, and
+        after every send on the worker socket from outside its ingress (a send landing between a
         message's arrival and the ingress's next look takes the descriptor's wake-up, and the
-        ingress would never wake (in the chaos runs, the daemon stopped reading every worker for
-        good while it went on sending). Look at EVENTS and wake it if a message waits."""
+        ingress would never wake: in the chaos runs, the daemon stopped reading every worker for
+        good while it went on sending)."""
         if self.workers_sock is not None and self._raw[id(self.workers_sock)].get(zmq.EVENTS) & _POLLIN:
             self._workers_readable.set()
 
