@@ -257,10 +257,11 @@ def loan_seconds(events: list[str]) -> dict[str, float]:
 def simulate(trace: Path, profile: Path, guards: dict[str, Any], mini_batches: int) -> dict[str, Any]:
     import subprocess
 
-    # the policy as the example's daemon runs it: trainers lent to the rollout, engines lent to
-    # training only with a boundary inside the training step (examples/grpo_tiny/run.py)
+    # the policy as the example's daemon runs it, from the example's start (the profile's split,
+    # not the plan search's): trainers lent to the rollout, engines lent to training only with a
+    # boundary inside the training step (examples/grpo_tiny/run.py)
     cmd = [sys.executable, "-m", "dynaresized.cli", "simulate", "--trace", str(trace), "--profile", str(profile),
-           "--policy", "hysteresis", "--policy-option", f"lend_engines={str(mini_batches >= 2).lower()}", "--json"]
+           "--layout", "profile", "--policy", "hysteresis", "--policy-option", f"lend_engines={str(mini_batches >= 2).lower()}", "--json"]
     for k, v in guards.items():
         cmd += ["--guard", f"{k}={v}"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)

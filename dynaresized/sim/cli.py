@@ -105,10 +105,11 @@ def add_parsers(subparsers: Any) -> None:
                      help="run the policy on rollout engines of K devices (one of the profile's tp_sizes); the "
                           "baselines stay those of the profile (best static configuration, TP-1 split)")
     sim.add_argument("--initial-split", metavar="T:R", help="start the run at Train:Rollout T:R (default: the profile's)")
-    sim.add_argument("--layout", choices=("profile", "plan"), default="profile",
-                     help="where the run starts: profile (its engines and initial split; default) or plan (the plan "
-                          "search picks the engine size and split from the first --pilot-steps steps; the baselines "
-                          "stay those of the profile)")
+    sim.add_argument("--layout", choices=("profile", "plan"),
+                     help="where the run starts: plan (the plan search picks the engine size and split from the "
+                          "first --pilot-steps steps, no hindsight; the default) or profile (the profile's engines "
+                          "and initial split; the default with --tp or --initial-split); the baselines stay those of "
+                          "the profile")
     sim.add_argument("--pilot-steps", type=int, default=PILOT_STEPS, metavar="K",
                      help=f"steps the plan search sees (--layout plan; default {PILOT_STEPS})")
     sim.add_argument("--replan-every", type=int, default=0, metavar="N",
@@ -227,6 +228,8 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
     manual = args.tp is not None or args.initial_split is not None
     if args.layout == "plan" and manual:
         raise ValueError("--layout plan chooses the engine size and the split itself; drop --tp and --initial-split")
+    if args.layout is None:
+        args.layout = "profile" if manual else "plan"
     options = _key_values(args.policy_option, "--policy-option")
     overrides = _key_values(args.guard, "--guard")
     # The baselines are the profile's (its best static configuration and its own engines' best

@@ -300,6 +300,7 @@ class DynamicPipeline:
         self._early_home: tuple[float, float] | None = None  # (when, seconds) of such a return
         self._home_engines: list[str] = []  # the window's home engines, by engine index
         self._schedule_w: EngineSchedule | None = None  # the window's rollout on them, request by request
+        self._arrived: list[tuple[str, ...]] = []  # devices resizes brought to the rollout, engines to form
 
     def _estimated_cost(self, to_pool: Pool) -> float:
         """Critical-path seconds per moved device before the core has measured one."""
@@ -319,6 +320,10 @@ class DynamicPipeline:
         self.facts.extend(facts)
         costs = self.model.profile.resize
         for fact in facts:
+            if isinstance(fact, f.ResizeCommitted) and self.model.profile.rollout.gpus_per_engine > 1:
+                plan = self.facts_plan(fact.resize_id)
+                if plan.kind is PlanKind.RESIZE and plan.to_pool is Pool.ROLLOUT:
+                    self._arrived.append(plan.devices)
             if isinstance(fact, f.ResizeCommitted) and not self.naive:
                 plan = self.facts_plan(fact.resize_id)
                 c = costs.to_training if plan.to_pool is Pool.TRAINING else costs.to_rollout
@@ -705,20 +710,31 @@ class DynamicPipeline:
         from a regroup before the first step (at no cost: the job's engines start that way), so
         that it moves each whole and lends each whole, as the daemon does."""
         gpe = self.model.profile.rollout.gpus_per_engine
-        if gpe == 1:
-            return
         rollout = sorted(self.state.pool_devices(Pool.ROLLOUT), key=self.index.__getitem__)
-        devices = tuple(rollout[:len(rollout) // gpe * gpe])
-        if not devices:
+        self._form_engines(tuple(rollout[:len(rollout) // gpe * gpe]), 0.0, "the job's engines as they start")
+
+    def _form_engines(self, devices: tuple[str, ...], at: float, why: str) -> None:
+        """`devices` serve as engines of the profile's size from `at` on: the core learns them
+        through a regroup answered at once (what it costs is charged by whoever made them: the
+        job's start, or the resize whose restore started them)."""
+        gpe = self.model.profile.rollout.gpus_per_engine
+        if gpe == 1 or not devices:
             return
-        self._feed(ev.RegroupRequested(at=0.0, devices=devices, tp=gpe, requested_by="profile",
-                                       reason="the job's engines as they start"))
+        self._feed(ev.RegroupRequested(at=at, devices=devices, tp=gpe, requested_by="profile", reason=why))
         while self.state.inflight is not None:
             acks, self._acks = self._acks, []
             if not acks:
                 rid = self.state.inflight.plan.resize_id
-                raise RuntimeError(f"the initial regroup {rid} waits for an op nobody runs")
-            self._feed_answers([ev.OpReported(at=0.0, worker_id=a.worker_id, op_id=a.op_id, ok=True) for a in acks])
+                raise RuntimeError(f"regroup {rid} of {devices} waits for an op nobody runs")
+            self._feed_answers([ev.OpReported(at=at, worker_id=a.worker_id, op_id=a.op_id, ok=True) for a in acks])
+
+    def _form_arrived_engines(self, at: float) -> None:
+        """Devices a resize brought to the rollout pool start engines of the profile's size (the
+        resize's restore starts them so): the core learns them once nothing is in flight."""
+        if self._arrived and self.state.inflight is None:
+            arrived, self._arrived = self._arrived, []
+            for devices in arrived:
+                self._form_engines(devices, at, "engines started on devices a resize brought to the rollout")
 
     def _regroup(self, w: int, now: float) -> None:
         """At the boundary after rollout `w`, ask the layout advisor; when it names another
@@ -746,13 +762,26 @@ class DynamicPipeline:
             self.model = self.model.at_tp(target)
             self._penalty[Pool.ROLLOUT] += self.model.profile.resize.regroup.ready_s()
 
+    def _candidates(self) -> tuple[Split, ...]:
+        """The splits the policy may pick: the profile's, and with engines of several devices
+        only those whose rollout pool is whole engines (a resize moves whole engines, and the
+        devices it brings start whole engines); empty: every split."""
+        profile = self.model.profile
+        gpe = profile.rollout.gpus_per_engine
+        splits = profile.candidate_splits()
+        if gpe == 1:
+            return splits
+        if not splits:
+            splits = tuple(Split(self.gpus - r, r) for r in range(gpe, self.gpus, gpe))
+        return tuple(c for c in splits if c.rollout % gpe == 0 or c == profile.initial_split)
+
     # -- the run -------------------------------------------------------------------------
     def run(self) -> DynamicRun:
         model = self.model
         profile = model.profile
         initial = profile.initial_split
         pools = tuple(Pool.TRAINING if i < initial.train else Pool.ROLLOUT for i in range(self.gpus))
-        self._feed(ev.Configure(at=0.0, devices=self.devices, pools=pools, candidates=profile.candidate_splits()))
+        self._feed(ev.Configure(at=0.0, devices=self.devices, pools=pools, candidates=self._candidates()))
         for i, d in enumerate(self.devices):
             self._feed(ev.WorkerHello(at=0.0, worker_id=engine_id(i), kind=WorkerKind.ROLLOUT_ENGINE, devices=(d,)))
             self._feed(ev.WorkerHello(at=0.0, worker_id=trainer_id(i), kind=WorkerKind.TRAINER_RANK, devices=(d,)))
@@ -766,6 +795,7 @@ class DynamicPipeline:
         for w in range(k + 1):
             if self.naive and self.state.inflight is not None:
                 now = self._stop_the_world(now)
+                self._form_arrived_engines(now)
             split = self.state.split
             moving = self.gpus - split.total
             rollout_s = train_s = served = 0.0
@@ -816,6 +846,7 @@ class DynamicPipeline:
             if not self.naive:
                 self._commit_at_boundary(now)
             self._ack_until(now)  # a loan's way home is answered at the boundary
+            self._form_arrived_engines(now)
             if w + 1 < k:
                 self._regroup(w, now)
             last_rollout = (rollout_s, split.rollout, served)

@@ -51,7 +51,7 @@ def test_simulate_json_is_exactly_one_object_with_the_documented_fields():
 def test_a_run_on_wider_engines_keeps_the_profiles_baselines():
     """`--tp` and `--initial-split` change the run's layout, not what it is compared with."""
     argv = ("simulate", "--scenario", "longtail-drift", "--steps", "20", "--json")
-    _, plain_text = cli(*argv)
+    _, plain_text = cli(*argv, "--layout", "profile")
     code, text = cli(*argv, "--tp", "2", "--initial-split", "4:4")
     assert code == 0
     plain, wide = json.loads(plain_text), json.loads(text)
@@ -66,7 +66,8 @@ def test_a_run_on_wider_engines_keeps_the_profiles_baselines():
 
 
 def test_simulate_summary_is_readable():
-    code, text = cli("simulate", "--scenario", "noisy", "--policy", "greedy", "--steps", "12", "--gpus", "4")
+    code, text = cli("simulate", "--scenario", "noisy", "--policy", "greedy", "--steps", "12", "--gpus", "4",
+                     "--layout", "profile")
     assert code == 0
     assert "best static config" in text and "TP-1" in text and "lower bound" in text and "resize r1" in text
     assert "headroom over best static" in text

@@ -164,9 +164,10 @@ def test_the_plan_command_prints_one_object_or_a_table():
 
 def test_simulate_from_the_planned_layout_keeps_the_profiles_baselines():
     argv = ("simulate", "--scenario", "noisy", "--steps", "20", "--json")
-    _, plain_text = cli(*argv)
+    _, plain_text = cli(*argv, "--layout", "profile")
     code, text = cli(*argv, "--layout", "plan")
     assert code == 0
+    assert cli(*argv)[1] == text  # the plan's start is the default
     plain, planned = json.loads(plain_text), json.loads(text)
     assert (plain["layout"], plain["planned_start"]) == ("profile", "")
     assert planned["layout"] == "plan"
@@ -234,9 +235,12 @@ def test_a_re_plan_confirmed_twice_waits_a_search_and_one_that_does_not_pay_is_n
     trace = step_change(200, 3000, switch=30, steps=60, samples=256)
     run, still, replanner = _replanned(trace, Config(6, 2, 2))
     assert replanner.searches[3][1] == "4:4/TP-4"
-    # the one regroup: the core learns the job's TP-2 engines before its first step, at no cost
-    [initial] = [x for x in run.facts if isinstance(x, f.RegroupStarted)]
-    assert initial.at == 0.0 and initial.source == "profile" and [len(g) for g in initial.plan.engines] == [2]
+    # no regroup of the planner's: the core learns the job's TP-2 engines before its first step,
+    # and those that resizes start on devices brought to the rollout, at no cost
+    regroups = [x for x in run.facts if isinstance(x, f.RegroupStarted)]
+    assert {x.source for x in regroups} == {"profile"}
+    assert regroups[0].at == 0.0 and [len(g) for g in regroups[0].plan.engines] == [2]
+    assert all(len(g) == 2 for x in regroups for g in x.plan.engines)
     assert run.total_time_s == still.total_time_s
 
 

@@ -8,8 +8,9 @@ import msgspec
 import numpy as np
 import pytest
 
+from dynaresized.core import facts as f
 from dynaresized.core.policy import load_policy
-from dynaresized.domain import Split
+from dynaresized.domain import Pool, Split
 from dynaresized.sim.bounds import fluid_bound, longest_alone, lower_bound
 from dynaresized.sim.pipeline import (
     DynamicPipeline,
@@ -131,3 +132,20 @@ def test_the_pruned_static_searches_equal_trying_every_split(scenario):
     split, total = best_static(model, 24)
     assert (total, split.train) == min(totals)
     assert oracle_total(model, 24) == pytest.approx(float(np.stack(list(windows.values())).min(axis=0).sum()))
+
+
+def test_resizes_of_a_cluster_of_wide_engines_move_and_start_whole_engines():
+    # 64 devices of TP-8 engines: the policy once moved 5 trainers to the rollout (from 32:32, a
+    # start the plan search tries for longtail-stationary), whose devices the simulator put into
+    # TP-8 engines while the core saw 5 engines of one device, and a loan then lent a mix of both
+    profile = PROFILE.with_gpus(64).with_layout(8, Split(40, 24))
+    trace = scenario_trace("longtail-stationary", scenario_shape(profile), seed=0, steps=20)
+    guards = msgspec.structs.replace(guards_for(profile), min_rollout=8)
+    run = DynamicPipeline(StageModel(profile, trace), load_policy("hysteresis"), guards=guards).run()
+    moves = [x.plan for x in run.facts if isinstance(x, f.ResizeStarted)]
+    assert moves and all(len(p.devices) % 8 == 0 for p in moves)
+    assert run.state.split.rollout % 8 == 0 and run.state.split.rollout > 24
+    rollout = run.state.pool_devices(Pool.ROLLOUT)
+    assert all(len(run.state.engine_of(d)) == 8 for d in rollout)  # the core knows every engine whole
+    formed = [x for x in run.facts if isinstance(x, f.RegroupStarted) and x.at > 0]
+    assert formed and all(x.source == "profile" for x in formed)
