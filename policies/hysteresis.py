@@ -35,8 +35,9 @@ class HysteresisPolicy(Lending):
     guarded = True
 
     def __init__(self, window: int = 3, max_move: int | None = None, lending: bool = True,
-                 lend_trainers: bool = True, lend_engines: bool = True) -> None:
+                 lend_trainers: bool = True, lend_engines: bool = True, tail_regroup: bool = False) -> None:
         self.lends = bool(lending)
+        self.regroups_tails = bool(tail_regroup)
         self.lends_trainers = bool(lend_trainers)
         self.lends_engines = bool(lend_engines)
         if window < 1:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from dynaresized.core.policy import LoanProposal, LoanView, stage_split_estimate
+from dynaresized.core.policy import LoanProposal, LoanView, TailProposal, stage_split_estimate
 from dynaresized.domain import Pool
 
 
@@ -45,6 +45,43 @@ class Lending:
     unmeasured_rollout_s: float = 300.0
     """The rollout ahead, in seconds, before any step is measured (a first RL rollout of long
     responses takes minutes)."""
+
+    regroups_tails: bool = False
+    """Regroup a step's tail into a wider engine (`propose_tail`, `tail_regroup=true`): only where
+    the core has tail costs (the simulator's `[resize.tail]`)."""
+
+    def propose_tail(self, view: LoanView) -> TailProposal | None:
+        """When engines have run dry while another still decodes the step's last requests:
+        that engine and idle ones as one wider engine for the rest of the step, the widest the
+        idle engines allow. The tail's time is its tokens left (the longest running request's,
+        as the engine said) times an iteration of its running requests (`TailCosts`), on the
+        engine now and on the wider one after the switch; the saving counts only as far as the
+        rollout ends the step (the training still ahead, at its measured mini-batch pace, bounds
+        it). The cost is the switch and the way back at the boundary. Response lengths stay
+        unknown: the tokens left are the engine's own upper bound."""
+        costs = view.tail_costs
+        if not self.regroups_tails or costs is None or not view.tails or not view.idle_engines:
+            return None
+        tail = max(view.tails, key=lambda t: (t.tokens_left, t.devices))
+        k = len(tail.devices)
+        idle = [d for d in sorted(view.idle_engines) if d not in tail.devices]
+        width = max((w for w in costs.widths if k < w <= k + len(idle)), default=None)
+        narrow = costs.iteration_s(k, tail.running)
+        if width is None or narrow is None or narrow <= 0:
+            return None
+        wide = costs.iteration_s(width, tail.running) or narrow
+        left = max(tail.tokens_left - (view.now - tail.at) / narrow, 0.0)
+        now_s = left * narrow
+        after_s = costs.switch_s + left * wide
+        training_left = max(view.mini_batch_total - view.mini_batch_done, 0) * view.mini_batch_s
+        saves = max(now_s - max(after_s, training_left), 0.0)
+        cost = costs.switch_s + costs.back_s
+        devices = tail.devices + tuple(idle[:width - k])
+        why = (f"tail of rollout step {view.rollout_step}: {tail.running} request(s) on [{', '.join(tail.devices)}], "
+               f"~{left:.0f} tokens left, decode on one engine of {width} device(s) with "
+               f"{', '.join(devices[k:])}: ~{now_s:.0f} s -> ~{after_s:.0f} s, saves ~{saves:.0f} s "
+               f"(cost ~{cost:.0f} s)")
+        return TailProposal(devices=devices, reason=why, saves_s=saves, cost_s=cost)
 
     def propose_loan(self, view: LoanView) -> LoanProposal | None:
         if not self.lends:

@@ -348,9 +348,12 @@ class RegroupStarted(Fact, frozen=True, tag="regroup_started"):
     their engine workers, serialized and undone like a resize's. No device changes pool."""
 
     plan: ResizePlan
-    source: str  # "operator", or the policy that asked
+    source: str  # "operator", the policy that asked, or "tail" (a tail regroup's way back)
     reason: str
     op_deadline: float
+    undo: tuple[tuple[DeviceId, ...], ...] = ()
+    """A tail regroup (the policy's, inside a step): the engines its devices were, which the core
+    regroups them back into at the step boundary. Empty for every other regroup."""
 
 
 class RegroupCommitted(Fact, frozen=True, tag="regroup_committed"):

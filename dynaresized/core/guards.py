@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from dynaresized.core.policy import LoanProposal, LoanView, ObservedView, Proposal
+from dynaresized.core.policy import LoanProposal, LoanView, ObservedView, Proposal, TailProposal
 from dynaresized.domain import Pool, Split, StepTiming
 
 
@@ -183,6 +183,24 @@ def evaluate(
         rejection = guard(view, proposal, cfg, history)
         if rejection is not None:
             return rejection
+    return None
+
+
+def check_tail(view: LoanView, p: TailProposal, cfg: GuardConfig) -> Rejection | None:
+    """Why a tail regroup may not go ahead, or None: one busy engine and idle ones only, into an
+    allowed width, and only when it pays (`loan_safety`, as a loan)."""
+    busy = {t.devices[0]: t.devices for t in view.tails}
+    if not p.devices or p.devices[0] not in busy:
+        return Rejection("tail", "a tail regroup starts from an engine that still decodes the step's last requests")
+    rest = [d for d in p.devices if d not in busy[p.devices[0]]]
+    if any(d not in view.idle_engines for d in rest):
+        return Rejection("loan_idle", f"{', '.join(d for d in rest if d not in view.idle_engines)}: engine has "
+                                      "work left; only idle engines join a tail")
+    if view.tail_costs is None or len(p.devices) not in view.tail_costs.widths:
+        return Rejection("tail", f"engines of {len(p.devices)} device(s) are not allowed")
+    if p.saves_s <= p.cost_s * cfg.loan_safety:
+        return Rejection("tail_payback", f"saves ~{p.saves_s:.1f}s, not above cost {p.cost_s:.1f}s x "
+                                         f"loan_safety {cfg.loan_safety:g}")
     return None
 
 

@@ -18,7 +18,18 @@ from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.core import guards
 from dynaresized.core.idle import step_period_s
-from dynaresized.core.policy import LoanCosts, LoanProposal, LoanView, ObservedView, Policy, Proposal, ResizeCosts
+from dynaresized.core.policy import (
+    EngineTail,
+    LoanCosts,
+    LoanProposal,
+    LoanView,
+    ObservedView,
+    Policy,
+    Proposal,
+    ResizeCosts,
+    TailCosts,
+    TailProposal,
+)
 from dynaresized.core.state import ClusterState, InFlight, Phase, Progress, derived, grown, mutate, progressed, seen_at
 from dynaresized.domain import (
     UNDO,
@@ -71,6 +82,10 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A tick that comes more than this after the one before means the daemon itself was not
     running (starved of CPU, or waiting on a slow disk): that blind time does not count as the
     workers' silence. None: every gap counts (the simulator and tests, which jump in time)."""
+    tail_costs: TailCosts | None = None
+    """Regroup a step's tail into a wider engine when the policy predicts it pays (`propose_tail`):
+    what that costs and how fast each width decodes. None (the daemon): never, as no backend moves
+    a running request's KV cache; the simulator sets it from the profile's `[resize.tail]`."""
 
 
 class SendOp(msgspec.Struct, frozen=True):
@@ -355,6 +370,10 @@ def on_step_steady(core: Core, tx: _Tx, e: ev.StepReported) -> None:
     _observe_step(core, tx, e)
     s = tx.state
     lent = s.lent_devices()
+    if not lent and s.tail_due:
+        _tail_back(core, tx, e.at)  # with devices lent, once they are home (`_advance`)
+        if tx.state.inflight is not None:
+            return  # the policy is asked at the next step, on the engines it started from
     if s.paused or s.stopping:
         if lent:
             _return_loans(core, tx, e.at, None, "")
@@ -862,6 +881,7 @@ def _advance(core: Core, tx: _Tx, at: float, *, fresh: bool = False) -> None:
             _end_loan(core, tx, at)
         else:
             tx.emit(f.ResizeCommitted(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at, step=step))
+        _tail_back(core, tx, at)
         return
     current = _current_op_id(tx.state)
     if current is not None and (fresh or current != entry):
@@ -1085,6 +1105,7 @@ def on_engine_queue_empty(core: Core, tx: _Tx, e: ev.EngineQueueEmpty) -> None:
         return
     tx.emit(f.EngineQueueEmptyObserved(at=e.at, worker_id=e.worker_id, device=w.devices[0], step=e.step,
                                        running=e.running, tokens_left=e.tokens_left))
+    _consider_tail(core, tx, e.at)
     _consider_loan(core, tx, e.at)
 
 
@@ -1138,6 +1159,9 @@ def loan_view(core: Core, state: ClusterState, now: float) -> LoanView:
         rollout_step=rollout_step,
         samples_done=samples_done,
         samples_total=samples_total,
+        tails=tuple(EngineTail(devices=state.engine_of(d), running=n, tokens_left=left, at=t)
+                    for d, n, left, t in state.tails if state.dry_step == rollout_step),
+        tail_costs=core.config.tail_costs,
     )
 
 
@@ -1168,6 +1192,57 @@ def _consider_loan(core: Core, tx: _Tx, at: float) -> None:
     tx.emit(f.LoanStarted(at=at, plan=plan, source=core.policy.name, reason=proposal.reason,
                           op_deadline=at + core.config.op_timeout_s, saves_s=proposal.saves_s,
                           cost_s=proposal.cost_s))
+    _advance(core, tx, at, fresh=True)
+
+
+def _consider_tail(core: Core, tx: _Tx, at: float) -> None:
+    """An engine reported its queue empty: ask the policy whether to regroup a busy engine and
+    idle ones into one wider engine for the rest of the step (`propose_tail`), and start that
+    regroup when the guard lets it (its saving over its cost, as a loan's)."""
+    s = tx.state
+    propose = getattr(core.policy, "propose_tail", None)
+    if (propose is None or core.config.tail_costs is None or s.phase is not Phase.STEADY or s.inflight is not None
+            or s.paused or s.stopping or _tail_open(s)):
+        return
+    view = loan_view(core, s, at)
+    proposal: TailProposal | None = propose(view)
+    if proposal is None:
+        return
+    rejection = guards.check_tail(view, proposal, core.config.guards)
+    if rejection is not None:
+        _reject(tx, at, core.policy.name, None, rejection.guard, rejection.reason)
+        return
+    undo = tuple(dict.fromkeys(s.engine_of(d) for d in proposal.devices))
+    plan = plan_regroup(s, proposal.devices, len(proposal.devices))
+    if isinstance(plan, str):
+        _reject(tx, at, core.policy.name, None, "regroup", plan)
+        return
+    tx.emit(f.RegroupStarted(at=at, plan=plan, source=core.policy.name, reason=proposal.reason,
+                             op_deadline=at + core.config.op_timeout_s, undo=undo))
+    _advance(core, tx, at, fresh=True)
+
+
+def _tail_open(s: ClusterState) -> bool:
+    """A tail regroup's engine has not become the engines it was made of again."""
+    return bool(s.tail_undo) and not all(s.engine_of(g[0]) == g for g in s.tail_undo)
+
+
+def _tail_back(core: Core, tx: _Tx, at: float) -> None:
+    """After the step boundary, the engine a tail regroup made becomes the engines it was made of
+    again (a regroup of source "tail"), once nothing else is in flight."""
+    s = tx.state
+    if not s.tail_due or s.inflight is not None or s.phase is not Phase.STEADY or s.stopping:
+        return
+    undo = s.tail_undo
+    devices = tuple(d for group in undo for d in group)
+    if not _tail_open(s):
+        return  # already those engines (the tail regroup was rolled back)
+    plan = plan_regroup(s, devices, len(undo[0]))
+    if isinstance(plan, str):
+        _reject(tx, at, "tail", None, "regroup", f"the tail's engine cannot be regrouped back yet: {plan}")
+        return
+    tx.emit(f.RegroupStarted(at=at, plan=plan, source="tail", op_deadline=at + core.config.op_timeout_s,
+                             reason=f"the step is over: back to {len(undo)} engine(s) of {len(undo[0])} device(s)"))
     _advance(core, tx, at, fresh=True)
 
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from dynaresized.domain import Pool, Split, StepTiming
+from dynaresized.domain import DeviceId, Pool, Split, StepTiming
 
 ENTRY_POINT_GROUP = "dynaresized.policies"
 
@@ -161,6 +161,53 @@ class LoanCosts(msgspec.Struct, frozen=True):
         return costs
 
 
+class TailCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What regrouping a step's tail into a wider engine costs, and how fast engines of each
+    width decode a tail (a few requests): the simulator's profile gives them (`[resize.tail]`);
+    none in the daemon, whose backends do not move a running request's KV cache."""
+
+    switch_s: float = 2.0
+    """Seconds from the decision to the tail decoding on the wider engine: pause, move the
+    running requests' KV cache onto the wider group, whose communicators are pre-warmed, resume."""
+    back_s: float = 1.0
+    """Seconds at the step boundary for the wider engine to become the engines it was made of
+    (their communicators kept): the next rollout starts that late on its devices."""
+    widths: tuple[int, ...] = (1,)  # engine widths (devices per engine) allowed, ascending
+    base_s: tuple[float, ...] = (0.0,)
+    """Per width in `widths`: seconds of a decode iteration whatever it runs (weights read,
+    all-reduces)."""
+    per_request_s: tuple[float, ...] = (0.0,)
+    """Per width in `widths`: seconds a decode iteration adds per running request (its compute
+    and its KV cache read, at the context of a long response)."""
+
+    def iteration_s(self, width: int, running: int) -> float | None:
+        """Seconds of one decode iteration of `running` requests on an engine of `width` devices."""
+        if width not in self.widths:
+            return None
+        i = self.widths.index(width)
+        return self.base_s[i] + running * self.per_request_s[i]
+
+
+class EngineTail(msgspec.Struct, frozen=True, array_like=True):
+    """An engine whose step's queue is empty and which still decodes `running` requests, with at
+    most `tokens_left` tokens to go (the longest of them) when it said so at `at`."""
+
+    devices: tuple[DeviceId, ...]  # the engine's, its leader first
+    running: int
+    tokens_left: int
+    at: float
+
+
+class TailProposal(msgspec.Struct, frozen=True):
+    """Regroup `devices` (a busy engine's first, then idle engines') into one engine of
+    `len(devices)` devices for the rest of the step; the core regroups them back at the boundary."""
+
+    devices: tuple[DeviceId, ...]
+    reason: str
+    saves_s: float  # predicted seconds the step's rollout ends sooner
+    cost_s: float  # predicted seconds the switch and the way back add
+
+
 class LoanView(msgspec.Struct, frozen=True):
     """What a lending decision may look at: measured progress of the step in progress, never
     the lengths of responses not yet generated."""
@@ -184,6 +231,8 @@ class LoanView(msgspec.Struct, frozen=True):
     samples_total: int = 0  # the step's samples, as the engines report it (0: no report yet)
     rollout_costs: LoanCosts | None = None
     """Of a loan to the rollout, configured or learned likewise (None: `costs`)."""
+    tails: tuple[EngineTail, ...] = ()  # engines of `rollout_step` that still decode its last requests
+    tail_costs: TailCosts | None = None  # None: tails are never regrouped (`CoreConfig.tail_costs`)
 
     def costs_to(self, pool: Pool) -> LoanCosts:
         """The loan costs a loan to `pool` is estimated with."""

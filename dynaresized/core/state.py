@@ -254,6 +254,13 @@ class ClusterState(msgspec.Struct, frozen=True):
     seen_recent: dict[WorkerId, float] = {}
     dry_step: int = -1  # the rollout step whose engines `dry` lists
     dry: tuple[DeviceId, ...] = ()  # devices whose engine has nothing left to do in `dry_step` (lendable)
+    tails: tuple[tuple[DeviceId, int, int, float], ...] = ()
+    """Engines of `dry_step` whose queue is empty while they still decode: (device, running, tokens
+    left, when they said so), the latest report of each."""
+    tail_undo: tuple[tuple[DeviceId, ...], ...] = ()
+    """The engines a tail regroup made one wider engine of, to be regrouped back into at the step
+    boundary (empty: none)."""
+    tail_due: bool = False  # a step boundary passed since the tail regroup: regroup back now
     mini_batch: MiniBatch | None = None
     loans_started: int = 0
     loans_landed: int = 0
@@ -580,8 +587,8 @@ def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
     # now; nor are trainers whose mini-batches were of that step (the next one begins).
     mb = s.mini_batch if s.mini_batch is not None and s.mini_batch.step > e.timing.step else None
     return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history,
-                   idle=s.idle.add(e.timing, s.devices), outcome=outcome, dry=(), mini_batch=mb,
-                   step_reporter=e.worker_id)
+                   idle=s.idle.add(e.timing, s.devices), outcome=outcome, dry=(), tails=(), mini_batch=mb,
+                   step_reporter=e.worker_id, tail_due=bool(s.tail_undo))
 
 
 @_on(f.ProgressObserved)
@@ -800,11 +807,15 @@ def _(s: ClusterState, e: f.ShutdownStarted) -> ClusterState:
 @_on(f.EngineQueueEmptyObserved)
 def _(s: ClusterState, e: f.EngineQueueEmptyObserved) -> ClusterState:
     dry = () if e.step != s.dry_step else s.dry
+    tails = () if e.step != s.dry_step else s.tails
     if e.step < s.dry_step:
         return s  # a late report of an older step
     if e.running == 0 and e.device not in dry:
         dry = dry + (e.device,)
-    return replace(s, dry_step=e.step, dry=dry)
+    tails = tuple(t for t in tails if t[0] != e.device)
+    if e.running > 0:
+        tails = tails + ((e.device, e.running, e.tokens_left, e.at),)
+    return replace(s, dry_step=e.step, dry=dry, tails=tails)
 
 
 @_on(f.MiniBatchObserved)
@@ -877,6 +888,7 @@ def _(s: ClusterState, e: f.RegroupStarted) -> ClusterState:
                         op_started_at=e.at, op_deadline=e.op_deadline, step=s.last_step)
     # the regrouped engines stop: whatever they had run dry in is over for them
     return replace(s, inflight=inflight, phase=PHASE_OF_OP[plan.ops[0].kind], dry=_undry(s, plan.devices),
+                   tails=tuple(t for t in s.tails if t[0] not in plan.devices), tail_undo=e.undo, tail_due=False,
                    regroups_started=s.regroups_started + 1)
 
 

@@ -28,11 +28,16 @@ class StartupError(Exception):
 def configured_policy(config: Config) -> Policy:
     """The policy `[policy]` names, built with its options."""
     try:
-        return load_policy(config.policy.name, config.policy.options)
+        policy = load_policy(config.policy.name, config.policy.options)
     except UnknownPolicyError as exc:
         raise StartupError(f"policy.name: {exc.args[0]}") from None
     except (ValueError, TypeError) as exc:
         raise StartupError(f"policy.options: {exc}") from None
+    if getattr(policy, "regroups_tails", False):
+        raise StartupError("policy.options: tail_regroup is simulated only (`dynaresized simulate --policy-option "
+                           "tail_regroup=true`): no backend moves a running request's KV cache to a wider engine "
+                           "yet; remove the option")
+    return policy
 
 
 def security_problem(config: Config) -> str:

@@ -36,10 +36,10 @@ from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.core.guards import GuardConfig
 from dynaresized.core.policy import Policy, ResizeCosts
-from dynaresized.core.policy import LoanCosts
+from dynaresized.core.policy import LoanCosts, TailCosts
 from dynaresized.domain import FORWARD_ORDER, OpKind, PlanKind, Pool, ResizePlan, Split, StepTiming, WorkerKind
 from dynaresized.sim.profile import ProfileError
-from dynaresized.sim.stages import EngineSchedule, StageModel
+from dynaresized.sim.stages import EngineSchedule, StageModel, busy_s, contexts
 
 Progress = Callable[[int, int], None]
 
@@ -229,6 +229,86 @@ class _Ack(msgspec.Struct, frozen=True, order=True, array_like=True):
     op_id: str
 
 
+class _Tail:
+    """One window's rollout request by request, for tail regroups. When an engine runs dry, every
+    engine still decoding first says how many requests it runs and how many tokens the longest
+    has left (the router knows every engine's requests); when the core then starts a tail
+    regroup (`propose_tail`), the busy engine's running requests decode from then on one wider
+    engine of its devices and the idle engines', after the switch, and the window's rollout
+    ends when the slowest engine does. Before any engine runs dry nothing is reported, as
+    without tail regroups, so that a run where none pays is the run without them."""
+
+    def __init__(self, pipe: DynamicPipeline, w: int, start: float, finish: np.ndarray,
+                 groups: dict[int, list[str]], late: np.ndarray, idle_at: list[tuple[float, int]]) -> None:
+        self.pipe, self.w, self.start, self.finish, self.groups = pipe, w, start, finish, groups
+        self.idle_at = idle_at  # the window's engines by when they run dry (shared with it)
+        model = pipe.model
+        self.penalty = pipe._penalty[Pool.ROLLOUT]
+        self.schedule, self.start_s, self.pace = model.pull_timeline(w, len(groups), late)
+        self.lengths = model.trace.steps[w].response_tokens.astype(np.float64)
+        self.prompts = model.trace.steps[w].prompt_tokens.astype(np.float64)
+        self.applied: set[str] = set()
+        self.wide: set[int] = set()  # engines a tail regroup made: their requests are priced apart
+
+    def _running(self, e: int, at: float) -> np.ndarray:
+        """Requests engine e runs at `at` (seconds into the window, before the penalty)."""
+        s = self.schedule
+        return (s.placement == e) & (self.start_s <= at) & (s.done_s > at)
+
+    def refresh(self, at: float) -> None:
+        """Every engine still decoding at `at` (seconds into the window) reports it."""
+        pipe = self.pipe
+        now = at - self.penalty
+        for e in sorted(self.groups):
+            if e in self.wide or self.finish[e] <= at:
+                continue
+            run = self._running(e, now)
+            if not run.any():
+                continue
+            left = int(math.ceil(float(((self.schedule.done_s[run] - now) / self.pace[e]).max())))
+            for d in self.groups[e]:
+                pipe._feed(ev.EngineQueueEmpty(at=self.start + at, worker_id=engine_id(pipe.index[d]), step=self.w,
+                                               running=int(run.sum()), tokens_left=left))
+
+    def apply(self, at: float) -> None:
+        """If the core just started a tail regroup: price the rest of the busy engine's requests
+        on the wider engine (its ops are answered at once; the switch is charged here)."""
+        pipe = self.pipe
+        fl = pipe.state.inflight
+        if fl is None or fl.plan.resize_id not in pipe._tail_in or fl.plan.resize_id in self.applied:
+            return
+        rid = fl.plan.resize_id
+        self.applied.add(rid)
+        undo = pipe.state.tail_undo
+        leader = {g[0]: e for e, g in self.groups.items()}
+        b = leader[undo[0][0]]
+        merged = [leader[g[0]] for g in undo[1:]]
+        pipe._ack_until(self.start + at)  # the regroup commits: the core knows the wide engine
+        profile = pipe.model.profile
+        now = at - self.penalty
+        run = self._running(b, now)
+        if run.any():
+            r = (self.schedule.done_s[run] - now) / self.pace[b]  # tokens left, each running request
+            g = self.lengths[run] - r
+            p = self.prompts[run] + g
+            wide = profile.rollout.at_tp(len(fl.plan.devices))
+            tail = profile.resize.tail
+            prefill = 0.0 if tail.kv_moved else float(p.sum())
+            seconds = float(busy_s(wide, np.array(float(r.max())), np.array(float(r.sum())),
+                                   np.array(float(contexts(p, r).sum())), np.array(prefill)))
+            new = at + tail.switch_s + seconds
+            pipe.tail_regroups.append((self.w, float(self.finish[b]) - new))
+            self.finish[b] = new
+        self.groups[b] = sorted(fl.plan.devices, key=pipe.index.__getitem__)
+        for e in merged:
+            del self.groups[e]
+        self.idle_at[:] = sorted([(t, e) for t, e in self.idle_at if e != b] + [(float(self.finish[b]), b)])
+        self.wide.add(b)
+
+    def rollout_s(self) -> float:
+        return float(max(self.finish[e] for e in self.groups))
+
+
 class DynamicPipeline:
     """One dynamic run: the core and a policy move devices while the pipeline runs."""
 
@@ -281,6 +361,10 @@ class DynamicPipeline:
             config = msgspec.structs.replace(config, loan_costs=LoanCosts(
                 to_training_s=to_training, to_rollout_s=to_training, return_s=back, lead_s=lead),
                 learn_loan_costs=False)
+        # Tail regroups (`propose_tail`): request by request, with the pull router only.
+        self.tails = bool(getattr(policy, "regroups_tails", False)) and model.router == "pull" and not naive
+        if self.tails:
+            config = msgspec.structs.replace(config, tail_costs=self._tail_costs())
         self.core = Core(config, policy)
         self._late: dict[str, float] = {}  # device -> seconds its engine starts late next window
         self._joins: list[SendOp] = []  # loan JOIN ops waiting for a mini-batch boundary
@@ -301,6 +385,24 @@ class DynamicPipeline:
         self._home_engines: list[str] = []  # the window's home engines, by engine index
         self._schedule_w: EngineSchedule | None = None  # the window's rollout on them, request by request
         self._arrived: list[tuple[str, ...]] = []  # devices resizes brought to the rollout, engines to form
+        self._tail_in: set[str] = set()  # tail regroups (the policy's, inside a step)
+        self._tail_out: set[str] = set()  # their ways back at the step boundary
+        self.tail_regroups: list[tuple[int, float]] = []  # (window, seconds its rollout ended sooner)
+
+    def _tail_costs(self) -> TailCosts:
+        """What the policy estimates a tail regroup with: the profile's switch and way back, and
+        per allowed engine width a decode iteration's cost, per running request at the context
+        of the trace's long responses (mean prompt and 95th-percentile response)."""
+        profile = self.model.profile
+        steps = self.model.trace.steps
+        ctx = float(np.mean([b.prompt_tokens.mean() for b in steps])
+                    + np.percentile(np.concatenate([b.response_tokens for b in steps]), 95))
+        widths = tuple(k for k in profile.rollout.engine_sizes() if k <= self.gpus)
+        specs = [profile.rollout.at_tp(k) for k in widths]
+        tail = profile.resize.tail
+        return TailCosts(switch_s=tail.switch_s, back_s=tail.back_s, widths=widths,
+                         base_s=tuple(r.iter_base_s for r in specs),
+                         per_request_s=tuple(r.iter_per_seq_s + r.iter_per_ctx_token_s * ctx for r in specs))
 
     def _estimated_cost(self, to_pool: Pool) -> float:
         """Critical-path seconds per moved device before the core has measured one."""
@@ -320,6 +422,10 @@ class DynamicPipeline:
         self.facts.extend(facts)
         costs = self.model.profile.resize
         for fact in facts:
+            if isinstance(fact, f.RegroupStarted) and fact.undo:
+                self._tail_in.add(fact.plan.resize_id)
+            elif isinstance(fact, f.RegroupStarted) and fact.source == "tail":
+                self._tail_out.add(fact.plan.resize_id)
             if isinstance(fact, f.ResizeCommitted) and self.model.profile.rollout.gpus_per_engine > 1:
                 plan = self.facts_plan(fact.resize_id)
                 if plan.kind is PlanKind.RESIZE and plan.to_pool is Pool.ROLLOUT:
@@ -342,6 +448,18 @@ class DynamicPipeline:
     def _schedule(self, command: SendOp, now: float) -> None:
         op = command.op
         kind = self.state.inflight.plan.kind if self.state.inflight is not None else PlanKind.RESIZE
+        rid = self.state.inflight.plan.resize_id if self.state.inflight is not None else ""
+        if kind is PlanKind.REGROUP and (rid in self._tail_in or rid in self._tail_out):
+            # a tail regroup's switch is charged where the window prices its tail
+            # (`_window_with_loans`); its way back makes the next rollout start late there
+            if rid in self._tail_out and op.kind is OpKind.DRAIN and op.op_id not in self._charged:
+                self._charged.add(op.op_id)
+                back = self.model.profile.resize.tail.back_s
+                for d in op.devices:
+                    self._late[d] = self._late.get(d, 0.0) + back
+            self._seq += 1
+            heapq.heappush(self._acks, _Ack(now, self._seq, command.worker_id, op.op_id))
+            return
         if kind is PlanKind.REGROUP:
             # one op after the other on every device of the pool; what the pool loses meanwhile
             # was charged when the regroup started (`_regroup`)
@@ -509,6 +627,26 @@ class DynamicPipeline:
             rollout_s, served, lent = self._lend_to_rollout(w, start, rollout_s, len(rollout_devs), late, 0.0)
             return rollout_s, 0.0, lent, served
         idle_at = sorted((float(finish[e]), e) for e in range(engines))
+        groups = {e: rollout_devs[e * gpe:(e + 1) * gpe] for e in range(engines)}
+        tail = (_Tail(self, w, start, finish, groups, late, idle_at) if self.tails and w < model.steps and engines > 1
+                else None)
+        idle_devices: set[str] = set()
+
+        def dry(until: float) -> None:
+            """Engines that run dry by `until` report it, in time order (with tail regroups,
+            each after the engines still decoding said how far they are)."""
+            while idle_at and idle_at[0][0] <= until:
+                at, e = idle_at.pop(0)
+                self._ack_until(start + at)
+                if tail is not None:
+                    tail.refresh(at)
+                idle_devices.update(groups[e])
+                for d in groups[e]:
+                    self._feed(ev.EngineQueueEmpty(at=start + at, worker_id=engine_id(self.index[d]), step=w,
+                                                   running=0, tokens_left=0))
+                if tail is not None:
+                    tail.apply(at)
+
         per_mb = model.train_work(w - 1) / mbs
         eff = model.dp_efficiency
         loan = profile.loan
@@ -517,18 +655,10 @@ class DynamicPipeline:
         self._joined = []
         lent = 0
         reporter = self._reporter()
-        idle_devices: set[str] = set()
         first_fact = len(self.facts)
         for j in range(1, mbs + 1):
             t_end = t + per_mb / (n * eff(n))
-            # engines that run dry before this mini-batch ends report it, in time order
-            while idle_at and idle_at[0][0] <= t_end:
-                at, e = idle_at.pop(0)
-                self._ack_until(start + at)
-                idle_devices.update(rollout_devs[e * gpe:(e + 1) * gpe])
-                for d in rollout_devs[e * gpe:(e + 1) * gpe]:
-                    self._feed(ev.EngineQueueEmpty(at=start + at, worker_id=engine_id(self.index[d]), step=w,
-                                                   running=0, tokens_left=0))
+            dry(t_end)  # engines that run dry before this mini-batch ends report it, in time order
             self._ack_until(start + t_end)
             if j == mbs and self._schedule_w is not None:
                 # what verl's rule reads after training: the samples of the next batch done
@@ -536,9 +666,13 @@ class DynamicPipeline:
                                       self._penalty[Pool.ROLLOUT], -math.inf, t_end, snapshot=True)
             self._feed(ev.MiniBatchDone(at=start + t_end, worker_id=reporter, step=w - 1, done=j, total=mbs))
             if j == mbs and w < model.steps:  # training done: its trainers may serve the rollout
+                if tail is not None:
+                    rollout_s = tail.rollout_s()
                 rollout_s, served, more = self._lend_to_rollout(w, start, rollout_s, len(rollout_devs), late,
                                                                 t_end)
                 lent += more
+                if more and tail is not None:
+                    tail = None  # trainers pull the step's queue now: the tail's timeline no longer holds
             self._ack_until(start + t_end)
             if j < mbs:
                 self._finish_joins(start + t_end)
@@ -554,6 +688,12 @@ class DynamicPipeline:
             if (isinstance(fact, f.LoanStarted) and fact.plan.to_pool is Pool.TRAINING
                     and not set(fact.plan.devices) <= idle_devices):
                 raise RuntimeError(f"loan {fact.plan.resize_id} lent busy devices {fact.plan.devices}")
+        if tail is not None:
+            # the rollout outlasts the training step: its engines still run dry, and a tail may
+            # still be regrouped, until it ends
+            dry(math.inf)
+            rollout_s = tail.rollout_s()
+            served = rollout_s * len(rollout_devs)
         train_s = t
         return rollout_s, train_s, lent, served
 

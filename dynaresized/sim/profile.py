@@ -179,6 +179,23 @@ class NaiveCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Restart the pipeline on the new topology (commit)."""
 
 
+class TailSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A tail regroup inside a step (`[resize.tail]`, `--policy-option tail_regroup=true`): an
+    engine still decoding the step's last requests and idle engines become one wider engine
+    for the rest of the step, and the engines they were at the step boundary. An assumption for
+    GPUs: the wider group's communicators are made before the run (as a pipelined resize's
+    are), every engine keeps its process and weights, and the running requests' KV cache moves
+    over NVLink (8 requests of 16K tokens of an 8B model: ~2 GB, well under a second)."""
+
+    switch_s: float = 2.0
+    """Pause the engines, move the running requests' KV cache onto the wider group, resume."""
+    back_s: float = 1.0
+    """At the step boundary: the wider engine becomes the engines it was made of (their
+    communicators kept); the next rollout starts that late on its devices."""
+    kv_moved: bool = True
+    """False: the wider engine prefills each running request's prompt and tokens again."""
+
+
 class ResizeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     to_training: OpCosts
     to_rollout: OpCosts
@@ -186,6 +203,7 @@ class ResizeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     regroup: OpCosts = REGROUP_COSTS
     """Seconds of each op of a regroup (rollout devices forming engines of another size), on
     each of its devices at once (`[resize.regroup]`)."""
+    tail: TailSpec = TailSpec()
     op_timeout_s: float = 86_400.0
     """The core's op timeout in the simulator: COMMIT waits for a step boundary, so it must
     exceed the longest step."""

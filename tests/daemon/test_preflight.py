@@ -38,6 +38,8 @@ TRAPS: dict[str, tuple[dict[str, dict[str, Any]], str]] = {
                        "cannot start: policy.name: unknown policy 'hysterisis'; installed policies: "),
     "unknown policy option": ({"policy": {"name": "hysteresis", "options": {"bogus": 1}}},
                               "cannot start: policy.options: bad options for policy 'hysteresis'"),
+    "tail regroups, simulated only": ({"policy": {"name": "hysteresis", "options": {"tail_regroup": True}}},
+                                      "cannot start: policy.options: tail_regroup is simulated only"),
     "exposed endpoint without CURVE": ({"daemon": {"worker_endpoint": "tcp://0.0.0.0:5555"}},
                                        "cannot start: refusing to bind tcp://0.0.0.0:5555 without CurveZMQ"),
     # zmq.auth calls a missing file "Invalid certificate file"

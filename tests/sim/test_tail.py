@@ -1,0 +1,134 @@
+"""Tail regroups inside a step (issue 22, item 5): when engines have run dry while another still
+decodes the step's last requests, the policy regroups them into one wider engine for the rest
+of the step, through the core, and the core regroups them back at the step boundary."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from dynaresized.core import facts as f
+from dynaresized.core import fold
+from dynaresized.core.guards import GuardConfig, check_tail
+from dynaresized.core.policy import EngineTail, LoanCosts, LoanView, TailCosts, TailProposal, load_policy
+from dynaresized.domain import Split
+from dynaresized.sim.pipeline import DynamicPipeline
+from dynaresized.sim.profile import load_profile
+from dynaresized.sim.run import guards_for, scenario_shape
+from dynaresized.sim.stages import StageModel
+from dynaresized.sim.workload import StepBatch, Trace, scenario_trace
+
+PROFILE = load_profile("qwen3-8b-h20x8")  # TP-1 engines at 6:2: two rollout engines
+
+
+def one_long_request(steps: int = 20, short: int = 64, long_tokens: int = 16_000) -> Trace:
+    """Each step: `short` responses of 200-400 tokens, then one of `long_tokens`, queued last:
+    one engine decodes it alone while the other has run dry."""
+    rng = np.random.default_rng(0)
+    batches = []
+    for s in range(steps):
+        lengths = np.concatenate([rng.integers(200, 400, short), [long_tokens]]).astype(np.int64)
+        batches.append(StepBatch(s, np.full(short + 1, 256, dtype=np.int64), lengths))
+    return Trace("one-long-request", tuple(batches))
+
+
+def run(trace: Trace, *, tails: bool, profile=PROFILE):
+    guards = msgspec.structs.replace(guards_for(profile), min_rollout=max(guards_for(profile).min_rollout,
+                                                                           profile.rollout.gpus_per_engine))
+    pipe = DynamicPipeline(StageModel(profile, trace), load_policy("hysteresis", {"tail_regroup": tails}),
+                           guards=guards)
+    return pipe, pipe.run()
+
+
+def test_a_long_tail_decodes_on_a_wider_engine_and_its_engines_come_back_at_the_boundary():
+    trace = one_long_request()
+    pipe, tailed = run(trace, tails=True)
+    _, plain = run(trace, tails=False)
+    started = [x for x in tailed.facts if isinstance(x, f.RegroupStarted) and x.at > 0]
+    wide = [x for x in started if x.undo]
+    back = [x for x in started if x.source == "tail"]
+    assert len(wide) >= 15 and len(back) == len(wide)
+    for x in wide:  # the busy engine first, then the idle one: one TP-2 engine, back to two TP-1
+        assert x.source == "hysteresis" and [len(g) for g in x.plan.engines] == [2]
+        assert len(x.undo) == 2 and all(len(g) == 1 for g in x.undo) and x.undo[0][0] in x.reason
+        assert "tail of rollout step" in x.reason and "saves" in x.reason
+    committed = {x.resize_id for x in tailed.facts if isinstance(x, f.RegroupCommitted)}
+    assert {x.plan.resize_id for x in started} <= committed
+    # in order: each tail regroup is undone at the next boundary, before the next one
+    order = [("in" if x.undo else "back") for x in started]
+    assert order == ["in", "back"] * len(wide)
+    assert not tailed.state.engines and not tailed.state.tail_undo  # TP-1 engines again
+    assert all(saved > 0 for _, saved in pipe.tail_regroups)
+    # the policy without tails moves trainers into the rollout, which cannot shorten one request
+    assert plain.final_split.rollout > 2 and tailed.total_time_s < plain.total_time_s / 1.3
+    assert fold(tailed.facts).durable() == tailed.state.durable()  # the log replays to the live state
+
+
+def test_a_replayed_log_mid_tail_knows_what_to_regroup_back():
+    trace = one_long_request(steps=4)
+    _, tailed = run(trace, tails=True)
+    facts = list(tailed.facts)
+    i = next(k for k, x in enumerate(facts) if isinstance(x, f.RegroupCommitted)
+             and any(isinstance(y, f.RegroupStarted) and y.undo and y.plan.resize_id == x.resize_id for y in facts))
+    mid = fold(facts[:i + 1])
+    assert mid.tail_undo and not mid.tail_due and len(mid.engine_of(mid.tail_undo[0][0])) == 2
+    j = next(k for k in range(i, len(facts)) if isinstance(facts[k], f.StepObserved))
+    assert fold(facts[:j + 1]).tail_due  # a restarted daemon regroups back at once
+
+
+def test_a_tail_regroup_that_does_not_pay_is_refused_and_changes_nothing():
+    trace = one_long_request(steps=8)
+    slow = msgspec.structs.replace(PROFILE, resize=msgspec.structs.replace(
+        PROFILE.resize, tail=msgspec.structs.replace(PROFILE.resize.tail, switch_s=5_000.0)))
+    _, tailed = run(trace, tails=True, profile=slow)
+    _, plain = run(trace, tails=False, profile=slow)
+    assert not [x for x in tailed.facts if isinstance(x, f.RegroupStarted) and x.at > 0]
+    refused = [x for x in tailed.facts if isinstance(x, f.ProposalRejected) and x.guard == "tail_payback"]
+    assert refused and "not above cost" in refused[0].reason
+    assert tailed.total_time_s == plain.total_time_s
+
+
+def test_engines_already_the_widest_allowed_have_nothing_to_regroup_into():
+    # TP-4 engines at 4:4, the plan search's start on qwen3-8b-h20x8: one engine, none wider
+    wide = PROFILE.with_layout(4, Split(4, 4))
+    trace = scenario_trace("noisy", scenario_shape(wide), seed=0, steps=20)
+    _, tailed = run(trace, tails=True, profile=wide)
+    _, plain = run(trace, tails=False, profile=wide)
+    assert tailed.total_time_s == plain.total_time_s
+    assert not [x for x in tailed.facts if isinstance(x, f.RegroupStarted) and x.undo]
+
+
+def _view(**kw) -> LoanView:
+    base = dict(now=100.0, split=Split(6, 2), idle_engines=("d7",), free_trainers=(), training_devices=6,
+                mini_batch_done=16, mini_batch_total=16, mini_batch_s=10.0, queue_empty=True, costs=LoanCosts(),
+                rollout_step=3, tails=(EngineTail(devices=("d6",), running=1, tokens_left=4000, at=100.0),),
+                tail_costs=TailCosts(switch_s=2.0, back_s=1.0, widths=(1, 2), base_s=(0.01, 0.007),
+                                     per_request_s=(0.002, 0.001)))
+    base.update(kw)
+    return LoanView(**base)
+
+
+@pytest.mark.parametrize(("devices", "guard"), [
+    (("d7", "d6"), "tail"),  # not started from the busy engine
+    (("d6", "d5"), "loan_idle"),  # d5 has work left
+    (("d6", "d7", "d5"), "loan_idle"),
+])
+def test_the_tail_guard_takes_one_busy_engine_and_idle_ones_only(devices, guard):
+    p = TailProposal(devices=devices, reason="", saves_s=100.0, cost_s=3.0)
+    assert check_tail(_view(), p, GuardConfig()).guard == guard
+
+
+def test_the_policy_regroups_only_what_pays_and_only_as_far_as_the_rollout_ends_the_step():
+    policy = load_policy("hysteresis", {"tail_regroup": True})
+    p = policy.propose_tail(_view())
+    assert p is not None and p.devices == ("d6", "d7")
+    # 4000 tokens at 0.012 s against 2 s + 4000 at 0.008 s
+    assert p.saves_s == pytest.approx(4000 * 0.012 - (2.0 + 4000 * 0.008)) and p.cost_s == 3.0
+    assert check_tail(_view(), p, GuardConfig()) is None
+    # the training step still has 10 mini-batches of 10 s: the rollout does not end the step
+    late = policy.propose_tail(_view(mini_batch_done=6))
+    assert late is not None and late.saves_s == 0.0
+    assert check_tail(_view(mini_batch_done=6), late, GuardConfig()).guard == "tail_payback"
+    assert load_policy("hysteresis").propose_tail(_view()) is None  # off unless asked
+    assert policy.propose_tail(_view(tail_costs=None)) is None  # the daemon: no tail costs
