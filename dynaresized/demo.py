@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from dynaresized.control import control_request
     from dynaresized.core.facts import decode_fact
     from dynaresized.sim.cluster import VirtualCluster
-    from dynaresized.sim.pipeline import best_static, static_total
+    from dynaresized.sim.pipeline import best_static_config, static_total
     from dynaresized.store import open_recorder
 
     cluster = VirtualCluster.builtin(args.scenario, args.profile, seed=args.seed, steps=args.steps)
@@ -158,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
                 p.kill()
     model = cluster.stages
     static_initial = static_total(model, initial)
-    best_split, best_total = best_static(model, len(cluster.devices))
+    best_config, own = best_static_config(model, len(cluster.devices))
+    best_split, best_total = own.split, own.total_s
     dynamic = summary["total_time_s"]
     result = {
         "scenario": args.scenario, "profile": args.profile, "policy": args.policy, "steps": summary["steps"],
@@ -167,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
         "speedup_vs_static_split": round(static_initial / dynamic, 4) if dynamic else None,
         "best_static_split": str(best_split), "best_static_total_time_s": round(best_total, 1),
         "speedup_vs_best_static": round(best_total / dynamic, 4) if dynamic else None,
+        "best_static_config": f"{best_config.split}/TP-{best_config.tp}",
+        "best_static_config_total_time_s": round(best_config.total_s, 1),
+        "speedup_vs_best_static_config": round(best_config.total_s / dynamic, 4) if dynamic else None,
         "router": model.router, "loans": summary["loans"], "devices_lent": summary["devices_lent"],
         "wall_s": round(summary["wall_s"], 1), "state_dir": str(state) if args.keep else None,
         "idle_ratio": {pool: None if t.ratio is None else round(t.ratio, 4) for pool, t in summary["idle"].items()},
@@ -179,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
         f"(dynamic is {static_initial / dynamic:.2f}x faster)")
     say(f"  on the best static split {best_split} (chosen with hindsight, same {model.router} router): "
         f"{best_total / 3600:.2f} h  ({best_total / dynamic:.3f}x)")
+    say(f"  on the best static configuration {best_config.split}/TP-{best_config.tp} (split x engine size, "
+        f"hindsight): {best_config.total_s / 3600:.2f} h  ({best_config.total_s / dynamic:.3f}x"
+        + ("; below 1: the demo's engines are one device each, `dynaresized plan` says where to start)"
+           if best_config.total_s < dynamic else ")"))
     for pool, t in summary["idle"].items():
         say(f"  idle {pool:<9} {percent(t.ratio):>7} of its device time ({t.idle_s / 3600:.2f} of "
             f"{(t.busy_s + t.idle_s) / 3600:.2f} device-hours; {t.steps} steps accounted, {t.unknown_steps} unknown)")

@@ -413,13 +413,15 @@ own, the devices hold whole engines, and the layout changes. `status` shows `eng
 `regroups`; Prometheus, `dynaresized_wide_engines` and `dynaresized_regroups{{state}}`.
 
 **Tail regroups (simulated only).** In `dynaresized simulate --policy-option tail_regroup=true`
-the policy may also start a regroup inside a rollout step: when engines have run dry while
-another still decodes the step's last requests (`queue_empty` with `running` > 0 and
-`tokens_left`), that engine and idle ones become one wider engine for the rest of the step, if
-the saving it predicts exceeds the switch and the way back (`regroup_started` with `source` the
-policy and `undo` the engines they were); at the step boundary the core regroups them back
-(`regroup_started` with `source` `tail`). The ops are a regroup's, so they are serialized,
-logged, rolled back and replayed as one. The daemon refuses to start with the option: no backend
+the policy may also start a regroup inside a rollout step: when engines have run dry, or
+trainers have finished their step, while another engine still decodes the step's last requests
+(`queue_empty` with `running` > 0 and `tokens_left`), that engine and the idle devices become one
+wider engine for the rest of the step, if the saving it predicts exceeds the switch and the way
+back (`regroup_started` with `source` the policy and `undo` the engines they were; trainers are
+first lent to the rollout, a loan whose reason says it is for the tail). At the step boundary
+the core regroups them back (`regroup_started` with `source` `tail`), then sends lent trainers
+home and asks the policy about the step. The ops are a regroup's and a loan's, so they are
+serialized, logged, rolled back and replayed as those are. The daemon refuses to start with the option: no backend
 moves a running request's KV cache to a wider engine yet, and a regroup's `drain` would wait for
 the tail it means to speed up (`docs/simulator.md`, "Tail regroups inside a step").
 

@@ -50,42 +50,72 @@ class Lending:
     """Regroup a step's tail into a wider engine (`propose_tail`, `tail_regroup=true`): only where
     the core has tail costs (the simulator's `[resize.tail]`)."""
 
-    def propose_tail(self, view: LoanView) -> TailProposal | None:
-        """When engines have run dry while another still decodes the step's last requests:
-        that engine and idle ones as one wider engine for the rest of the step, the widest the
-        idle engines allow. The tail's time is its tokens left (the longest running request's,
-        as the engine said) times an iteration of its running requests (`TailCosts`), on the
-        engine now and on the wider one after the switch; the saving counts only as far as the
-        rollout ends the step (the training still ahead, at its measured mini-batch pace, bounds
-        it). The cost is the switch and the way back at the boundary. Response lengths stay
-        unknown: the tokens left are the engine's own upper bound."""
+    def _tail_plan(self, view: LoanView, free: list[str], extra_cost: float) -> tuple[tuple[str, ...], float, float,
+                                                                                  str] | None:
+        """The widest engine the busiest tail and `free` devices can form, and what it saves and
+        costs (`propose_tail`), or None. `extra_cost`: seconds beyond the switch and the way back."""
         costs = view.tail_costs
-        if not self.regroups_tails or costs is None or not view.tails or not view.idle_engines:
+        if costs is None or not view.tails or not free:
             return None
         tail = max(view.tails, key=lambda t: (t.tokens_left, t.devices))
         k = len(tail.devices)
-        idle = [d for d in sorted(view.idle_engines) if d not in tail.devices]
-        width = max((w for w in costs.widths if k < w <= k + len(idle)), default=None)
+        free = [d for d in free if d not in tail.devices]
+        width = max((w for w in costs.widths if k < w <= k + len(free)), default=None)
         narrow = costs.iteration_s(k, tail.running)
         if width is None or narrow is None or narrow <= 0:
             return None
         wide = costs.iteration_s(width, tail.running) or narrow
         left = max(tail.tokens_left - (view.now - tail.at) / narrow, 0.0)
         now_s = left * narrow
-        after_s = costs.switch_s + left * wide
+        after_s = costs.switch_s + extra_cost + left * wide
         training_left = max(view.mini_batch_total - view.mini_batch_done, 0) * view.mini_batch_s
         saves = max(now_s - max(after_s, training_left), 0.0)
-        cost = costs.switch_s + costs.back_s
-        devices = tail.devices + tuple(idle[:width - k])
+        cost = costs.switch_s + costs.back_s + extra_cost
+        devices = tail.devices + tuple(free[:width - k])
         why = (f"tail of rollout step {view.rollout_step}: {tail.running} request(s) on [{', '.join(tail.devices)}], "
                f"~{left:.0f} tokens left, decode on one engine of {width} device(s) with "
                f"{', '.join(devices[k:])}: ~{now_s:.0f} s -> ~{after_s:.0f} s, saves ~{saves:.0f} s "
                f"(cost ~{cost:.0f} s)")
+        return devices, saves, cost, why
+
+    def propose_tail(self, view: LoanView) -> TailProposal | None:
+        """When engines have run dry (or trainers were lent for it) while another still decodes
+        the step's last requests: that engine and idle ones as one wider engine for the rest of
+        the step, the widest they allow. The tail's time is its tokens left (the longest running
+        request's, as the engine said) times an iteration of its running requests (`TailCosts`),
+        on the engine now and on the wider one after the switch; the saving counts only as far
+        as the rollout ends the step (the training still ahead, at its measured mini-batch pace,
+        bounds it). The cost is the switch and the way back at the boundary. Response lengths
+        stay unknown: the tokens left are the engine's own upper bound."""
+        if not self.regroups_tails:
+            return None
+        plan = self._tail_plan(view, sorted(view.idle_engines) + sorted(view.lent_to_rollout), 0.0)
+        if plan is None:
+            return None
+        devices, saves, cost, why = plan
         return TailProposal(devices=devices, reason=why, saves_s=saves, cost_s=cost)
+
+    def _lend_for_tail(self, view: LoanView) -> LoanProposal | None:
+        """Trainers whose step is done, lent to the rollout once its queue is empty, to join the
+        tail's engine (`propose_tail` takes them once they land): what the tail regroup would
+        save, against its cost and the loan's there and back."""
+        costs = view.costs_to(Pool.ROLLOUT)
+        extra = costs.to_rollout_s + costs.return_s
+        plan = self._tail_plan(view, sorted(view.free_trainers), extra)
+        if plan is None:
+            return None
+        devices, saves, cost, why = plan
+        tail_devices = max(view.tails, key=lambda t: (t.tokens_left, t.devices)).devices
+        lent = tuple(d for d in devices if d not in tail_devices)
+        return LoanProposal(devices=lent, to_pool=Pool.ROLLOUT.value, reason=f"lent to the rollout for the {why}",
+                            saves_s=saves, cost_s=cost)
 
     def propose_loan(self, view: LoanView) -> LoanProposal | None:
         if not self.lends:
             return None
+        if (self.regroups_tails and self.lends_trainers and view.free_trainers and view.queue_empty
+                and view.tails and view.tail_costs is not None and not view.tail_open):
+            return self._lend_for_tail(view)
         if self.lends_trainers and view.free_trainers and not view.queue_empty:
             return self._lend_trainers(view)
         if not self.lends_engines or not view.idle_engines or view.mini_batch_total == 0:

@@ -193,9 +193,10 @@ def check_tail(view: LoanView, p: TailProposal, cfg: GuardConfig) -> Rejection |
     if not p.devices or p.devices[0] not in busy:
         return Rejection("tail", "a tail regroup starts from an engine that still decodes the step's last requests")
     rest = [d for d in p.devices if d not in busy[p.devices[0]]]
-    if any(d not in view.idle_engines for d in rest):
-        return Rejection("loan_idle", f"{', '.join(d for d in rest if d not in view.idle_engines)}: engine has "
-                                      "work left; only idle engines join a tail")
+    free = set(view.idle_engines) | set(view.lent_to_rollout)
+    if any(d not in free for d in rest):
+        return Rejection("loan_idle", f"{', '.join(d for d in rest if d not in free)}: engine has work left; "
+                                      "only idle engines and trainers lent to the rollout join a tail")
     if view.tail_costs is None or len(p.devices) not in view.tail_costs.widths:
         return Rejection("tail", f"engines of {len(p.devices)} device(s) are not allowed")
     if p.saves_s <= p.cost_s * cfg.loan_safety:

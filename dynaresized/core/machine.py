@@ -368,12 +368,13 @@ def _observe_step(core: Core, tx: _Tx, e: ev.StepReported) -> None:
 
 def on_step_steady(core: Core, tx: _Tx, e: ev.StepReported) -> None:
     _observe_step(core, tx, e)
+    if tx.state.tail_due:
+        # the tail's engine first (trainers lent into it go home after: `_advance`)
+        _tail_back(core, tx, e.at)
+        if tx.state.inflight is not None:
+            return  # the policy is asked once the engines are back (`_after_tail_back`)
     s = tx.state
     lent = s.lent_devices()
-    if not lent and s.tail_due:
-        _tail_back(core, tx, e.at)  # with devices lent, once they are home (`_advance`)
-        if tx.state.inflight is not None:
-            return  # the policy is asked at the next step, on the engines it started from
     if s.paused or s.stopping:
         if lent:
             _return_loans(core, tx, e.at, None, "")
@@ -456,11 +457,13 @@ def on_regroup_requested_steady(core: Core, tx: _Tx, e: ev.RegroupRequested) -> 
     _advance(core, tx, e.at, fresh=True)
 
 
-def plan_regroup(state: ClusterState, devices: tuple[DeviceId, ...], tp: int) -> ResizePlan | str:
+def plan_regroup(state: ClusterState, devices: tuple[DeviceId, ...], tp: int, *, lent_ok: bool = False,
+                 engines: tuple[tuple[DeviceId, ...], ...] | None = None) -> ResizePlan | str:
     """Drain, release, join, restore and commit that make `devices` (rollout devices, each with
     a live engine worker of its own) serve as engines of `tp` devices each, in device order;
     or why that is impossible now. The devices must hold whole engines: a regroup never
-    splits an engine it does not name whole."""
+    splits an engine it does not name whole. A tail regroup (`lent_ok`) may take devices lent to
+    the rollout, and its way back names the `engines` it restores."""
     devices = tuple(sorted(set(devices)))
     if tp < 1 or not devices or len(devices) % tp:
         return f"{len(devices)} device(s) do not form engines of {tp} device(s) each"
@@ -471,7 +474,7 @@ def plan_regroup(state: ClusterState, devices: tuple[DeviceId, ...], tp: int) ->
     held_back = state.held_back()
     for d in devices:
         p = state.devices[d]
-        if p.pool is not Pool.ROLLOUT or p.home is not None or d in lent:
+        if p.pool is not Pool.ROLLOUT or (not lent_ok and (p.home is not None or d in lent)):
             where = "moving" if p.pool is None else f"lent to {p.pool.value}" if p.home else f"in {p.pool.value}"
             return f"device {d} is {where}: only devices at home in the rollout pool are regrouped"
         if d in held_back:
@@ -490,7 +493,8 @@ def plan_regroup(state: ClusterState, devices: tuple[DeviceId, ...], tp: int) ->
             return (f"worker {w.worker_id} holds {', '.join(w.devices)}: only engines of one device's worker "
                     "each are regrouped (a worker of several devices shapes its own engines)")
         workers.append(w.worker_id)
-    engines = tuple(devices[i:i + tp] for i in range(0, len(devices), tp))
+    if engines is None:
+        engines = tuple(devices[i:i + tp] for i in range(0, len(devices), tp))
     if all(state.engine_of(g[0]) == g for g in engines):
         return f"devices {', '.join(devices)} already serve as engines of {tp} device(s)"
     rid = f"g{state.regroups_started + 1}"
@@ -882,6 +886,8 @@ def _advance(core: Core, tx: _Tx, at: float, *, fresh: bool = False) -> None:
         else:
             tx.emit(f.ResizeCommitted(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at, step=step))
         _tail_back(core, tx, at)
+        if fl.source == "tail" and fl.plan.kind is PlanKind.REGROUP:
+            _after_tail_back(core, tx, at)
         return
     current = _current_op_id(tx.state)
     if current is not None and (fresh or current != entry):
@@ -1118,7 +1124,7 @@ def on_mini_batch_done(core: Core, tx: _Tx, e: ev.MiniBatchDone) -> None:
     tx.emit(f.MiniBatchObserved(at=e.at, worker_id=e.worker_id, step=e.step, done=e.done, total=e.total))
     s = tx.state
     lent_out = [d for d in s.lent_devices() if s.devices[d].pool is Pool.ROLLOUT]
-    if e.done < e.total and lent_out and s.phase is Phase.STEADY and s.inflight is None:
+    if e.done < e.total and lent_out and s.phase is Phase.STEADY and s.inflight is None and not _tail_open(s):
         # The training step begins while its trainers serve the rollout (lent in the window
         # with nothing to train, which ends without a step report): they go home first.
         _return_loans(core, tx, e.at, None, "", why=f"training step {e.step} begins")
@@ -1162,6 +1168,8 @@ def loan_view(core: Core, state: ClusterState, now: float) -> LoanView:
         tails=tuple(EngineTail(devices=state.engine_of(d), running=n, tokens_left=left, at=t)
                     for d, n, left, t in state.tails if state.dry_step == rollout_step),
         tail_costs=core.config.tail_costs,
+        lent_to_rollout=tuple(d for d in state.lent_devices() if state.devices[d].pool is Pool.ROLLOUT),
+        tail_open=_tail_open(state),
     )
 
 
@@ -1213,13 +1221,36 @@ def _consider_tail(core: Core, tx: _Tx, at: float) -> None:
         _reject(tx, at, core.policy.name, None, rejection.guard, rejection.reason)
         return
     undo = tuple(dict.fromkeys(s.engine_of(d) for d in proposal.devices))
-    plan = plan_regroup(s, proposal.devices, len(proposal.devices))
+    plan = plan_regroup(s, proposal.devices, len(proposal.devices), lent_ok=True)
     if isinstance(plan, str):
         _reject(tx, at, core.policy.name, None, "regroup", plan)
         return
     tx.emit(f.RegroupStarted(at=at, plan=plan, source=core.policy.name, reason=proposal.reason,
                              op_deadline=at + core.config.op_timeout_s, undo=undo))
     _advance(core, tx, at, fresh=True)
+
+
+def _after_tail_back(core: Core, tx: _Tx, at: float) -> None:
+    """The step boundary's work, put off while the tail's engine was undone: trainers lent into
+    it go home, and the policy has its say on the step (a resize it proposes starts once they
+    are home, as at any boundary)."""
+    s = tx.state
+    if s.inflight is not None or s.stopping:
+        return
+    if s.paused:
+        if s.lent_devices():
+            _return_loans(core, tx, at, None, "", why="the tail's engine is undone")
+        return
+    view = core.view(s, at)
+    proposal = core.policy(view)
+    if s.lent_devices():
+        _return_loans(core, tx, at, proposal, core.policy.name, why="the tail's engine is undone")
+        return
+    if proposal is None:
+        why = getattr(core.policy, "last_reason", "") or "the policy proposed no resize"
+        tx.emit(f.PolicyHeld(at=at, source=core.policy.name, step=s.last_step, split=s.split, reason=why))
+        return
+    _decide(core, tx, view, proposal, core.policy.name, hysteresis=core.policy.guarded, at=at)
 
 
 def _tail_open(s: ClusterState) -> bool:
@@ -1237,12 +1268,13 @@ def _tail_back(core: Core, tx: _Tx, at: float) -> None:
     devices = tuple(d for group in undo for d in group)
     if not _tail_open(s):
         return  # already those engines (the tail regroup was rolled back)
-    plan = plan_regroup(s, devices, len(undo[0]))
+    plan = plan_regroup(s, devices, len(undo[0]), lent_ok=True, engines=undo)
     if isinstance(plan, str):
         _reject(tx, at, "tail", None, "regroup", f"the tail's engine cannot be regrouped back yet: {plan}")
         return
+    sizes = " + ".join(str(len(g)) for g in undo)
     tx.emit(f.RegroupStarted(at=at, plan=plan, source="tail", op_deadline=at + core.config.op_timeout_s,
-                             reason=f"the step is over: back to {len(undo)} engine(s) of {len(undo[0])} device(s)"))
+                             reason=f"the step is over: back to engines of {sizes} device(s)"))
     _advance(core, tx, at, fresh=True)
 
 
@@ -1311,6 +1343,8 @@ def _end_loan(core: Core, tx: _Tx, at: float) -> None:
             # A step was reported while the loan ran (a trainer lent to the rollout's last
             # requests): that boundary's work, the policy's say and the way home, is done now.
             _return_loans(core, tx, at, core.policy(core.view(s, at)), core.policy.name)
+        elif fl.plan.to_pool is Pool.ROLLOUT:
+            _consider_tail(core, tx, at)  # trainers lent for the tail join its engine
         return
     tx.emit(f.LoanReturned(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at))
     s = tx.state

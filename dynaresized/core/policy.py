@@ -233,6 +233,8 @@ class LoanView(msgspec.Struct, frozen=True):
     """Of a loan to the rollout, configured or learned likewise (None: `costs`)."""
     tails: tuple[EngineTail, ...] = ()  # engines of `rollout_step` that still decode its last requests
     tail_costs: TailCosts | None = None  # None: tails are never regrouped (`CoreConfig.tail_costs`)
+    lent_to_rollout: tuple[DeviceId, ...] = ()  # trainers' devices lent to the rollout, landed
+    tail_open: bool = False  # a tail regroup's engine serves until the step boundary
 
     def costs_to(self, pool: Pool) -> LoanCosts:
         """The loan costs a loan to `pool` is estimated with."""

@@ -895,8 +895,11 @@ def _(s: ClusterState, e: f.RegroupStarted) -> ClusterState:
 @_on(f.RegroupCommitted)
 def _(s: ClusterState, e: f.RegroupCommitted) -> ClusterState:
     plan = s.inflight.plan  # type: ignore[union-attr]
-    # Steps measured on the old engines do not describe the new ones (as after a resize).
-    return replace(_regrouped(s, plan), inflight=None, phase=Phase.STEADY, recent=(),
+    # Steps measured on the old engines do not describe the new ones (as after a resize); a
+    # tail regroup's engine serves the rest of one step and is undone at its boundary: the steps
+    # still describe the engines.
+    tail = s.inflight.source == "tail" or bool(s.tail_undo)  # type: ignore[union-attr]
+    return replace(_regrouped(s, plan), inflight=None, phase=Phase.STEADY, recent=s.recent if tail else (),
                    regroups_committed=s.regroups_committed + 1)
 
 

@@ -244,10 +244,9 @@ class _Tail:
         self.idle_at = idle_at  # the window's engines by when they run dry (shared with it)
         model = pipe.model
         self.penalty = pipe._penalty[Pool.ROLLOUT]
-        self.schedule, self.start_s, self.pace = model.pull_timeline(w, len(groups), late)
+        self.schedule, self.start_s, self.pace, self.queue_empty_s = model.pull_timeline(w, len(groups), late)
         self.lengths = model.trace.steps[w].response_tokens.astype(np.float64)
         self.prompts = model.trace.steps[w].prompt_tokens.astype(np.float64)
-        self.applied: set[str] = set()
         self.wide: set[int] = set()  # engines a tail regroup made: their requests are priced apart
 
     def _running(self, e: int, at: float) -> np.ndarray:
@@ -259,6 +258,8 @@ class _Tail:
         """Every engine still decoding at `at` (seconds into the window) reports it."""
         pipe = self.pipe
         now = at - self.penalty
+        if now < self.queue_empty_s:
+            return  # requests are still queued: no engine says its queue is empty
         for e in sorted(self.groups):
             if e in self.wide or self.finish[e] <= at:
                 continue
@@ -274,15 +275,14 @@ class _Tail:
         """If the core just started a tail regroup: price the rest of the busy engine's requests
         on the wider engine (its ops are answered at once; the switch is charged here)."""
         pipe = self.pipe
-        fl = pipe.state.inflight
-        if fl is None or fl.plan.resize_id not in pipe._tail_in or fl.plan.resize_id in self.applied:
+        if not pipe._tail_pending:
             return
-        rid = fl.plan.resize_id
-        self.applied.add(rid)
-        undo = pipe.state.tail_undo
+        plan, undo = pipe._tail_pending.pop(0)
         leader = {g[0]: e for e, g in self.groups.items()}
+        if undo[0][0] not in leader:
+            return
         b = leader[undo[0][0]]
-        merged = [leader[g[0]] for g in undo[1:]]
+        merged = [leader[g[0]] for g in undo[1:] if g[0] in leader]  # the rest: trainers lent for the tail
         pipe._ack_until(self.start + at)  # the regroup commits: the core knows the wide engine
         profile = pipe.model.profile
         now = at - self.penalty
@@ -291,7 +291,7 @@ class _Tail:
             r = (self.schedule.done_s[run] - now) / self.pace[b]  # tokens left, each running request
             g = self.lengths[run] - r
             p = self.prompts[run] + g
-            wide = profile.rollout.at_tp(len(fl.plan.devices))
+            wide = profile.rollout.at_tp(len(plan.devices))
             tail = profile.resize.tail
             prefill = 0.0 if tail.kv_moved else float(p.sum())
             seconds = float(busy_s(wide, np.array(float(r.max())), np.array(float(r.sum())),
@@ -299,7 +299,7 @@ class _Tail:
             new = at + tail.switch_s + seconds
             pipe.tail_regroups.append((self.w, float(self.finish[b]) - new))
             self.finish[b] = new
-        self.groups[b] = sorted(fl.plan.devices, key=pipe.index.__getitem__)
+        self.groups[b] = sorted(plan.devices, key=pipe.index.__getitem__)
         for e in merged:
             del self.groups[e]
         self.idle_at[:] = sorted([(t, e) for t, e in self.idle_at if e != b] + [(float(self.finish[b]), b)])
@@ -386,8 +386,10 @@ class DynamicPipeline:
         self._schedule_w: EngineSchedule | None = None  # the window's rollout on them, request by request
         self._arrived: list[tuple[str, ...]] = []  # devices resizes brought to the rollout, engines to form
         self._tail_in: set[str] = set()  # tail regroups (the policy's, inside a step)
+        self._tail_pending: list[tuple[ResizePlan, tuple[tuple[str, ...], ...]]] = []  # started, not yet priced
         self._tail_out: set[str] = set()  # their ways back at the step boundary
         self.tail_regroups: list[tuple[int, float]] = []  # (window, seconds its rollout ended sooner)
+        self._tail_landed: float | None = None  # seconds into the window the last loan to the rollout landed
 
     def _tail_costs(self) -> TailCosts:
         """What the policy estimates a tail regroup with: the profile's switch and way back, and
@@ -424,6 +426,7 @@ class DynamicPipeline:
         for fact in facts:
             if isinstance(fact, f.RegroupStarted) and fact.undo:
                 self._tail_in.add(fact.plan.resize_id)
+                self._tail_pending.append((fact.plan, fact.undo))
             elif isinstance(fact, f.RegroupStarted) and fact.source == "tail":
                 self._tail_out.add(fact.plan.resize_id)
             if isinstance(fact, f.ResizeCommitted) and self.model.profile.rollout.gpus_per_engine > 1:
@@ -628,7 +631,8 @@ class DynamicPipeline:
             return rollout_s, 0.0, lent, served
         idle_at = sorted((float(finish[e]), e) for e in range(engines))
         groups = {e: rollout_devs[e * gpe:(e + 1) * gpe] for e in range(engines)}
-        tail = (_Tail(self, w, start, finish, groups, late, idle_at) if self.tails and w < model.steps and engines > 1
+        self._tail_pending.clear()
+        tail = (_Tail(self, w, start, finish, groups, late, idle_at) if self.tails and w < model.steps and engines >= 1
                 else None)
         idle_devices: set[str] = set()
 
@@ -664,6 +668,8 @@ class DynamicPipeline:
                 # what verl's rule reads after training: the samples of the next batch done
                 self._report_progress(w, start, self._home_engines, self._schedule_w,
                                       self._penalty[Pool.ROLLOUT], -math.inf, t_end, snapshot=True)
+            if j == mbs and w < model.steps and tail is not None:
+                tail.refresh(t_end)  # the engines still decoding say how far they are
             self._feed(ev.MiniBatchDone(at=start + t_end, worker_id=reporter, step=w - 1, done=j, total=mbs))
             if j == mbs and w < model.steps:  # training done: its trainers may serve the rollout
                 if tail is not None:
@@ -672,7 +678,14 @@ class DynamicPipeline:
                                                                 t_end)
                 lent += more
                 if more and tail is not None:
-                    tail = None  # trainers pull the step's queue now: the tail's timeline no longer holds
+                    landed = self._tail_landed
+                    if landed is not None and landed - tail.penalty >= tail.queue_empty_s:
+                        # lent for the tail, into an empty queue: they pulled nothing, and join it
+                        tail.apply(landed)
+                        rollout_s = tail.rollout_s()
+                        served = rollout_s * len(rollout_devs) + more * max(rollout_s - landed, 0.0)
+                    else:
+                        tail = None  # trainers pull the step's queue now: the tail's timeline no longer holds
             self._ack_until(start + t_end)
             if j < mbs:
                 self._finish_joins(start + t_end)
@@ -707,6 +720,7 @@ class DynamicPipeline:
         device-seconds that served it, and the devices lent."""
         served = rollout_s * home_devices
         penalty = self._penalty[Pool.ROLLOUT]
+        self._tail_landed = None
         landed = self._rollout_loan_landed()
         if landed is None:
             self._report_rest(w, start, self._home_engines, self._schedule_w, penalty, since)
@@ -714,6 +728,7 @@ class DynamicPipeline:
         at, devices = landed
         model = self.model
         ready = at - start
+        self._tail_landed = ready  # read by a tail regroup the landing started (`_window_with_loans`)
         extra = model.engines(len(devices))
         gpe = model.profile.rollout.gpus_per_engine
         lent_engines = [engine_id(self.index[d]) for d in devices[::gpe][:extra]]

@@ -572,20 +572,24 @@ class StageModel:
         done_s = start[placement] + (done_at - offsets[placement]) / span[placement] * busy[placement]
         return EngineSchedule(placement=placement, done_s=done_s, finish_s=start + busy)
 
-    def pull_timeline(self, i: int, engines: int, late_s: np.ndarray) -> tuple[EngineSchedule, np.ndarray, np.ndarray]:
+    def pull_timeline(self, i: int, engines: int, late_s: np.ndarray) -> tuple[EngineSchedule, np.ndarray, np.ndarray,
+                                                                                float]:
         """Step i's pull-routed rollout request by request (`engine_schedule`), with each
-        request's start (seconds after the step starts) and each engine's pace (seconds per
-        iteration over its busy time, as `done_s` is interpolated): what a tail regroup needs to
-        know of the requests an engine still runs at a moment."""
+        request's start (seconds after the step starts), each engine's pace (seconds per
+        iteration over its busy time, as `done_s` is interpolated), and when the step's queue
+        empties, in the seconds a late engine's offset is counted in (a full batch's iteration:
+        an engine lent in before then still pulls a request): what a tail regroup needs to know
+        of the requests an engine still runs at a moment."""
         schedule = self.engine_schedule(i, engines, late_s)
         lengths = self.trace.steps[i].response_tokens
         full_iter = self._full_iter_s(i)
         offsets = [int(x / full_iter) for x in late_s] if late_s.any() else None
-        _, _, tau = pull_schedule(lengths, engines, int(self.batch_limit[i]), offsets)
+        _, done_at, tau = pull_schedule(lengths, engines, int(self.batch_limit[i]), offsets)
         first = np.zeros(engines) if offsets is None else np.array(offsets, dtype=np.float64)
         pace = (schedule.finish_s - late_s) / np.maximum(tau - first, 1e-12)
         start_s = schedule.done_s - lengths.astype(np.float64) * pace[schedule.placement]
-        return schedule, start_s, pace
+        queue_empty_s = (float((done_at - lengths).max()) + 1.0) * full_iter
+        return schedule, start_s, pace, queue_empty_s
 
     def _intervened(self, i: int, engines: int, start: np.ndarray, stop_at_s: float | None,
                     stopping: frozenset[int], rebalance_at_s: float | None) -> EngineSchedule:

@@ -89,14 +89,38 @@ def test_a_tail_regroup_that_does_not_pay_is_refused_and_changes_nothing():
     assert tailed.total_time_s == plain.total_time_s
 
 
-def test_engines_already_the_widest_allowed_have_nothing_to_regroup_into():
-    # TP-4 engines at 4:4, the plan search's start on qwen3-8b-h20x8: one engine, none wider
+def test_trainers_whose_step_is_done_join_the_tails_engine_and_go_home_after_it_is_undone():
+    # TP-4 engines at 4:4, the plan search's start on qwen3-8b-h20x8: one rollout engine, so only
+    # the trainers, lent to the rollout once their step is done, can make it wider (TP-8)
     wide = PROFILE.with_layout(4, Split(4, 4))
-    trace = scenario_trace("noisy", scenario_shape(wide), seed=0, steps=20)
-    _, tailed = run(trace, tails=True, profile=wide)
+    trace = scenario_trace("noisy", scenario_shape(wide), seed=0, steps=200)
+    pipe, tailed = run(trace, tails=True, profile=wide)
     _, plain = run(trace, tails=False, profile=wide)
-    assert tailed.total_time_s == plain.total_time_s
-    assert not [x for x in tailed.facts if isinstance(x, f.RegroupStarted) and x.undo]
+    facts = list(tailed.facts)
+    loans = [k for k, x in enumerate(facts) if isinstance(x, f.LoanStarted) and "for the tail" in x.reason]
+    assert len(loans) >= 5 and len(pipe.tail_regroups) == len(loans)
+    trainers = {f"node0:gpu{i}" for i in range(4)}
+    for k in loans:
+        loan = facts[k]
+        assert loan.plan.to_pool.value == "rollout" and set(loan.plan.devices) == trainers
+        # it lands, the tail's engine takes the lent devices, and at the boundary it is undone
+        # first, then the trainers go home
+        after = facts[k:]
+        i = next(j for j, x in enumerate(after) if isinstance(x, f.RegroupStarted))
+        wide_started = after[i]
+        assert any(isinstance(x, f.LoanLanded) for x in after[:i])
+        assert wide_started.undo[0] == tuple(f"node0:gpu{i}" for i in range(4, 8))
+        assert set(wide_started.undo[1:]) == {(d,) for d in trainers}
+        assert [len(g) for g in wide_started.plan.engines] == [8]
+        j = next(j for j, x in enumerate(after) if isinstance(x, f.RegroupStarted) and x.source == "tail")
+        back = next(j for j, x in enumerate(after) if isinstance(x, f.LoanReturnStarted))
+        assert i < j < back
+        assert sorted(after[j].plan.engines, key=len) == [(d,) for d in sorted(trainers)] + [wide_started.undo[0]]
+    assert all(saved > 0 for _, saved in pipe.tail_regroups)
+    assert tailed.total_time_s < plain.total_time_s / 1.005
+    s = tailed.state
+    assert s.engine_of("node0:gpu4") == tuple(f"node0:gpu{i}" for i in range(4, 8)) and not s.lent_devices()
+    assert fold(tailed.facts).durable() == tailed.state.durable()
 
 
 def _view(**kw) -> LoanView:
@@ -132,3 +156,21 @@ def test_the_policy_regroups_only_what_pays_and_only_as_far_as_the_rollout_ends_
     assert check_tail(_view(mini_batch_done=6), late, GuardConfig()).guard == "tail_payback"
     assert load_policy("hysteresis").propose_tail(_view()) is None  # off unless asked
     assert policy.propose_tail(_view(tail_costs=None)) is None  # the daemon: no tail costs
+
+
+def test_trainers_are_lent_for_a_tail_only_when_the_queue_is_empty_and_it_pays():
+    policy = load_policy("hysteresis", {"tail_regroup": True})
+    costs = TailCosts(switch_s=2.0, back_s=1.0, widths=(1, 2, 4), base_s=(0.01, 0.007, 0.005),
+                      per_request_s=(0.002, 0.001, 0.0005))
+    view = _view(idle_engines=(), free_trainers=("d0", "d1", "d2"), tail_costs=costs)
+    loan = policy.propose_loan(view)
+    assert loan is not None and loan.to_pool == "rollout" and loan.devices == ("d0", "d1", "d2")
+    assert "for the tail of rollout step 3" in loan.reason and loan.saves_s > loan.cost_s
+    assert policy.propose_loan(_view(idle_engines=(), free_trainers=("d0",), tail_costs=costs,
+                                     tail_open=True)) is None  # a tail's engine already serves
+    # once they have landed, the tail regroup takes them
+    landed = _view(idle_engines=(), lent_to_rollout=("d0", "d1", "d2"), tail_costs=costs)
+    p = policy.propose_tail(landed)
+    assert p is not None and p.devices == ("d6", "d0", "d1", "d2") and check_tail(landed, p, GuardConfig()) is None
+    # without the option, trainers are lent to the rollout only while its queue holds requests
+    assert load_policy("hysteresis").propose_loan(view) is None
