@@ -33,6 +33,9 @@ def test_demo_moves_devices_to_the_slow_stage_and_beats_the_static_split() -> No
         assert summary["steps"] == 30
         assert summary["resizes"] >= 1 and summary["final_split"] in ("4:4", "3:5")
         assert summary["speedup_vs_static_split"] > 1.2
+        # and against what an operator would pick by hand, engine size included (TP-4 at 4:4)
+        assert summary["best_static_config"] == "4:4/TP-4"
+        assert summary["best_static_config_total_time_s"] < summary["static_total_time_s"]
         # shown live, with its reason; its target comes from measured steps, which loans shorten
         assert re.search(r"resize r1 started: 6:2 -> (4:4|3:5)", result.stderr), result.stderr[-3000:]
         assert "resize r1 prediction: step" in result.stderr  # checked against what was measured

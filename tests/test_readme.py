@@ -29,6 +29,8 @@ DEMO_LINES = [
     r"  simulated time with \S+: +[\d.]+ h",
     r"  on the static split \d+:\d+: +[\d.]+ h  \(dynamic is [\d.]+x faster\)",
     r"  on the best static split \d+:\d+ \(chosen with hindsight, same \S+ router\): [\d.]+ h  \([\d.]+x\)",
+    r"  on the best static configuration \d+:\d+/TP-\d+ \(split x engine size, hindsight\): [\d.]+ h  "
+    r"\([\d.]+x(; below 1: the demo's engines are one device each, `dynaresized plan` says where to start)?\)",
     r"  idle (rollout |training) +([\d.]+%|unknown) of its device time \([\d.]+ of [\d.]+ device-hours; "
     r"\d+ steps accounted, \d+ unknown\)",
     r"  wall time [\d.]+s.*",
@@ -55,8 +57,10 @@ def test_the_readme_demo_numbers_are_the_samples() -> None:
     sample = "\n".join(demo_sample())
     vs_static = re.search(r"dynamic is ([\d.]+)x faster", sample).group(1)
     best_split, vs_best = re.search(r"best static split (\d+:\d+) .*\(([\d.]+)x\)", sample).groups()
+    config, vs_config = re.search(r"best static configuration (\S+) .*\(([\d.]+)x", sample).groups()
     row = next(x for x in README.splitlines() if x.startswith("| `make demo` above"))
     assert f"{vs_best}× the best static split {best_split}; {vs_static}× the 6:2 start" in row
+    assert f"{vs_config}× the best static configuration {config}" in row
 
 
 @pytest.mark.slow  # 18 simulator runs
