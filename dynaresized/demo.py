@@ -178,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
     say("")
     say(f"done: {summary['steps']} steps, {summary['resizes']} resize(s), final split {summary['final_split']}, "
         f"{summary['loans']} loan(s) of idle devices inside steps ({summary['devices_lent']} device-steps)")
+    if not dynamic:  # nothing ran: say where to look, not a division by zero
+        say(f"dynaresized demo: no step finished; the leader's log: {root / 'device0.log'}, the daemon's: "
+            f"{root / 'daemon.log'}")
+        return 1
     say(f"  simulated time with {args.policy}: {dynamic / 3600:7.2f} h")
     say(f"  on the static split {initial}:     {static_initial / 3600:7.2f} h  "
         f"(dynamic is {static_initial / dynamic:.2f}x faster)")

@@ -373,22 +373,28 @@ def on_step_steady(core: Core, tx: _Tx, e: ev.StepReported) -> None:
         _tail_back(core, tx, e.at)
         if tx.state.inflight is not None:
             return  # the policy is asked once the engines are back (`_after_tail_back`)
+    _boundary(core, tx, e.at, e.timing.step)
+
+
+def _boundary(core: Core, tx: _Tx, at: float, step: int, why: str = "") -> None:
+    """A step boundary's work: lent devices go home, and the policy has its say on step `step`
+    (a resize it proposes starts once they are home; paused or stopping, it is not asked)."""
     s = tx.state
     lent = s.lent_devices()
     if s.paused or s.stopping:
         if lent:
-            _return_loans(core, tx, e.at, None, "")
+            _return_loans(core, tx, at, None, "", why=why)
         return
-    view = core.view(s, e.at)
+    view = core.view(s, at)
     proposal = core.policy(view)
     if lent:
-        _return_loans(core, tx, e.at, proposal, core.policy.name)
+        _return_loans(core, tx, at, proposal, core.policy.name, why=why)
         return
     if proposal is None:
-        why = getattr(core.policy, "last_reason", "") or "the policy proposed no resize"
-        tx.emit(f.PolicyHeld(at=e.at, source=core.policy.name, step=e.timing.step, split=s.split, reason=why))
+        held = getattr(core.policy, "last_reason", "") or "the policy proposed no resize"
+        tx.emit(f.PolicyHeld(at=at, source=core.policy.name, step=step, split=s.split, reason=held))
         return
-    _decide(core, tx, view, proposal, core.policy.name, hysteresis=core.policy.guarded, at=e.at)
+    _decide(core, tx, view, proposal, core.policy.name, hysteresis=core.policy.guarded, at=at)
 
 
 def on_step_observe(core: Core, tx: _Tx, e: ev.StepReported) -> None:
@@ -1231,26 +1237,9 @@ def _consider_tail(core: Core, tx: _Tx, at: float) -> None:
 
 
 def _after_tail_back(core: Core, tx: _Tx, at: float) -> None:
-    """The step boundary's work, put off while the tail's engine was undone: trainers lent into
-    it go home, and the policy has its say on the step (a resize it proposes starts once they
-    are home, as at any boundary)."""
-    s = tx.state
-    if s.inflight is not None or s.stopping:
-        return
-    if s.paused:
-        if s.lent_devices():
-            _return_loans(core, tx, at, None, "", why="the tail's engine is undone")
-        return
-    view = core.view(s, at)
-    proposal = core.policy(view)
-    if s.lent_devices():
-        _return_loans(core, tx, at, proposal, core.policy.name, why="the tail's engine is undone")
-        return
-    if proposal is None:
-        why = getattr(core.policy, "last_reason", "") or "the policy proposed no resize"
-        tx.emit(f.PolicyHeld(at=at, source=core.policy.name, step=s.last_step, split=s.split, reason=why))
-        return
-    _decide(core, tx, view, proposal, core.policy.name, hysteresis=core.policy.guarded, at=at)
+    """The step boundary's work, put off while the tail's engine was undone (`_boundary`)."""
+    if tx.state.inflight is None:
+        _boundary(core, tx, at, tx.state.last_step, why="the tail's engine is undone")
 
 
 def _tail_open(s: ClusterState) -> bool:
