@@ -410,7 +410,7 @@ def on_progress(core: Core, tx: _Tx, e: ev.ProgressReported) -> None:
     # once enough samples are done) is asked after every report.
     s = tx.state
     ask = getattr(core.policy, "observe_progress", None)
-    if ask is None or s.phase is not Phase.STEADY or s.inflight is not None or s.paused or s.stopping:
+    if ask is None or not _free_to_plan(s):
         return
     why = ask(loan_view(core, s, e.at))
     if why and s.lent_devices():
@@ -1155,7 +1155,7 @@ def loan_view(core: Core, state: ClusterState, now: float) -> LoanView:
     last = core.config.steps_total is not None and rollout_step >= core.config.steps_total
     free = trainers if done and not last else ()
     samples_done, samples_total = state.samples(rollout_step)
-    return LoanView(
+    view = LoanView(
         now=now,
         split=state.split,
         idle_engines=idle,
@@ -1171,6 +1171,11 @@ def loan_view(core: Core, state: ClusterState, now: float) -> LoanView:
         rollout_step=rollout_step,
         samples_done=samples_done,
         samples_total=samples_total,
+    )
+    if core.config.tail_costs is None:
+        return view  # the daemon: no tail regroups, and no scan of every device for lent ones per report
+    return msgspec.structs.replace(
+        view,
         tails=tuple(EngineTail(devices=state.engine_of(d), running=n, tokens_left=left, at=t)
                     for d, n, left, t in state.tails if state.dry_step == rollout_step),
         tail_costs=core.config.tail_costs,
@@ -1186,10 +1191,15 @@ def _loan_costs(core: Core, state: ClusterState, to_pool: Pool) -> LoanCosts:
     return core.config.loan_costs.learned(state.loan_times, to_pool)
 
 
+def _free_to_plan(s: ClusterState) -> bool:
+    """Steady, nothing in flight, neither paused nor stopping: a loan or a tail regroup may start."""
+    return s.phase is Phase.STEADY and s.inflight is None and not s.paused and not s.stopping
+
+
 def _consider_loan(core: Core, tx: _Tx, at: float) -> None:
     s = tx.state
     lend = getattr(core.policy, "propose_loan", None)
-    if lend is None or s.phase is not Phase.STEADY or s.inflight is not None or s.paused or s.stopping:
+    if lend is None or not _free_to_plan(s):
         return
     view = loan_view(core, s, at)
     proposal: LoanProposal | None = lend(view)
@@ -1215,8 +1225,7 @@ def _consider_tail(core: Core, tx: _Tx, at: float) -> None:
     regroup when the guard lets it (its saving over its cost, as a loan's)."""
     s = tx.state
     propose = getattr(core.policy, "propose_tail", None)
-    if (propose is None or core.config.tail_costs is None or s.phase is not Phase.STEADY or s.inflight is not None
-            or s.paused or s.stopping or _tail_open(s)):
+    if propose is None or core.config.tail_costs is None or not _free_to_plan(s) or _tail_open(s):
         return
     view = loan_view(core, s, at)
     proposal: TailProposal | None = propose(view)
@@ -1253,10 +1262,10 @@ def _tail_back(core: Core, tx: _Tx, at: float) -> None:
     s = tx.state
     if not s.tail_due or s.inflight is not None or s.phase is not Phase.STEADY or s.stopping:
         return
-    undo = s.tail_undo
-    devices = tuple(d for group in undo for d in group)
     if not _tail_open(s):
         return  # already those engines (the tail regroup was rolled back)
+    undo = s.tail_undo
+    devices = tuple(d for group in undo for d in group)
     plan = plan_regroup(s, devices, len(undo[0]), lent_ok=True, engines=undo)
     if isinstance(plan, str):
         _reject(tx, at, "tail", None, "regroup", f"the tail's engine cannot be regrouped back yet: {plan}")

@@ -267,9 +267,7 @@ class _Tail:
             if not run.any():
                 continue
             left = int(math.ceil(float(((self.schedule.done_s[run] - now) / self.pace[e]).max())))
-            for d in self.groups[e]:
-                pipe._feed(ev.EngineQueueEmpty(at=self.start + at, worker_id=engine_id(pipe.index[d]), step=self.w,
-                                               running=int(run.sum()), tokens_left=left))
+            pipe._queue_empty(self.start + at, self.groups[e], self.w, int(run.sum()), left)
 
     def apply(self, at: float) -> None:
         """If the core just started a tail regroup: price the rest of the busy engine's requests
@@ -509,6 +507,13 @@ class DynamicPipeline:
         self._seq += 1
         heapq.heappush(self._acks, _Ack(now + seconds, self._seq, command.worker_id, op.op_id))
 
+    def _queue_empty(self, at: float, devices: list[str], step: int, running: int = 0, tokens_left: int = 0) -> None:
+        """The engine on `devices` (each device's engine worker) says step `step`'s queue is empty,
+        with `running` requests still decoding (0: it has run dry)."""
+        for d in devices:
+            self._feed(ev.EngineQueueEmpty(at=at, worker_id=engine_id(self.index[d]), step=step, running=running,
+                                           tokens_left=tokens_left))
+
     def _ack_until(self, until: float) -> None:
         while self._acks and self._acks[0].at <= until:
             ack = heapq.heappop(self._acks)
@@ -645,9 +650,7 @@ class DynamicPipeline:
                 if tail is not None:
                     tail.refresh(at)
                 idle_devices.update(groups[e])
-                for d in groups[e]:
-                    self._feed(ev.EngineQueueEmpty(at=start + at, worker_id=engine_id(self.index[d]), step=w,
-                                                   running=0, tokens_left=0))
+                self._queue_empty(start + at, groups[e], w)
                 if tail is not None:
                     tail.apply(at)
 

@@ -541,36 +541,44 @@ class StageModel:
         `stop_at_s` and every running request is redistributed at `rebalance_at_s`
         (`Intervention`). A request's finish is interpolated over its engine's busy time by the
         iteration it finishes at."""
-        r = self.profile.rollout
+        start = np.zeros(engines) if late_s is None else np.asarray(late_s, dtype=np.float64)
+        if self.router == "pull":
+            if stop_at_s is not None or rebalance_at_s is not None:
+                return self._intervened(i, engines, start, stop_at_s, stopping, rebalance_at_s)
+            return self._pull_schedule(i, engines, start)[0]
+        lengths = self.trace.steps[i].response_tokens
+        slots = int(self.batch_limit[i])
+        placement = placement_at_submission(lengths.shape[0], engines, self.router)
+        done_at = np.empty(lengths.shape[0], dtype=np.float64)
+        tau = np.zeros(engines)
+        for e in range(engines):
+            mine = np.flatnonzero(placement == e)
+            done_at[mine] = fifo_done(lengths[mine].tolist(), slots)
+            tau[e] = done_at[mine].max() if mine.size else 0.0
+        busy = self._submitted_busy(i, engines)
+        span = np.maximum(tau, 1e-12)
+        done_s = start[placement] + done_at / span[placement] * busy[placement]
+        return EngineSchedule(placement=placement, done_s=done_s, finish_s=start + busy)
+
+    def _pull_schedule(self, i: int, engines: int, start: np.ndarray) -> tuple[EngineSchedule, np.ndarray, float]:
+        """`engine_schedule` with the pull router and no intervention, with each engine's
+        iterations (from its offset to its last request's end, at least 1e-12) and the
+        iteration at which the step's last request is pulled."""
         b = self.trace.steps[i]
         lengths = b.response_tokens
-        slots = int(self.batch_limit[i])
-        start = np.zeros(engines) if late_s is None else np.asarray(late_s, dtype=np.float64)
-        if self.router == "pull" and (stop_at_s is not None or rebalance_at_s is not None):
-            return self._intervened(i, engines, start, stop_at_s, stopping, rebalance_at_s)
-        if self.router != "pull":
-            placement = placement_at_submission(lengths.shape[0], engines, self.router)
-            done_at = np.empty(lengths.shape[0], dtype=np.float64)
-            tau = np.zeros(engines)
-            for e in range(engines):
-                mine = np.flatnonzero(placement == e)
-                done_at[mine] = fifo_done(lengths[mine].tolist(), slots)
-                tau[e] = done_at[mine].max() if mine.size else 0.0
-            offsets = np.zeros(engines)
-            busy = self._submitted_busy(i, engines)
-        else:
-            full_iter = self._full_iter_s(i)
-            offsets_list = [int(x / full_iter) for x in start] if start.any() else None
-            placement, done_int, tau = pull_schedule(lengths, engines, slots, offsets_list)
-            done_at = done_int.astype(np.float64)
-            offsets = np.zeros(engines) if offsets_list is None else np.array(offsets_list, dtype=np.float64)
-            lf = lengths.astype(np.float64)
-            pf = b.prompt_tokens.astype(np.float64)
-            busy = busy_s(r, tau - offsets, np.bincount(placement, lf, engines),
-                          np.bincount(placement, contexts(pf, lf), engines), np.bincount(placement, pf, engines))
+        full_iter = self._full_iter_s(i)
+        offsets_list = [int(x / full_iter) for x in start] if start.any() else None
+        placement, done_int, tau = pull_schedule(lengths, engines, int(self.batch_limit[i]), offsets_list)
+        done_at = done_int.astype(np.float64)
+        offsets = np.zeros(engines) if offsets_list is None else np.array(offsets_list, dtype=np.float64)
+        lf = lengths.astype(np.float64)
+        pf = b.prompt_tokens.astype(np.float64)
+        busy = busy_s(self.profile.rollout, tau - offsets, np.bincount(placement, lf, engines),
+                      np.bincount(placement, contexts(pf, lf), engines), np.bincount(placement, pf, engines))
         span = np.maximum(tau - offsets, 1e-12)
         done_s = start[placement] + (done_at - offsets[placement]) / span[placement] * busy[placement]
-        return EngineSchedule(placement=placement, done_s=done_s, finish_s=start + busy)
+        last_pulled = float((done_int - lengths).max())
+        return EngineSchedule(placement=placement, done_s=done_s, finish_s=start + busy), span, last_pulled
 
     def pull_timeline(self, i: int, engines: int, late_s: np.ndarray) -> tuple[EngineSchedule, np.ndarray, np.ndarray,
                                                                                 float]:
@@ -580,16 +588,10 @@ class StageModel:
         empties, in the seconds a late engine's offset is counted in (a full batch's iteration:
         an engine lent in before then still pulls a request): what a tail regroup needs to know
         of the requests an engine still runs at a moment."""
-        schedule = self.engine_schedule(i, engines, late_s)
-        lengths = self.trace.steps[i].response_tokens
-        full_iter = self._full_iter_s(i)
-        offsets = [int(x / full_iter) for x in late_s] if late_s.any() else None
-        _, done_at, tau = pull_schedule(lengths, engines, int(self.batch_limit[i]), offsets)
-        first = np.zeros(engines) if offsets is None else np.array(offsets, dtype=np.float64)
-        pace = (schedule.finish_s - late_s) / np.maximum(tau - first, 1e-12)
-        start_s = schedule.done_s - lengths.astype(np.float64) * pace[schedule.placement]
-        queue_empty_s = (float((done_at - lengths).max()) + 1.0) * full_iter
-        return schedule, start_s, pace, queue_empty_s
+        schedule, span, last_pulled = self._pull_schedule(i, engines, late_s)
+        pace = (schedule.finish_s - late_s) / span
+        start_s = schedule.done_s - self.trace.steps[i].response_tokens.astype(np.float64) * pace[schedule.placement]
+        return schedule, start_s, pace, (last_pulled + 1.0) * self._full_iter_s(i)
 
     def _intervened(self, i: int, engines: int, start: np.ndarray, stop_at_s: float | None,
                     stopping: frozenset[int], rebalance_at_s: float | None) -> EngineSchedule:
