@@ -248,6 +248,7 @@ class _Tail:
         self.lengths = model.trace.steps[w].response_tokens.astype(np.float64)
         self.prompts = model.trace.steps[w].prompt_tokens.astype(np.float64)
         self.wide: set[int] = set()  # engines a tail regroup made: their requests are priced apart
+        self.lent: tuple[int, float] = (0, 0.0)  # (devices, seconds into the window) lent into the tail's engine
 
     def _running(self, e: int, at: float) -> np.ndarray:
         """Requests engine e runs at `at` (seconds into the window, before the penalty)."""
@@ -305,6 +306,12 @@ class _Tail:
 
     def rollout_s(self) -> float:
         return float(max(self.finish[e] for e in self.groups))
+
+    def served(self, rollout_s: float, home_devices: int) -> float:
+        """Device-seconds that served the rollout: the home pool's, and the trainers lent into
+        the tail's engine from when they landed."""
+        devices, landed = self.lent
+        return rollout_s * home_devices + devices * max(rollout_s - landed, 0.0)
 
 
 class DynamicPipeline:
@@ -685,8 +692,7 @@ class DynamicPipeline:
                     if landed is not None and landed - tail.penalty >= tail.queue_empty_s:
                         # lent for the tail, into an empty queue: they pulled nothing, and join it
                         tail.apply(landed)
-                        rollout_s = tail.rollout_s()
-                        served = rollout_s * len(rollout_devs) + more * max(rollout_s - landed, 0.0)
+                        tail.lent = (more, landed)
                     else:
                         tail = None  # trainers pull the step's queue now: the tail's timeline no longer holds
             self._ack_until(start + t_end)
@@ -709,7 +715,7 @@ class DynamicPipeline:
             # still be regrouped, until it ends
             dry(math.inf)
             rollout_s = tail.rollout_s()
-            served = rollout_s * len(rollout_devs)
+            served = tail.served(rollout_s, len(rollout_devs))
         train_s = t
         return rollout_s, train_s, lent, served
 
