@@ -413,6 +413,8 @@ def validate(p: Profile, source: str = "profile") -> None:
         raise ProfileError(f"{source}: training.mini_batches_per_step must be >= 1")
     if any(v < 0 for v in msgspec.structs.astuple(p.loan)):
         raise ProfileError(f"{source}: loan costs must be >= 0")
+    if p.resize.tail.switch_s < 0 or p.resize.tail.back_s < 0:
+        raise ProfileError(f"{source}: resize.tail.switch_s and back_s must be >= 0")
     w = p.workload
     if w.samples_per_step < 1 or w.samples_per_prompt < 1 or w.max_response_tokens < 1:
         raise ProfileError(f"{source}: workload sizes must be >= 1")

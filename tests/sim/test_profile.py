@@ -46,6 +46,12 @@ def test_bad_values_are_rejected(tmp_path):
     path.write_text(text.replace("gpus_per_node = 8", 'gpus_per_node = 8\ncandidates = ["6:2", "3:4"]'))
     with pytest.raises(ProfileError, match="3:4"):
         load_profile(path)
+    path.write_text(text + "\n[resize.tail]\nswitch_s = -2.0\n")
+    with pytest.raises(ProfileError, match="resize.tail.switch_s and back_s must be >= 0"):
+        load_profile(path)
+    path.write_text(text + "\n[resize.tail]\nswitch_s = 0.5\nkv_moved = false\n")
+    tail = load_profile(path).resize.tail
+    assert (tail.switch_s, tail.back_s, tail.kv_moved) == (0.5, 1.0, False)
 
 
 def test_with_gpus_keeps_the_training_share():
