@@ -41,8 +41,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import heapq
 import math
 import os
+import random
 import resource
 import secrets
 import signal
@@ -201,9 +203,10 @@ def host_main(args: dict[str, Any]) -> int:
             s.setsockopt(zmq.IDENTITY, f"{wid}#{process}".encode())
             s.setsockopt(zmq.LINGER, 0)
             s.connect(endpoint)
-            workers.append({"id": wid, "kind": kind, "device": device, "process": process, "sock": s,
+            workers.append({"index": len(workers), "id": wid, "kind": kind, "device": device, "process": process, "sock": s,
                             "secret": secrets.token_hex(16), "token": "", "seq": 0, "sent": {},
-                            "acked": -math.inf, "asked": -math.inf, "reported": -math.inf})
+                            "acked": -math.inf, "asked": -math.inf, "reported": -math.inf,
+                            "incarnation": 0, "backoff": 0.0})
     by_sock = {w["sock"]: w for w in workers}
     poller = zmq.Poller()
     for w in workers:
@@ -214,6 +217,30 @@ def host_main(args: dict[str, Any]) -> int:
                                           devices=(w["device"],), pid=os.getpid(), process=w["process"],
                                           secret=w["secret"])))
         w["hello_at"] = time.monotonic()
+
+    # Re-registration as our client does it (`DynaresizeClient._reregister`): a worker the daemon
+    # forgot stops sending, says hello once, and again only if no welcome came, after a pause
+    # that doubles (with jitter) up to a quarter of the heartbeat timeout. A hello for every
+    # refused message multiplied the hellos of a slow daemon (each a new registration whose
+    # token made the next messages stale: 172,000 refusals in one run at 4,096 devices).
+    rehellos: list[tuple[float, int]] = []  # (when, worker index): hellos due
+
+    def forgotten(w: dict[str, Any], now: float) -> None:
+        if not w["token"]:
+            return  # already saying hello again
+        w["token"], w["backoff"] = "", 0.1
+        heapq.heappush(rehellos, (now, w["index"]))
+
+    def rehello_due(now: float) -> None:
+        while rehellos and rehellos[0][0] <= now:
+            _, i = heapq.heappop(rehellos)
+            w = workers[i]
+            if w["token"]:
+                continue  # welcomed meanwhile
+            hello(w)
+            w["backoff"] = min(w["backoff"] * 2, HEARTBEAT_TIMEOUT_S / 4)
+            # no welcome within twice the interval: again, after the pause (as the client)
+            heapq.heappush(rehellos, (now + max(HEARTBEAT_S * 2, 1.0) + random.uniform(0.5, 1.0) * w["backoff"], i))
 
     rtts: list[float] = []
     errors: dict[str, int] = {}
@@ -242,12 +269,14 @@ def host_main(args: dict[str, Any]) -> int:
                     sock.send(encoder(wire.OpResult(worker_id=w["id"], op_id=msg.op_id, ok=True, token=w["token"])))
                     ops_answered += 1
                 elif type(msg) is wire.Welcome:
-                    w["token"] = msg.token
+                    if msg.incarnation >= w["incarnation"]:  # several hellos answered: the newest is current
+                        w["token"], w["incarnation"] = msg.token, msg.incarnation
                     w["acked"] = time.monotonic()
                 elif type(msg) is wire.Error:
                     errors[msg.reason or msg.code.value] = errors.get(msg.reason or msg.code.value, 0) + 1
-                    if msg.reason in ("stale_token", "not_registered", "missing_token"):
-                        hello(w)
+                    if (msg.reason in ("stale_token", "not_registered", "missing_token")
+                            and (not msg.token or msg.token == w["token"])):  # not a copy sent before a welcome
+                        forgotten(w, time.monotonic())
 
     for w in workers:
         hello(w)
@@ -269,9 +298,12 @@ def host_main(args: dict[str, Any]) -> int:
         # heartbeats and progress spread evenly over their interval, as independent processes
         # would; a worker's beat half an interval after its report (not at the same instant)
         due = int(((now - t0) / HEARTBEAT_S - 0.5) * len(workers))
+        rehello_due(now)
         while hb_sent < due:
             w = workers[hb_sent % len(workers)]
             hb_sent += 1
+            if not w["token"]:
+                continue  # saying hello again: no beats meanwhile (as the client)
             # as our client does: no beat after another message within the interval unless an
             # answer is due (the last ack, and the last ask, came a quarter of the heartbeat
             # timeout ago)
@@ -291,10 +323,12 @@ def host_main(args: dict[str, Any]) -> int:
         step, into = int(time.time() / step_s), (time.time() % step_s) / step_s
         while prog_sent < due:
             w = engines[prog_sent % len(engines)]
+            prog_sent += 1
+            if not w["token"]:
+                continue
             w["sock"].send(encoder(wire.Progress(worker_id=w["id"], step=step, done=int(into * 100), total=100,
                                                  token=w["token"])))
             w["reported"] = now
-            prog_sent += 1
         if reporter and trainer0 is not None:
             tok, sock = trainer0["token"], trainer0["sock"]
             mb = int(into * MINI_BATCHES)
@@ -448,6 +482,10 @@ def bench_daemon(n: int, hosts: int, window_s: float, step_s: float, tmp: Path,
             except subprocess.TimeoutExpired:
                 daemon.kill()
                 daemon.wait()
+    missing = [i for i in range(hosts) if not (tmp / f"host-{i}.json").exists()]
+    if missing:
+        raise RuntimeError("worker host(s) ended without their results: "
+                           + " | ".join((tmp / f"host-{i}.log").read_text()[-1500:] for i in missing))
     results = [json.loads((tmp / f"host-{i}.json").read_text()) for i in range(hosts)]
     rtts = [x for r in results for x in r["rtts"]]
     errors: dict[str, int] = {}

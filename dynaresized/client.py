@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import math
 import os
+import random
 import secrets
 import socket
 import threading
@@ -134,7 +135,7 @@ class WorkerClient:
         self._seq = 0
         self._closed = False
         self._fatal: DaemonRejected | None = None
-        self._decoder = wire.daemon_decoder(16 * 1024 * 1024)
+        self._decoder = wire.daemon_decoder()
         self._send_lock = asyncio.Lock()
         self.handshake_failure = ""  # under CURVE: why the last handshake failed ("" if none did)
 
@@ -314,7 +315,8 @@ class WorkerClient:
 
         The pause between hellos doubles up to `max_backoff_s`, and never beyond a quarter of
         the heartbeat timeout the daemon announced: a restarted daemon gives each worker that
-        long to say hello again, however long it was down."""
+        long to say hello again, however long it was down. Each pause is drawn between half and
+        all of it, so that workers that lost the daemon together do not retry together."""
         if not self._registered.is_set():
             return  # already re-registering
         self._registered.clear()
@@ -326,7 +328,7 @@ class WorkerClient:
                 return
             except DaemonUnavailable:
                 self._reconnect()
-                await asyncio.sleep(backoff)
+                await asyncio.sleep(random.uniform(0.5, 1.0) * backoff)
                 backoff = min(backoff * 2, self.max_backoff_s, self.heartbeat_timeout_s / 4)
 
     def _reconnect(self) -> None:

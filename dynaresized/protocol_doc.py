@@ -124,7 +124,10 @@ human `message`, finer `reason`, `ref_type`, the type of the offending message, 
 the token it carried) and is counted in `dynaresized_decode_errors_total{{kind}}` or
 `dynaresized_refusals_total{{reason}}`. Frames over `daemon.max_message_bytes` (default
 {wire.MAX_MESSAGE_BYTES} bytes) are cut off by the socket (`ZMQ_MAXMSGSIZE`), which drops the
-connection; ZeroMQ reconnects it. The daemon never dies of a bad message.
+connection; ZeroMQ reconnects it. The daemon never dies of a bad message. Messages *from* the
+daemon grow with the cluster: an `op` names the devices of both pools and those it moves, about
+14 bytes each (up to 72 KB at 4,096 devices), so a worker accepts frames of up to {wire.DAEMON_MESSAGE_MAX_BYTES}
+bytes from the daemon (`wire.DAEMON_MESSAGE_MAX_BYTES`: our client and `wire.daemon_decoder()`).
 
 ## A worker's life
 

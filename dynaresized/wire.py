@@ -28,6 +28,9 @@ from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, Spl
 PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 * 1024
 """Default size limit of one frame; the daemon also sets ZMQ_MAXMSGSIZE to this."""
+DAEMON_MESSAGE_MAX_BYTES = 16 * 1024 * 1024
+"""What a worker accepts from the daemon: its messages grow with the cluster (an `op` names both
+pools' devices and those it moves, about 14 bytes each: up to 72 KB at 4,096 devices)."""
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
@@ -326,7 +329,7 @@ def worker_decoder(max_bytes: int = MAX_MESSAGE_BYTES) -> Decoder:
     return Decoder(WorkerMessage, max_bytes)
 
 
-def daemon_decoder(max_bytes: int = MAX_MESSAGE_BYTES) -> Decoder:
+def daemon_decoder(max_bytes: int = DAEMON_MESSAGE_MAX_BYTES) -> Decoder:
     return Decoder(DaemonMessage, max_bytes)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,6 +35,21 @@ def test_daemon_messages_round_trip() -> None:
                         from_pool=Pool.ROLLOUT, to_pool=Pool.TRAINING, timeout_s=30.0,
                         training=("n0:gpu0", "n0:gpu3"), rollout=("n0:gpu1",))
     assert wire.daemon_decoder().decode(wire.encode(op)) == op
+
+
+def test_a_worker_decodes_an_op_of_a_cluster_of_4096_devices() -> None:
+    """An op names both pools whole and the devices it moves: at 4,096 devices over the 64 KiB a
+    worker may send, which a worker must still take from the daemon (the scale benchmark's
+    workers once refused one)."""
+    devices = tuple(f"node{i // 8}:gpu{i % 8}" for i in range(4096))
+    op = wire.OpCommand(op_id="r1/5-commit", resize_id="r1", kind=OpKind.COMMIT, devices=devices[600:2100],
+                        from_pool=Pool.ROLLOUT, to_pool=Pool.TRAINING, timeout_s=30.0,
+                        training=devices[:2100], rollout=devices[2100:])
+    frame = wire.encode(op)
+    assert wire.MAX_MESSAGE_BYTES < len(frame) <= wire.DAEMON_MESSAGE_MAX_BYTES
+    assert wire.daemon_decoder().decode(frame) == op
+    with pytest.raises(wire.WireError, match="exceeds"):
+        wire.worker_decoder().decode(frame)
 
 
 def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:

@@ -271,9 +271,9 @@ def on_hello(core: Core, tx: _Tx, e: ev.WorkerHello) -> None:
             f"({len(s.devices)} devices configured)",
         )
     for d in e.devices:
-        owner = s.live_worker(d, e.kind)
-        if owner is not None and owner.worker_id != e.worker_id:
-            raise Refused("device_owned", f"device {d} already has live {e.kind.value} worker {owner.worker_id!r}")
+        others = sorted(w for w in s.live_owners(d, e.kind) if w != e.worker_id)
+        if others:
+            raise Refused("device_owned", f"device {d} already has live {e.kind.value} worker {others[0]!r}")
     old = s.workers.get(e.worker_id)
     if old is not None and old.status is WorkerStatus.LIVE and (old.kind, old.devices) != (e.kind, e.devices):
         raise Refused(
@@ -900,6 +900,17 @@ def _advance(core: Core, tx: _Tx, at: float, *, fresh: bool = False) -> None:
         _send(tx, None)
 
 
+def _pools_after(s: ClusterState, plan: ResizePlan, landing: Pool | None) -> tuple[tuple[DeviceId, ...],
+                                                                                   tuple[DeviceId, ...]]:
+    """The training and rollout devices an op's workers are told of: the moving devices where
+    they land. Remembered per op (`derived`): a hello of each of a resize's targets re-sends it,
+    and a pass over every device per hello made a registration storm quadratic."""
+    moving = set(plan.devices) if landing is Pool.TRAINING else set()
+    training = tuple(sorted(d for d, p in s.devices.items() if p.pool is Pool.TRAINING or d in moving))
+    in_training = set(training)  # membership in the tuple made this quadratic in the cluster
+    return training, tuple(sorted(d for d in s.devices if d not in in_training))
+
+
 def _send(tx: _Tx, only: list[str] | None) -> None:
     s = tx.state
     fl = s.inflight
@@ -909,10 +920,8 @@ def _send(tx: _Tx, only: list[str] | None) -> None:
     # Where the moving devices land: their destination, or back home once rolling back; a
     # reconcile moves nothing.
     landing = None if fl.reconciling else plan.from_pool if fl.rolling_back else plan.to_pool
-    moving = set(plan.devices) if landing is Pool.TRAINING else set()
-    training = tuple(sorted(d for d, p in s.devices.items() if p.pool is Pool.TRAINING or d in moving))
-    in_training = set(training)  # membership in the tuple made this quadratic in the cluster
-    rollout = tuple(sorted(d for d in s.devices if d not in in_training))
+    training, rollout = derived(("send_pools", landing is Pool.TRAINING), lambda: _pools_after(s, plan, landing),
+                                s.devices, plan.devices)
     # A regroup's engines once it is done going forward; the engines the log holds otherwise.
     new_engines = ({d: g for g in plan.engines for d in g}
                    if plan.kind is PlanKind.REGROUP and not fl.rolling_back and not fl.reconciling else {})

@@ -199,6 +199,39 @@ def grown(key: object, items: tuple[_I, ...], compute: Callable[[tuple[_I, ...]]
     return value
 
 
+_OWNERS: list[object] = [None, {}]  # [the workers map indexed, {(device, kind): live worker ids}]
+
+
+def _owners(workers: dict[WorkerId, Worker]) -> dict[tuple[DeviceId, WorkerKind], set[WorkerId]]:
+    """The live workers per (device, kind) of `workers`, remembered for the latest map and
+    carried along as facts change one worker at a time (`_carry_owners`): a registration storm
+    of W workers costs O(W), not O(W^2). Any other map is indexed afresh (one pass)."""
+    if _OWNERS[0] is not workers:
+        index: dict[tuple[DeviceId, WorkerKind], set[WorkerId]] = {}
+        for w in workers.values():
+            if w.status is WorkerStatus.LIVE:
+                for d in w.devices:
+                    index.setdefault((d, w.kind), set()).add(w.worker_id)
+        _OWNERS[:] = [workers, index]
+    return _OWNERS[1]  # type: ignore[return-value]
+
+
+def _carry_owners(old: dict[WorkerId, Worker], new: dict[WorkerId, Worker], worker_id: WorkerId) -> None:
+    """`new` is `old` with `worker_id`'s entry set: move the index from `old` to `new` (if it
+    was `old`'s) by that one change. The index then answers for `new` only."""
+    if _OWNERS[0] is not old:
+        return
+    index: dict[tuple[DeviceId, WorkerKind], set[WorkerId]] = _OWNERS[1]  # type: ignore[assignment]
+    was, now = old.get(worker_id), new[worker_id]
+    if was is not None and was.status is WorkerStatus.LIVE:
+        for d in was.devices:
+            index.get((d, was.kind), set()).discard(worker_id)
+    if now.status is WorkerStatus.LIVE:
+        for d in now.devices:
+            index.setdefault((d, now.kind), set()).add(worker_id)
+    _OWNERS[:] = [new, index]
+
+
 LOAN_TIMES_KEPT = 3
 """Measured loans kept per direction: what the lending policy's cost estimate averages (verl
 averages its last 3 switch durations the same way)."""
@@ -329,11 +362,11 @@ class ClusterState(msgspec.Struct, frozen=True):
         """Devices left out of every plan, resize or loan: a worker on them has not converged."""
         return {d for w in self.unconverged if w in self.workers for d in self.workers[w].devices}
 
-    def live_worker(self, device: DeviceId, kind: WorkerKind) -> Worker | None:
-        for w in self.workers.values():
-            if w.status is WorkerStatus.LIVE and w.kind is kind and device in w.devices:
-                return w
-        return None
+    def live_owners(self, device: DeviceId, kind: WorkerKind) -> tuple[WorkerId, ...]:
+        """The live workers of `kind` on `device` (one, where hellos were checked): from an
+        index kept as the workers change (`_owners`), not a pass over every worker, which made a
+        hello linear in the cluster and registering it quadratic (8,192 workers: seconds)."""
+        return tuple(_owners(self.workers).get((device, kind), ()))
 
     def live_workers_by_device(self) -> dict[tuple[DeviceId, WorkerKind], Worker]:
         """What `live_worker` answers, for every device and kind at once: one pass over the
@@ -465,6 +498,7 @@ def _set_worker(state: ClusterState, worker_id: WorkerId, status: WorkerStatus) 
     w = state.workers[worker_id]
     workers = dict(state.workers)
     workers[worker_id] = replace(w, status=status)
+    _carry_owners(state.workers, workers, worker_id)
     return _unseen(replace(state, workers=workers), worker_id)
 
 
@@ -514,6 +548,7 @@ def _(s: ClusterState, e: f.DaemonStalled) -> ClusterState:
 def _(s: ClusterState, e: f.WorkerRegistered) -> ClusterState:
     workers = dict(s.workers)
     workers[e.worker.worker_id] = e.worker
+    _carry_owners(s.workers, workers, e.worker.worker_id)
     # A new registration is a new chance to converge.
     return seen_at(replace(s, workers=workers, unconverged=_without(s.unconverged, e.worker.worker_id)),
                    e.worker.worker_id, e.at)
@@ -528,6 +563,7 @@ def _without(unconverged: dict[WorkerId, Unconverged], worker_id: WorkerId) -> d
 def _set_actual(s: ClusterState, worker_id: WorkerId, actual: ActualState) -> ClusterState:
     workers = dict(s.workers)
     workers[worker_id] = replace(workers[worker_id], actual=actual)
+    _carry_owners(s.workers, workers, worker_id)
     unconverged = s.unconverged
     if s.desired(workers[worker_id]) == actual.holding:
         unconverged = _without(unconverged, worker_id)  # it agrees with the log now

@@ -44,6 +44,12 @@ class DaemonSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # cluster; 5 ms stays the default: with 20 ms a loan test on real engines timed out once
     # (docs/benchmarks.md, the cost curve).
     batch_window_ms: float = 5.0
+    # libzmq I/O threads for the worker connections (0: one per 1,024 connections the inventory
+    # implies, an engine and a trainer per device, at most 8). Each thread keeps its own timers,
+    # and libzmq cancels a timer by a scan of its thread's timers, which a ZMTP heartbeat's answer
+    # does on every connection: in one thread that cost grows with the square of the connections
+    # (0.8 of a core at 8,192; docs/benchmarks.md, "Scale").
+    io_threads: int = 0
     log_format: str = "auto"  # auto | json | console
     log_level: str = "info"
     time_scale: float = 1.0  # demos and replays only: the daemon's clock runs this many times faster
@@ -166,6 +172,7 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
     need(d.snapshot_every > 0, "daemon.snapshot_every", "must be > 0")
     need(math.isfinite(d.batch_window_ms) and 0 <= d.batch_window_ms <= 100, "daemon.batch_window_ms",
          "must be in [0, 100] milliseconds")
+    need(0 <= d.io_threads <= 64, "daemon.io_threads", "must be in [0, 64] (0: one per 1,024 worker connections)")
     need(1024 <= d.max_message_bytes <= 64 * 1024 * 1024, "daemon.max_message_bytes", "must be in [1 KiB, 64 MiB]")
     need(0 <= d.metrics_port <= 65535, "daemon.metrics_port", "must be a TCP port or 0 to disable")
     need(d.log_format in ("auto", "json", "console"), "daemon.log_format", "must be auto, json or console")

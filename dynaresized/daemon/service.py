@@ -80,6 +80,19 @@ def _rearm(sock: zmq.asyncio.Socket) -> None:
     sock.get(zmq.EVENTS)
 
 
+CONNECTIONS_PER_IO_THREAD = 1024
+
+
+def io_threads_for(config: Config) -> int:
+    """`daemon.io_threads`, or where 0 one libzmq I/O thread per 1,024 worker connections (an
+    engine and a trainer per device of the inventory), 1 to 8: libzmq's timers per I/O thread
+    are cancelled by a scan, which made the ZMTP heartbeats of one thread's connections cost
+    the square of their number."""
+    if config.daemon.io_threads:
+        return config.daemon.io_threads
+    return max(1, min(8, math.ceil(2 * len(config.cluster.devices) / CONNECTIONS_PER_IO_THREAD)))
+
+
 def _send_to(raw: zmq.Socket, identity: bytes, data: bytes) -> None:
     """Send `data` to the ROUTER peer `identity` without blocking; raises what the first frame's
     send raises (zmq.Again over the high-water mark, EHOSTUNREACH for a routing id nobody holds).
@@ -187,7 +200,7 @@ class Daemon:
     def _bind(self) -> None:
         d = self.config.daemon
         sec = self.config.security
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.asyncio.Context(io_threads=io_threads_for(self.config))
         if sec.server_secret_key:
             try:
                 self.curve = CurveServer(self.ctx, sec.server_secret_key, sec.authorized_keys_dir, self.refusals)

@@ -5,10 +5,11 @@ per-device scans they replace, and an op's answers stepped together as one by on
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
-from dynaresized.core import fold
+from dynaresized.core import Refused, fold
 from dynaresized.core.machine import _pending, plan_resize
 from dynaresized.core.state import decode_state, encode_state
 from dynaresized.domain import Split, WorkerKind
@@ -16,18 +17,47 @@ from dynaresized.domain import Split, WorkerKind
 from .cluster import boot, device, engine, make_core, snapshot, trainer
 
 
-def test_the_live_worker_index_answers_what_live_worker_answers() -> None:
+def _scanned(state, device_id, kind):  # what the owner index replaced: a pass over every worker
+    return tuple(sorted(w.worker_id for w in state.workers.values()
+                        if w.status.value == "live" and w.kind is kind and device_id in w.devices))
+
+
+def test_the_live_worker_indexes_answer_what_a_scan_of_every_worker_answers() -> None:
     d = boot(make_core(), 3, 3)
     d.send(ev.WorkerBye(at=d.at(), worker_id=engine(1)))  # a device without a live engine
     d.send(ev.WorkerBye(at=d.at(), worker_id=trainer(4)))
     d.send(ev.WorkerHello(at=d.at(), worker_id="eng1-new", kind=WorkerKind.ROLLOUT_ENGINE, devices=(device(1),)))
+    d.send(ev.WorkerHello(at=d.at(), worker_id=trainer(4), kind=WorkerKind.TRAINER_RANK, devices=(device(4),),
+                          process="p2"))  # the same id again, after its goodbye
     index = d.state.live_workers_by_device()
+    replayed = decode_state(encode_state(d.state))  # another map: indexed afresh
     for i in range(7):  # device(6) is not in the inventory
         for kind in WorkerKind:
-            expected = d.state.live_worker(device(i), kind)
-            assert index.get((device(i), kind)) == expected
-    assert index[(device(1), WorkerKind.ROLLOUT_ENGINE)].worker_id == "eng1-new"
-    assert (device(4), WorkerKind.TRAINER_RANK) not in index
+            expected = _scanned(d.state, device(i), kind)
+            assert tuple(sorted(d.state.live_owners(device(i), kind))) == expected
+            assert tuple(sorted(replayed.live_owners(device(i), kind))) == expected
+            assert (index[(device(i), kind)].worker_id,) == expected if expected else (device(i), kind) not in index
+    assert d.state.live_owners(device(1), WorkerKind.ROLLOUT_ENGINE) == ("eng1-new",)
+    assert d.state.live_owners(device(4), WorkerKind.TRAINER_RANK) == (trainer(4),)
+
+
+def test_a_hello_for_an_owned_device_is_refused_after_losses_and_new_registrations() -> None:
+    """The owner index follows every change of the workers (registration, loss, goodbye,
+    report), also when the states it was built for are left behind (a refused event)."""
+    d = boot(make_core(), 2, 2)
+    with_owner = d.state
+    with pytest.raises(Refused, match=f"device_owned|{trainer(0)}") as refused:
+        d.send(ev.WorkerHello(at=d.at(), worker_id="intruder", kind=WorkerKind.TRAINER_RANK, devices=(device(0),)))
+    assert refused.value.code == "device_owned" and trainer(0) in refused.value.message
+    d.send(ev.WorkerBye(at=d.at(), worker_id=trainer(0)))
+    d.send(ev.WorkerHello(at=d.at(), worker_id="intruder", kind=WorkerKind.TRAINER_RANK, devices=(device(0),)))
+    assert d.state.live_owners(device(0), WorkerKind.TRAINER_RANK) == ("intruder",)
+    # the state from before the goodbye still answers for itself
+    assert with_owner.live_owners(device(0), WorkerKind.TRAINER_RANK) == (trainer(0),)
+    with pytest.raises(Refused) as again:
+        d.send(ev.WorkerHello(at=d.at(), worker_id=trainer(0), kind=WorkerKind.TRAINER_RANK, devices=(device(0),),
+                              process="p3"))
+    assert again.value.code == "device_owned" and "intruder" in again.value.message
 
 
 def test_a_plan_over_many_devices_names_each_devices_live_workers() -> None:

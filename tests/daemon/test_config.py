@@ -95,3 +95,28 @@ def test_the_default_control_endpoint_is_an_ipc_socket_in_the_state_directory() 
     assert control_endpoint_of(tcp.daemon) == "tcp://127.0.0.1:5556"
     with pytest.raises(ConfigError, match="security.control_group: no group 'no-such-group"):
         config_from_dict({"cluster": {"devices": ["a", "b"]}, "security": {"control_group": "no-such-group"}})
+
+
+def test_io_threads_grow_with_the_inventory_and_the_daemon_runs_that_many(tmp_path: Path) -> None:
+    """One libzmq I/O thread per 1,024 worker connections (an engine and a trainer a device):
+    libzmq cancels a ZMTP heartbeat's timer by scanning its thread's timers."""
+    import zmq
+
+    from dynaresized.daemon.service import Daemon, io_threads_for
+
+    def config(n: int, **daemon: object) -> Config:
+        devices = [f"n{i // 8}:gpu{i % 8}" for i in range(n)]
+        return config_from_dict({"cluster": {"devices": devices, "training": devices[: n // 2]},
+                                 "daemon": {"state_dir": str(tmp_path / "state"), "metrics_port": 0,
+                                            "worker_endpoint": "tcp://127.0.0.1:0", **daemon}}, "test.toml")
+
+    assert [io_threads_for(config(n)) for n in (8, 512, 513, 1024, 4096, 10_000)] == [1, 1, 2, 2, 8, 8]
+    assert io_threads_for(config(4096, io_threads=3)) == 3
+    with pytest.raises(ConfigError, match=re.escape("daemon.io_threads: must be in [0, 64]")):
+        config(8, io_threads=-1)
+    daemon = Daemon(config(1024))
+    daemon._bind()
+    try:
+        assert daemon.ctx is not None and daemon.ctx.get(zmq.IO_THREADS) == 2
+    finally:
+        daemon._close()
