@@ -45,6 +45,7 @@ from dynaresized.daemon.preflight import (
     configured_policy,
     inventory_problem,
     log_problem,
+    raise_open_files,
 )
 from dynaresized.daemon.security import (
     CurveServer,
@@ -1036,6 +1037,7 @@ def run_daemon(config: Config, config_path: str | Path | None = None) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         runner = asyncio.run
     check_startup(config, read_log=False)  # every root cause at once, the policy's among them
+    raise_open_files(config)  # a connection per worker: systemd's soft 1,024 is 512 devices' worth
     daemon = Daemon(config, config_path=config_path)
     return runner(daemon.run())
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +139,58 @@ def test_check_config_accepts_a_running_daemons_config(make_daemon) -> None:
     out = cli("check-config", "--config", str(daemon.config_path))
     assert out.returncode == 0, out.stderr
     assert out.stdout == f"{daemon.config_path}: ok\n"
+
+
+def _with_open_files(soft: int, hard: int) -> Any:
+    def limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return limit
+
+
+def _cluster(n: int) -> dict[str, Any]:
+    devices = [f"node{i // 8}:gpu{i % 8}" for i in range(n)]
+    return {"devices": devices, "training": devices[: n // 2]}
+
+
+def test_an_open_file_limit_below_a_connection_per_worker_is_refused_by_both(tmp_path: Path) -> None:
+    """4,096 devices are 8,192 worker connections: a hard limit of 2,048 cannot hold them."""
+    config = write_config(tmp_path / "big.toml", daemon_sections(tmp_path, cluster=_cluster(4096)))
+    runs = [subprocess.run([sys.executable, "-m", "dynaresized.cli", command, "--config", str(config)],
+                           capture_output=True, text=True, timeout=60, preexec_fn=_with_open_files(1024, 2048))
+            for command in ("check-config", "serve")]
+    for run in runs:
+        assert run.returncode == 6, run.stderr
+        assert ("the open-file limit is 2048 (RLIMIT_NOFILE, hard), and 4096 devices need at least 8448: a "
+                "connection per worker") in run.stderr
+        assert "LimitNOFILE=16640" in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "state" / "events.sqlite").exists()
+
+
+def test_serve_raises_its_soft_open_file_limit_to_what_its_workers_need(tmp_path: Path) -> None:
+    """systemd starts a service at a soft limit of 1,024 open files, which 512 devices' workers
+    already exceed: the daemon raises it (up to the hard limit) before it binds."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # raising it needs CAP_SYS_RESOURCE: keep it
+    assert hard >= 2304, f"this machine's hard open-file limit ({hard}) is below 1,024 devices' workers"
+    sections = daemon_sections(tmp_path, cluster=_cluster(1024))
+    config = write_config(tmp_path / "wide.toml", sections)
+    proc = subprocess.Popen([sys.executable, "-m", "dynaresized.cli", "serve", "--config", str(config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_with_open_files(1024, hard))
+    try:
+        limits = ""
+        for _ in range(600):  # until it serves (its control socket answers `status`)
+            if cli("status", "--config", str(config)).returncode == 0:
+                limits = Path(f"/proc/{proc.pid}/limits").read_text()
+                break
+            assert proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.1)
+        line = next(x for x in limits.splitlines() if x.startswith("Max open files"))
+        # 2 x 2,048 workers + 256 spare (at most the hard limit, which stays)
+        assert line.split()[3:5] == [str(min(hard, 4352)), str(hard)], line
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
