@@ -369,8 +369,8 @@ class ClusterState(msgspec.Struct, frozen=True):
         return tuple(_owners(self.workers).get((device, kind), ()))
 
     def live_workers_by_device(self) -> dict[tuple[DeviceId, WorkerKind], Worker]:
-        """What `live_worker` answers, for every device and kind at once: one pass over the
-        workers, so that a plan over many devices is linear in the cluster, not quadratic."""
+        """A live worker of each device and kind (`live_owners` answers by worker id): one pass
+        over the workers, so that a plan over many devices is linear in the cluster, not quadratic."""
         index: dict[tuple[DeviceId, WorkerKind], Worker] = {}
         for w in self.workers.values():
             if w.status is WorkerStatus.LIVE:

@@ -116,6 +116,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def candidate_splits(self) -> tuple[Split, ...]:
         return tuple(Split.parse(c) for c in self.cluster.candidates)
 
+    def worker_connections(self) -> int:
+        """The worker connections the inventory implies: an engine and a trainer per device
+        (what the daemon's I/O threads and open files are sized for)."""
+        return 2 * len(self.cluster.devices)
+
 
 CONTROL_SOCKET = "control.sock"
 

@@ -8,6 +8,7 @@ with the same words. Each check reports a root cause once; a check that depends 
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 import msgspec
@@ -108,41 +109,29 @@ def descriptors_needed(config: Config) -> tuple[int, int]:
     """(the least, what to have) open files for `config`'s inventory: a TCP connection per
     worker, an engine and a trainer per device, and as many again for the old connections a
     reconnect storm leaves open until ZMTP heartbeats drop them."""
-    workers = 2 * len(config.cluster.devices)
+    workers = config.worker_connections()
     return workers + DESCRIPTORS_SPARE, 2 * workers + DESCRIPTORS_SPARE
 
 
 def descriptor_problem(config: Config) -> str:
     """Why this process may not open a connection per worker, or "" when it may (the soft
     limit is raised up to the hard one at start: `raise_open_files`)."""
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - not Unix
-        return ""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    least, _ = descriptors_needed(config)
+    least, want = descriptors_needed(config)
     if hard != resource.RLIM_INFINITY and hard < least:
         return (f"the open-file limit is {hard} (RLIMIT_NOFILE, hard), and {len(config.cluster.devices)} devices need "
                 f"at least {least}: a connection per worker, an engine and a trainer per device; raise it "
-                f"(systemd: LimitNOFILE={descriptors_needed(config)[1]} or more, as systemd/dynaresized.service "
-                "does; a shell: ulimit -Hn)")
+                f"(systemd: LimitNOFILE={want} or more, as systemd/dynaresized.service does; a shell: ulimit -Hn)")
     return ""
 
 
-def raise_open_files(config: Config) -> int:
+def raise_open_files(config: Config) -> None:
     """Raise the soft open-file limit towards what the inventory needs (at most the hard limit;
-    systemd starts services at a soft 1,024, which 512 devices' workers already exceed).
-    Returns the soft limit now."""
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - not Unix
-        return -1
+    systemd starts services at a soft 1,024, which 512 devices' workers already exceed)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     _, want = descriptors_needed(config)
     if soft != resource.RLIM_INFINITY and soft < want:
-        soft = want if hard == resource.RLIM_INFINITY else min(hard, want)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    return soft
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(hard, want), hard))
 
 
 def inventory_problem(config: Config, recorded: ClusterState) -> str:

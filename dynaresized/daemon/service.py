@@ -91,7 +91,7 @@ def io_threads_for(config: Config) -> int:
     the square of their number."""
     if config.daemon.io_threads:
         return config.daemon.io_threads
-    return max(1, min(8, math.ceil(2 * len(config.cluster.devices) / CONNECTIONS_PER_IO_THREAD)))
+    return max(1, min(8, math.ceil(config.worker_connections() / CONNECTIONS_PER_IO_THREAD)))
 
 
 def _send_to(raw: zmq.Socket, identity: bytes, data: bytes) -> None:
