@@ -109,6 +109,7 @@ class WorkerClient:
         self.handlers: dict[OpKind, OpHandler] = {}
         self.incarnation = 0
         self.process = uuid.uuid4().hex  # tells the daemon a restarted worker from a reconnecting one
+        wire.identity_of(worker_id, self.process)  # a ValueError here, before anything connects
         # Proves this process to the daemon: sent in every hello, never logged (the daemon keeps
         # its SHA-256), so whoever reads `process` in the event log cannot say hello in our place.
         self._secret = secrets.token_hex(16)
@@ -170,7 +171,7 @@ class WorkerClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         # One routing id per process: a second process under the same worker id (a restart, or a
         # duplicate started by mistake) never takes this connection's slot at the daemon.
-        self._sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}#{self.process}".encode())
+        self._sock.setsockopt(zmq.IDENTITY, wire.identity_of(self.worker_id, self.process))
         self._sock.setsockopt(zmq.LINGER, 1000)  # a goodbye leaves before exit
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)

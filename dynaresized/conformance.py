@@ -1,7 +1,7 @@
 """Conformance checks for a worker: plays the daemon on an endpoint and drives one worker
 through the protocol, rule by rule (docs/protocol.md, "Conformance").
 
-    python -m dynaresized.conformance tcp://127.0.0.1:5599 [--json] [--timeout 10] [--round-trip]
+    dynaresized conformance tcp://127.0.0.1:5599 [--json] [--timeout 10] [--round-trip]
                                       [--only CHECK ...] [-- COMMAND ARG ...]
 
 It binds a ROUTER on the endpoint, starts COMMAND if given (each `{endpoint}` in it replaced by
@@ -574,7 +574,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m dynaresized.conformance") -> int:
+def main(argv: list[str] | None = None, prog: str = "dynaresized conformance") -> int:
     """Run the checks as the command line `argv` says (`prog` names the command in usage and help)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[argv.index("--") + 1:] if "--" in argv else []

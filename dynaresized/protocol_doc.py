@@ -76,7 +76,7 @@ CONFORMANCE: tuple[tuple[str, str], ...] = (
                    "for a serving worker; `join`, `restore`, `evict` for a released one. It ends where it "
                    "began."),
 )
-"""The checks `python -m dynaresized.conformance` runs against a worker, in order: (name, rule)."""
+"""The checks `dynaresized conformance` runs against a worker, in order: (name, rule)."""
 
 
 def _holding_table() -> str:
@@ -99,7 +99,11 @@ Workers talk to the daemon over ZeroMQ: the daemon binds a **ROUTER** socket
 `hello` (below), so that two processes under one id never share a routing slot. The daemon
 checks it: a `hello` from any other identity is refused (`unauthorized`, reason
 `wrong_identity`); only a worker whose hellos carry no `process` may use its bare worker id.
-Keep the identity for the life of the process, on every connection it opens (see
+A ZeroMQ identity is at most 255 bytes, so `len(worker_id) + 1 + len(process)` must be at most
+255 bytes (UTF-8): a `hello` over it is refused `invalid`, reason `bad_request`, and our client
+raises `ValueError` before it connects. "An identity that names the worker", for every message
+after `hello`, is the worker id alone or the worker id followed by `#` and anything: the daemon
+compares what comes before the first `#` with the message's `worker_id`. Keep the identity for the life of the process, on every connection it opens (see
 *Reconnecting*). A second connection with the identity of a connected one is not routed
 (`ROUTER_HANDOVER` is off). Operators talk to a second ROUTER (`daemon.control_endpoint`) with
 a DEALER of any identity, sending exactly two frames, the control secret (empty for `status`)
@@ -155,7 +159,8 @@ bytes from the daemon (`wire.DAEMON_MESSAGE_MAX_BYTES`: our client and `wire.dae
 1. **Register.** `hello` names the worker, its kind, its devices, a `process` value unique to
    this process run, a `secret`, and (optionally) `actual`, what it holds now. `process` is an
    identifier, written to the event log (`worker_registered`); `secret` proves the process: 32
-   random hex characters or more (128 bits), chosen once per process run, the same in every
+   to 128 random hex characters (128 bits or more; anything else is refused `invalid`, reason
+   `bad_request`, before any other check), chosen once per process run, the same in every
    hello of the process, sent in nothing but `hello` and shown to no one. The log keeps only its
    SHA-256. A `hello` that names the `process` of a live registration without that
    registration's secret is refused `not_the_process`: whoever reads `process` in the log cannot
@@ -207,7 +212,7 @@ bytes from the daemon (`wire.DAEMON_MESSAGE_MAX_BYTES`: our client and `wire.dae
    identity the ROUTER still holds for an earlier one (a drop only your side saw, a link that
    flapped) is not routed, silently: nothing sent on it arrives, nothing comes back, until
    the daemon drops the old one (at once when its TCP connection closes, within
-   `heartbeat_timeout_s` through ZMTP heartbeats when the peer vanished). So when a `hello` on a
+   `heartbeat_timeout_s` through TCP keepalives and `TCP_USER_TIMEOUT` when the peer vanished). So when a `hello` on a
    new connection goes unanswered (for `max(2 × heartbeat_interval_s, 1 s)`, say), close that
    connection and open another, with the same identity, and say hello again; our client does.
 4. **Operations.** `op` asks for one operation of a resize, or of a reconcile (below). Perform
@@ -331,6 +336,26 @@ must have a live worker of the destination kind (and none that has not converged
 | `stale_op` | an `op_result` for an op that is not the one in flight | nothing: a late answer to a re-sent op |
 | `not_a_target` | an `op_result` from a worker the op was not sent to | nothing: it changes nothing |
 | `illegal_transition` | the message is not accepted in the daemon's phase (e.g. an `op_result` with nothing in flight) | nothing |
+| `rate_limited` | more reports that write facts (`queue_empty`, `mini_batch_done`, `step_report`, `state_report`) than `daemon.report_rate` a second (bursts of `daemon.report_burst`) | nothing: the report changed nothing; send a few a step, as the protocol does |
+
+**The order of the checks.** The daemon checks every message on the worker endpoint in this
+order, and answers the first that fails: (1) the frame: one payload frame of at most
+`daemon.max_message_bytes` (larger ones drop the connection, `ZMQ_MAXMSGSIZE`), a msgpack map
+of a known `type` with well-typed fields (`malformed`, `unknown_type`, `invalid`); (2) for a
+`hello`, its `secret` and the length of its identity (`invalid`, reason `bad_request`); (3)
+under CURVE, the key (`unauthorized`, `wrong_key`); (4) the connection's identity
+(`unauthorized`, `wrong_identity`); then (5) for a `hello`, the protocol version
+(`bad_version`), for every other message the token (`stale_token`, `missing_token`) and, for a
+report that writes facts, the rate (`rate_limited`); (6) the core (the `refused` reasons above).
+So a `hello` of another protocol version from a connection whose identity does not name it is
+refused `wrong_identity`, not `bad_version`.
+
+**Junk.** Each connection may send `daemon.junk_budget` refused frames (steps 1 to 4, and
+messages of no registered worker: `unknown_worker`, `not_registered`) per `daemon.junk_window_s`
+(100 per 10 s), each answered. The next one cuts the connection without an answer: its TCP
+connection is closed, what it had queued is dropped unread, and a DEALER connects again by
+itself with a fresh budget (`dynaresized_connections_cut_total`). A worker that follows this
+protocol never comes near it.
 
 A `hello` that several refusals fit gets the first of: `bad_version`, `bad_request`,
 `unknown_device`, `device_owned`, `conflict`, `not_the_process`, `duplicate_worker`. So
@@ -443,7 +468,7 @@ engine worker and the torch trainer rank report this.
 
 ## Conformance
 
-`python -m dynaresized.conformance ENDPOINT [-- COMMAND ...]` checks a worker against this
+`dynaresized conformance ENDPOINT [-- COMMAND ...]` checks a worker against this
 document: it binds a ROUTER on `ENDPOINT` and plays the daemon, starts `COMMAND` if given (each
 `{{endpoint}}` in it replaced, and `DYNARESIZED_ENDPOINT` in its environment), waits for one
 worker to say hello, and runs these checks against it, in order:

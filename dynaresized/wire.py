@@ -41,6 +41,38 @@ Token = Annotated[str, msgspec.Meta(max_length=64)]
 Secret = Annotated[str, msgspec.Meta(max_length=128)]
 
 
+ROUTING_ID_MAX_BYTES = 255
+"""A ZeroMQ routing identity is at most 255 bytes: a worker's, `<worker_id>#<process>`, must fit."""
+SECRET_HEX_MIN = 32
+"""`hello.secret`, where sent: at least 32 hex characters (128 bits), at most 128."""
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def identity_of(worker_id: str, process: str) -> bytes:
+    """The routing identity of a worker's connection, `<worker_id>#<process>` (the bare worker id
+    where there is no `process`); ValueError where it exceeds `ROUTING_ID_MAX_BYTES`."""
+    identity = f"{worker_id}#{process}".encode() if process else worker_id.encode()
+    if len(identity) > ROUTING_ID_MAX_BYTES:
+        raise ValueError(f"worker id and process make a routing identity of {len(identity)} bytes "
+                         f"(`<worker_id>#<process>`); ZeroMQ allows {ROUTING_ID_MAX_BYTES}: "
+                         "len(worker_id) + 1 + len(process) must be at most 255 bytes")
+    return identity
+
+
+def hello_problem(msg: Hello) -> str:
+    """What makes a well-typed `hello` unacceptable ("" if nothing): a `secret` that is not 32
+    to 128 hex characters, or a worker id and process too long for one routing identity."""
+    if msg.secret and (len(msg.secret) < SECRET_HEX_MIN or not set(msg.secret) <= _HEX):
+        return (f"hello.secret must be {SECRET_HEX_MIN} to 128 hex characters (128 bits or more, chosen at random "
+                f"once per process, e.g. secrets.token_hex(16)); got {len(msg.secret)} character(s)"
+                + ("" if set(msg.secret) <= _HEX else ", not all hex"))
+    try:
+        identity_of(msg.worker_id, msg.process)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     pass
 

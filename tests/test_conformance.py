@@ -1,4 +1,4 @@
-"""`python -m dynaresized.conformance`: the project's own client passes every check, and a worker
+"""`dynaresized conformance`: the project's own client passes every check, and a worker
 that breaks one rule fails the check of that rule (and not the others)."""
 
 from __future__ import annotations

@@ -38,6 +38,18 @@ class DaemonSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     drain_timeout_s: float = 60.0
     snapshot_every: int = 10_000
     max_message_bytes: int = 64 * 1024
+    # Messages one connection may have queued before libzmq stops reading it (its ZMQ_RCVHWM):
+    # with max_message_bytes, the bound on what one connection holds in the daemon's memory.
+    receive_hwm: int = 1000
+    # Refused frames (malformed, several payload frames, a wrong identity or key) one connection
+    # to the worker endpoint may send per junk_window_s, each answered; the next one cuts it.
+    junk_budget: int = 100
+    junk_window_s: float = 10.0
+    # Reports that write facts (queue_empty, mini_batch_done, step_report, state_report) one
+    # worker may send a second (in the daemon's clock), in bursts of report_burst; more are
+    # refused `rate_limited`. A job sends a few a step.
+    report_rate: float = 20.0
+    report_burst: int = 200
     # Worker messages are taken in batches at most this often (0: as each arrives). A busy
     # cluster's messages then wake the reactor and the log writer once per window, not once each.
     # 20 ms takes a third less CPU at 1,024 devices, for at most 20 ms more per answer on a busy
@@ -179,6 +191,12 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
          "must be in [0, 100] milliseconds")
     need(0 <= d.io_threads <= 64, "daemon.io_threads", "must be in [0, 64] (0: one per 1,024 worker connections)")
     need(1024 <= d.max_message_bytes <= 64 * 1024 * 1024, "daemon.max_message_bytes", "must be in [1 KiB, 64 MiB]")
+    need(10 <= d.receive_hwm <= 1_000_000, "daemon.receive_hwm", "must be in [10, 1000000] messages")
+    need(1 <= d.junk_budget <= 1_000_000, "daemon.junk_budget", "must be in [1, 1000000] refused frames")
+    need(math.isfinite(d.junk_window_s) and 0 < d.junk_window_s <= 3600, "daemon.junk_window_s",
+         "must be in (0, 3600] seconds")
+    need(math.isfinite(d.report_rate) and d.report_rate > 0, "daemon.report_rate", "must be > 0 reports a second")
+    need(d.report_burst >= 1, "daemon.report_burst", "must be >= 1")
     need(0 <= d.metrics_port <= 65535, "daemon.metrics_port", "must be a TCP port or 0 to disable")
     need(d.log_format in ("auto", "json", "console"), "daemon.log_format", "must be auto, json or console")
     need(d.log_level in ("debug", "info", "warning", "error"), "daemon.log_level",

@@ -69,6 +69,10 @@ class Metrics:
             "dynaresized_security_refusals_total",
             "Refused handshakes, connections without a live worker, control requests without the secret, by kind",
             ["kind"], registry=r)
+        self.connections_cut = Counter(
+            "dynaresized_connections_cut_total",
+            "Connections to the worker endpoint cut for sending more refused frames than daemon.junk_budget, "
+            "by the kind of the last one", ["reason"], registry=r)
         self.worker_connections = Gauge("dynaresized_worker_connections",
                                         "Open connections to the worker endpoint", registry=r)
 

@@ -35,6 +35,7 @@ from dynaresized.core.policy import Policy
 from dynaresized.core.state import ClusterState, Phase
 from dynaresized.control import control_secret_file
 from dynaresized.daemon.config import Config, ConfigError, config_warnings, control_endpoint_of, load_config
+from dynaresized.daemon.intake import Intake, ReportRate
 from dynaresized.daemon.metrics import Metrics
 from dynaresized.daemon.notify import Notifier
 from dynaresized.daemon.preflight import (
@@ -103,6 +104,13 @@ def _send_to(raw: zmq.Socket, identity: bytes, data: bytes) -> None:
     raw.send(data, _NOBLOCK)
 
 
+# Reports that write facts: rate-bounded per worker (daemon.report_rate)
+_FACT_REPORTS = frozenset({wire.QueueEmpty, wire.MiniBatchDone, wire.StepReport, wire.StateReport})
+# Core refusals of messages that no registered worker sent: they count against the connection's
+# junk budget (daemon.junk_budget), as malformed frames do
+_NOBODY = frozenset({"unknown_worker", "not_registered"})
+
+
 class _WorkerIn(msgspec.Struct):
     identity: bytes
     msg: Any  # a wire.WorkerMessage
@@ -133,6 +141,12 @@ class Daemon:
         self.notifier = notifier or Notifier()
         self.metrics = Metrics()
         self.refusals = Refusals(self.metrics.security_refusals)
+        # refused frames: every one counted, a log line per kind every 10 s (a flood must not fill the journal)
+        self.frame_refusals = Refusals(self.metrics.decode_errors)
+        self.intake = Intake(config.daemon.junk_budget, config.daemon.junk_window_s, self.metrics.connections_cut)
+        self.report_rate = ReportRate(config.daemon.report_rate, config.daemon.report_burst)
+        # core refusals: every one counted, a log line per reason every 10 s
+        self.core_refusals = Refusals(self.metrics.refusals)
         self.control_secret = b""
         self.boot_id = uuid.uuid4().hex[:12]
         self.state = ClusterState()
@@ -228,19 +242,27 @@ class Daemon:
         assert self.ctx is not None
         sock = self.ctx.socket(zmq.ROUTER)
         if curve:  # the worker endpoint
-            # ZMTP heartbeats drop a connection whose peer vanished without a FIN (host down)
-            # within the heartbeat timeout, so that the worker's next connection can take its
-            # identity. A ping every third of it: they cost the I/O thread per connection.
+            # The kernel drops a connection whose peer vanished without a FIN (host down) within
+            # about the heartbeat timeout, so that the worker's next connection can take its
+            # identity: TCP keepalives while it is idle, TCP_USER_TIMEOUT (ZMQ_TCP_MAXRT) while the
+            # daemon's sends go unacknowledged. Not ZMTP heartbeats: libzmq's heartbeat timer
+            # writes to a connection whose peer closed while its queue was full, and aborts the
+            # daemon (`Assertion failed: !_io_error (src/stream_engine_base.cpp:310)`, after a
+            # junk flood: docs/benchmarks.md, "Flood"); and their timers cost the I/O thread.
             timeout_s = max(self.config.core.heartbeat_timeout_s, 3 * self.config.daemon.heartbeat_interval_s)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, int(timeout_s / 3 * 1000))
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout_s * 1000))
+            idle_s = max(1, int(timeout_s / 3))
+            sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+            sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, idle_s)
+            sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
+            sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, max(1, math.ceil(timeout_s - idle_s)))
+            sock.setsockopt(zmq.TCP_MAXRT, int(timeout_s * 1000))
         sock.setsockopt(zmq.LINGER, 1000)
         # No handover: a second connection for a routing id that is connected must not take the
         # slot (it would take that worker's ops and acks). libzmq parks it unrouted; a restarted
         # worker's old connection is gone by the time its new one shakes hands.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.daemon.max_message_bytes)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, self.config.daemon.receive_hwm)
         # A send to a routing id with no connection fails (EHOSTUNREACH) instead of vanishing:
         # that is how a hello tells a duplicate process from a restarted one (`_still_connected`).
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -378,6 +400,8 @@ class Daemon:
 
     async def _drain_workers(self, raw: zmq.Socket, loop: asyncio.AbstractEventLoop) -> None:
         handed = -math.inf  # when the last batch was handed on (-inf: take the next one at once)
+        intake = self.intake
+        dropped_from = intake.cut_ids  # the identities of cut connections (a set lookup per message)
         while True:
             await self._wait_workers(raw)
             # in the daemon's clock: a demo's daemon, whose clock runs time_scale times faster,
@@ -399,39 +423,58 @@ class Daemon:
                 except zmq.Again:
                     drained = True
                     break
+                if identity in dropped_from and intake.dropped(identity, payload):
+                    while payload.more:  # what a cut connection had queued: unread, unanswered
+                        payload = raw.recv(0, copy=False)
+                    continue
                 if payload.more:
-                    self._refuse_extra_frames(raw, identity)
+                    self._refuse_extra_frames(raw, identity, payload)
                     continue
                 item = self._admit(raw, identity, payload)
                 if item is not None:
                     batch.append(item)
             if batch:
                 self.queue.put_nowait(batch)
-            handed = loop.time() if drained else -math.inf  # a full batch: the rest are taken at once
+            if drained:
+                handed = loop.time()
+            else:
+                # A full batch: the rest are taken at once, but after the reactor, the log writer and
+                # the replies had their turn. Without this a connection that floods the socket kept
+                # the loop here and no heartbeat was answered (docs/benchmarks.md, "Flood").
+                handed = -math.inf
+                await asyncio.sleep(0)
 
-    def _refuse_extra_frames(self, raw: zmq.Socket, identity: bytes) -> None:
+    def _refuse_extra_frames(self, raw: zmq.Socket, identity: bytes, payload: zmq.Frame) -> None:
         """Read and drop the rest of a message of several payload frames, and say so."""
         extra = 1
         while raw.recv(0, copy=False).more:
             extra += 1
-        self._count_decode_error(wire.ErrorCode.MALFORMED)
-        self._send_error(raw, identity, wire.ErrorCode.MALFORMED,
-                         f"expected exactly one payload frame, got {extra + 1}")
+        self._refuse_frame(raw, identity, payload, wire.ErrorCode.MALFORMED,
+                           f"expected exactly one payload frame, got {extra + 1}")
+
+    def _refuse_frame(self, raw: zmq.Socket, identity: bytes, payload: zmq.Frame, kind: wire.ErrorCode,
+                      message: str, *, reason: str = "", ref: Any = None, **fields: object) -> None:
+        """Count, log (a line per kind every 10 s) and answer a refused frame, unless it takes its
+        connection over `daemon.junk_budget`: then the connection is cut and told nothing more."""
+        self.frame_refusals.record(kind.value, "refused frame", peer=identity.hex()[:16],
+                                   error=message, **fields)
+        if not self.intake.refused(identity, payload, kind.value):
+            self._send_error(raw, identity, kind, message, reason=reason, ref=ref)
 
     def _admit(self, raw: zmq.Socket, identity: bytes, payload: zmq.Frame) -> _WorkerIn | None:
         """Decode and authenticate one message; bad ones are answered here and go no further."""
         try:
             msg = self._worker_decoder.decode(payload)  # the frame's buffer, as is: no copy, no memoryview
         except wire.WireError as exc:
-            self._count_decode_error(exc.kind)
-            log.warning("refused frame", peer=identity.hex()[:16], kind=exc.kind.value, error=exc.message)
-            self._send_error(raw, identity, exc.kind, exc.message)
+            self._refuse_frame(raw, identity, payload, exc.kind, exc.message)
+            return None
+        if type(msg) is wire.Hello and (problem := wire.hello_problem(msg)):
+            self._refuse_frame(raw, identity, payload, wire.ErrorCode.INVALID, problem, reason="bad_request", ref=msg)
             return None
         problem, reason = self._authenticate(identity, payload, msg)
         if problem:
-            self._count_decode_error(wire.ErrorCode.UNAUTHORIZED)
-            log.warning("unauthorized message", peer=identity.hex()[:16], worker=msg.worker_id, error=problem)
-            self._send_error(raw, identity, wire.ErrorCode.UNAUTHORIZED, problem, reason=reason, ref=msg)
+            self._refuse_frame(raw, identity, payload, wire.ErrorCode.UNAUTHORIZED, problem, reason=reason, ref=msg,
+                               worker=msg.worker_id)
             return None
         return _WorkerIn(identity, msg)
 
@@ -700,6 +743,11 @@ class Daemon:
         try:
             if type(msg) is not wire.Hello:
                 self._check_token(msg)
+                if type(msg) in _FACT_REPORTS and not self.report_rate.take(msg.worker_id, now):
+                    raise _Reply(wire.ErrorCode.REFUSED,
+                                 f"worker {msg.worker_id!r} sent more than daemon.report_rate "
+                                 f"({self.config.daemon.report_rate:g}/s, bursts of {self.config.daemon.report_burst}) "
+                                 "reports that write facts; this one changed nothing", "rate_limited")
             match msg:  # the message types are disjoint: the most frequent come first
                 case wire.Progress():
                     self._step(ev.ProgressReported(at=now, worker_id=msg.worker_id, step=msg.step, done=msg.done,
@@ -753,9 +801,10 @@ class Daemon:
                     self._step(ev.WorkerBye(at=now, worker_id=msg.worker_id), facts, commands)
                     self._tokens.pop(msg.worker_id, None)
         except _Reply as r:
-            self.metrics.refusals.labels(r.reason or r.code.value).inc()
-            log.warning("refused", worker=getattr(msg, "worker_id", ""), type=type(msg).__struct_config__.tag,
-                        code=r.code.value, reason=r.reason, error=r.message)
+            self.core_refusals.record(r.reason or r.code.value, "refused", worker=getattr(msg, "worker_id", ""),
+                                      type=type(msg).__struct_config__.tag, code=r.code.value, error=r.message)
+            if r.reason in _NOBODY and self.intake.refused(item.identity, None, r.reason):
+                return  # messages of no registered worker, past the budget: dropped for the rest of the window
             outbox.append((sock, item.identity, wire.encode(wire.Error(
                 code=r.code, message=r.message, reason=r.reason, ref_type=type(msg).__struct_config__.tag,
                 token=getattr(msg, "token", "")))))

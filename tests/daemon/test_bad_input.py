@@ -146,27 +146,124 @@ async def test_bad_input_is_refused_clearly_and_changes_nothing(make_daemon) -> 
     assert daemon.proc.poll() is None, "the daemon survived"
 
 
-async def test_flood_of_garbage_does_not_stop_the_daemon(make_daemon) -> None:
-    daemon = make_daemon()
+async def test_flood_of_garbage_is_answered_up_to_the_budget_then_cut(make_daemon) -> None:
+    """One connection's junk: the first `daemon.junk_budget` frames are each refused and counted,
+    the next one cuts the connection (counted, logged once), and what it had queued is dropped
+    unread. The daemon stays up and registers the next worker."""
+    daemon = make_daemon(daemon={"junk_budget": 50})
     peer = RawPeer(daemon.worker_endpoint, b"flood")
     try:
         for i in range(5000):
             peer.send(b"\xff" * (i % 50 + 1))
-        # The daemon answers every frame with an error; draining them shows it kept up.
-        deadline = time.monotonic() + 30
+        await until(lambda: metric(daemon, "dynaresized_connections_cut_total", 'reason="invalid"') >= 1,
+                    what="the flooding connection cut")
         got = 0
-        while got < 5000 and time.monotonic() < deadline:
-            if peer.sock.poll(1000):
-                peer.sock.recv()
-                got += 1
-        assert got == 5000
+        while peer.sock.poll(500):
+            reply = peer.decoder.decode(peer.sock.recv())
+            assert isinstance(reply, wire.Error) and reply.code is wire.ErrorCode.INVALID, reply
+            got += 1
+        assert got <= 50, "nothing is answered past the budget"
     finally:
         peer.close()
+    refused = metric(daemon, "dynaresized_decode_errors_total")
+    assert 51 <= refused < 5000, "counted up to the cut; the rest dropped unread"
+    assert daemon.output().count("cut a connection to the worker endpoint that sent junk") == 1
+    assert daemon.output().count('"refused frame"') <= 2, "a line per kind every 10 s, not one per frame"
     c = WorkerClient(daemon.worker_endpoint, "after-flood", WorkerKind.ROLLOUT_ENGINE, ("node0:cpu2",))
     await c.start()
     await c.close()
     assert daemon.proc.poll() is None
-    assert metric(daemon, "dynaresized_decode_errors_total") >= 5000  # counted, by kind
+
+
+async def test_registered_workers_are_answered_while_a_connection_floods(make_daemon) -> None:
+    """A raw connection sends junk as fast as it can and never reads (it is cut and connects
+    again, as a DEALER does): a registered worker's heartbeats are still answered, so it is
+    neither lost nor registered again, and the daemon's memory stays bounded."""
+    import os
+    import threading
+
+    daemon = make_daemon(core={"heartbeat_timeout_s": 3.0})
+    worker = WorkerClient(daemon.worker_endpoint, "steady", WorkerKind.TRAINER_RANK, ("node0:cpu1",))
+    await worker.start()
+    incarnation = worker.incarnation
+    stop = threading.Event()
+    sent = [0]
+
+    def flood() -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        sock.connect(daemon.worker_endpoint)
+        while not stop.is_set():
+            try:
+                sock.send(b"\xc1junk", zmq.NOBLOCK)
+                sent[0] += 1
+            except zmq.Again:
+                sock.poll(5, zmq.POLLOUT)
+        sock.close(0)
+        ctx.term()
+
+    def rss_mib() -> float:
+        line = next(x for x in open(f"/proc/{daemon.proc.pid}/status") if x.startswith("VmRSS:"))
+        return int(line.split()[1]) / 1024
+
+    rss_before = rss_mib()
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        silence, last = 0.0, worker._last_ack
+        end = time.monotonic() + 4.0  # beyond the 3 s heartbeat timeout
+        while time.monotonic() < end:
+            await asyncio.sleep(0.1)
+            last = worker._last_ack
+            silence = max(silence, time.monotonic() - last)
+    finally:
+        stop.set()
+        flooder.join(timeout=10)
+    assert sent[0] > 1000, "the flood ran"
+    assert silence < 3.0, f"answered within the heartbeat timeout during the flood (silent {silence:.2f} s)"
+    assert worker.registered and worker.incarnation == incarnation, "not lost, not registered again"
+    assert [w["status"] for w in daemon.status()["workers"]] == ["live"]
+    assert metric(daemon, "dynaresized_connections_cut_total") >= 1
+    assert rss_mib() - rss_before < 64, f"memory bounded: {rss_before:.0f} -> {rss_mib():.0f} MiB"
+    assert daemon.proc.poll() is None and os.path.exists(f"/proc/{daemon.proc.pid}")
+    await worker.close()
+
+
+@pytest.mark.parametrize("secret,why", [("a", "got 1 character(s)"), ("z" * 40, "not all hex")])
+def test_a_hello_secret_that_is_not_32_hex_characters_is_refused(make_daemon, secret: str, why: str) -> None:
+    daemon = make_daemon()
+    peer = RawPeer(daemon.worker_endpoint, b"w1#p1")
+    try:
+        peer.send(msgspec.msgpack.encode({"type": "hello", "protocol": wire.PROTOCOL_VERSION, "worker_id": "w1",
+                                          "kind": "trainer-rank", "devices": ["node0:cpu1"], "process": "p1",
+                                          "secret": secret}))
+        reply = peer.reply()
+    finally:
+        peer.close()
+    assert isinstance(reply, wire.Error) and reply.code is wire.ErrorCode.INVALID and reply.reason == "bad_request"
+    assert "hello.secret must be 32 to 128 hex characters" in reply.message and why in reply.message
+    assert daemon.status()["workers"] == [], "nothing registered"
+
+
+def test_a_worker_id_and_process_too_long_for_a_routing_identity_is_refused_at_both_ends(make_daemon) -> None:
+    with pytest.raises(ValueError, match="must be at most 255 bytes"):
+        wire.identity_of("w" * 128, "p" * 127)
+    assert len(wire.identity_of("w" * 128, "p" * 126)) == 255
+    hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, worker_id="w" * 128, kind=WorkerKind.TRAINER_RANK,
+                       devices=("node0:cpu1",), process="p" * 200)
+    assert "routing identity of 329 bytes" in wire.hello_problem(hello)
+    with pytest.raises(ValueError, match="routing identity"):  # before it connects
+        WorkerClient("tcp://127.0.0.1:1", "w" * 223, WorkerKind.TRAINER_RANK, ("node0:cpu1",))
+    daemon = make_daemon()
+    peer = RawPeer(daemon.worker_endpoint, b"w" * 255)  # the longest identity a socket takes
+    try:
+        peer.send(wire.encode(hello))
+        reply = peer.reply()
+    finally:
+        peer.close()
+    assert isinstance(reply, wire.Error) and reply.reason == "bad_request" and "255" in reply.message
 
 
 @pytest.mark.parametrize("problem,expected", [

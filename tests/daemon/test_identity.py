@@ -35,6 +35,9 @@ class Peer(RawPeer):
         return None
 
 
+S1 = "5e" * 16  # a process's secret: 32 hex characters
+
+
 def hello(worker_id: str, process: str, devices: list[str], secret: str = "") -> dict[str, Any]:
     return {"type": "hello", "protocol": wire.PROTOCOL_VERSION, "worker_id": worker_id, "kind": "trainer-rank",
             "devices": devices, "process": process, "secret": secret}
@@ -73,7 +76,7 @@ async def test_a_reader_of_the_log_cannot_take_a_live_workers_registration(make_
         await until(lambda: metric(daemon, "dynaresized_worker_connections") == 1, what="the victim's drop seen")
         squatter = Peer(daemon.worker_endpoint, f"tr-0#{process}".encode())
         peers.append(squatter)
-        for secret in ("", "guessed"):
+        for secret in ("", "0123456789abcdef" * 2):  # none, or a well-formed guess
             answer = squatter.ask(hello("tr-0", process, [DEVICES[0]], secret))
             assert isinstance(answer, wire.Error) and answer.reason == "not_the_process", answer
             state = squatter.ask({"type": "state_report", "worker_id": "tr-0", "token": "",
@@ -130,12 +133,12 @@ def test_a_hello_from_a_new_process_on_a_registered_connection_is_refused(make_d
     daemon = make_daemon()
     peer = Peer(daemon.worker_endpoint, b"tr-0#p1")
     try:
-        welcome = peer.ask(hello("tr-0", "p1", [DEVICES[0]], "s1"))
+        welcome = peer.ask(hello("tr-0", "p1", [DEVICES[0]], S1))
         assert isinstance(welcome, wire.Welcome) and welcome.incarnation == 1
         for n in range(3):
-            answer = peer.ask(hello("tr-0", f"p{n + 2}", [DEVICES[0]], "s1"))
+            answer = peer.ask(hello("tr-0", f"p{n + 2}", [DEVICES[0]], S1))
             assert isinstance(answer, wire.Error) and answer.reason == "wrong_identity", answer
-        again = peer.ask(hello("tr-0", "p1", [DEVICES[0]], "s1"))  # its own process: the same registration
+        again = peer.ask(hello("tr-0", "p1", [DEVICES[0]], S1))  # its own process: the same registration
         assert isinstance(again, wire.Welcome) and (again.incarnation, again.token) == (1, welcome.token)
         assert len(registered(daemon, "tr-0")) == 1
     finally:
