@@ -17,9 +17,11 @@ compact take the writer lock: stop the daemon first.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import msgspec
 import structlog
@@ -53,9 +55,9 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m dynaresized.st
     compact = sub.add_parser("compact", help="drop the facts past a retention that a snapshot covers; "
                                              "the daemon must be stopped")
     compact.add_argument("path")
-    compact.add_argument("--retention-s", type=float, required=True, metavar="S",
+    compact.add_argument("--retention-s", type=_at_least_zero(float), required=True, metavar="S",
                          help="drop facts older than S seconds (the daemon's store.retention_s; 0: no age bound)")
-    compact.add_argument("--retention-bytes", type=int, required=True, metavar="B",
+    compact.add_argument("--retention-bytes", type=_at_least_zero(int), required=True, metavar="B",
                          help="then the oldest while the log takes more than B bytes (store.retention_bytes; 0: none)")
     compact.add_argument("--stream", default="cluster", help="the stream to compact (default: cluster)")
     compact.add_argument("--vacuum", action="store_true",
@@ -85,6 +87,18 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m dynaresized.st
         return 1
     sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
     return 0
+
+
+def _at_least_zero(kind: type[float] | type[int]) -> Callable[[str], float]:
+    """An argparse type: a number of `kind`, finite and >= 0."""
+
+    def number(text: str) -> float:
+        value = kind(text)
+        if not math.isfinite(value) or value < 0:
+            raise argparse.ArgumentTypeError(f"must be a number >= 0 (0: no bound), got {text}")
+        return value
+
+    return number
 
 
 def _compact(path: str, retention: Retention, stream: str, *, vacuum: bool) -> CompactReport:

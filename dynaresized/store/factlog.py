@@ -17,11 +17,12 @@ import structlog
 
 from dynaresized.core.facts import Fact, decode_fact, encode_facts
 from dynaresized.core.state import ClusterState, decode_state, encode_state, mutate
-from dynaresized.store.recorder import Compaction, CorruptLogError, Recorder
+from dynaresized.store.recorder import CompactedError, Compaction, CorruptLogError, Recorder
 from dynaresized.store.retention import Retention
 
 log = structlog.get_logger("dynaresized.store")
 _FALLBACK = "replaying the whole log instead (a compacted one from the snapshot at its start)"
+_REPLAY_TRIES = 3  # a replay that a concurrent compaction overtook is tried again, this many times in all
 
 
 class FactLog:
@@ -59,6 +60,16 @@ class FactLog:
         it cannot be decoded) plus every fact after it. Without it, the whole log is folded:
         from the start, or in a compacted log from the snapshot at its start, which holds the
         fold of the facts compacted away. Also brings `version` up to date."""
+        for _ in range(_REPLAY_TRIES - 1):
+            try:
+                return self._replay(use_snapshot)
+            except CompactedError:
+                # Another process (the daemon, when this is a reader) compacted the log between
+                # the snapshot and the read: its start moved on, and so does the replay.
+                continue
+        return self._replay(use_snapshot)
+
+    def _replay(self, use_snapshot: bool) -> ClusterState:
         start = self.recorder.log_start()
         base = start.version if start is not None and start.stream == self.stream else 0
         state = self._snapshot_state(self.recorder.load_snapshot(self.stream)) if use_snapshot else None

@@ -44,6 +44,12 @@ class LogStart(msgspec.Struct, frozen=True):
     position: int  # the log's events 1..position are gone: the first one kept is position + 1
     compacted_at: float  # wall clock of the compaction that last moved the start
 
+    def summary(self) -> str:
+        """Where the retained history starts, in a sentence for operators."""
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.compacted_at))
+        return (f"facts before position {self.position + 1} (versions 1..{self.version} of stream {self.stream!r}) "
+                f"were compacted at {when}; the snapshot at version {self.version} holds their state")
+
 
 class Compaction(msgspec.Struct, frozen=True):
     """What one `compact()` did."""
@@ -261,11 +267,9 @@ def check_cut(stream: str, start: LogStart | None, cut_version: int, cut_positio
 
 def compacted_error(stream: str, after_version: int, start: LogStart) -> CompactedError:
     """The error for a read of `stream` after `after_version`, before the log's start."""
-    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(start.compacted_at))
     return CompactedError(
-        f"stream {stream!r} after version {after_version} cannot be read: its versions 1..{start.version} "
-        f"(log positions 1..{start.position}) were compacted at {when}. The snapshot at version "
-        f"{start.version} holds their state: read after version {start.version}",
+        f"stream {stream!r} after version {after_version} cannot be read: {start.summary()}. "
+        f"Read after version {start.version}",
         start=start,
     )
 
