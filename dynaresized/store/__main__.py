@@ -107,7 +107,7 @@ def _compact(path: str, retention: Retention, stream: str, *, vacuum: bool) -> C
     if not os.path.exists(path):
         raise FileNotFoundError(f"no event log at {path}")
     with SQLiteRecorder(path) as recorder:
-        compaction = FactLog(recorder, stream, retention=retention).compact(time.time())
+        compaction = FactLog(recorder, stream, retention=retention).compact(time.time(), catch_up=True)
         if vacuum:
             recorder.vacuum()
     return CompactReport(path=path, compaction=compaction, file_bytes=os.path.getsize(path), vacuumed=vacuum)

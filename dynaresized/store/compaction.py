@@ -20,7 +20,7 @@ from dynaresized.store.layout import (
     log_start_intact,
     snapshot_intact,
 )
-from dynaresized.store.recorder import Compaction, CorruptLogError, LogStart, check_cut
+from dynaresized.store.recorder import Compaction, CorruptLogError, LogStart, check_cut, plan_cut
 
 
 def read_log_start(conn: sqlite3.Connection) -> LogStart | None:
@@ -51,30 +51,32 @@ class DamagedCut(Exception):
 
 
 def compact_log(conn: sqlite3.Connection, stream: str, start: LogStart | None, base: int, *,
-                recorded_before: float | None, max_bytes: int | None, now: float) -> Compaction:
+                recorded_before: float | None, max_bytes: int | None, max_events: int | None,
+                now: float) -> Compaction:
     """Inside the caller's write transaction: drop the events of the log up to the newest
     snapshot of `stream` whose last event was recorded before `recorded_before`, then up to
-    later snapshots one at a time while the database's pages in use exceed `max_bytes`.
-    `base` is the stream's version at `start` (0: never compacted). Raises DamagedCut (the
-    caller rolls back) if the snapshot at the cut is damaged, ValueError if events of other
-    streams lie before the cut."""
+    later snapshots one at a time while the database's pages in use exceed `max_bytes`, at most
+    `max_events` events (`recorder.plan_cut`). `base` is the stream's version at `start` (0:
+    never compacted). Raises DamagedCut (the caller rolls back) if the snapshot at the cut is
+    damaged, ValueError if events of other streams lie before the cut."""
     cuts = [v for (v,) in conn.execute(
         "SELECT version FROM snapshots WHERE stream = ? AND version > ? "
         "AND version <= (SELECT max(version) FROM events WHERE stream = ?) ORDER BY version", (stream, base, stream))]
-    cut = base
+    aged = base
     if recorded_before is not None:
         # The event at a snapshot's version is the last one it covers; the (stream, version)
         # index finds it for each snapshot.
         aged = conn.execute(
             "SELECT max(s.version) FROM snapshots s JOIN events e ON e.stream = s.stream AND e.version = s.version "
             "WHERE s.stream = ? AND s.version > ? AND e.recorded_at < ?", (stream, base, recorded_before),
-        ).fetchone()[0]
-        cut = aged or base
+        ).fetchone()[0] or base
     dropped_events = dropped_snapshots = 0
     new_start = start
 
     def drop_through(version: int) -> None:
         nonlocal dropped_events, dropped_snapshots, new_start
+        if version <= (base if new_start is None else new_start.version):
+            return
         position = conn.execute("SELECT position FROM events WHERE stream = ? AND version = ?",
                                 (stream, version)).fetchone()[0]
         check_cut(stream, new_start, version, position)
@@ -84,17 +86,13 @@ def compact_log(conn: sqlite3.Connection, stream: str, start: LogStart | None, b
                                           (stream, version)).rowcount
         new_start = LogStart(stream=stream, version=version, position=position, compacted_at=now)
 
-    if cut > base:
+    def over_budget(cut: int) -> bool:  # measured: the pages a deletion frees depend on the rows' layout
         drop_through(cut)
+        return max_bytes is not None and bytes_in_use(conn) > max_bytes
+
+    cut, behind = plan_cut(cuts, base, aged=aged, max_events=max_events, over_budget=over_budget)
+    drop_through(cut)
     size = bytes_in_use(conn)
-    if max_bytes is not None:
-        for later in cuts:
-            if size <= max_bytes:
-                break
-            if later > cut:
-                drop_through(later)
-                cut = later
-                size = bytes_in_use(conn)
     if new_start is not start:
         snapshot = conn.execute("SELECT stream, version, data, recorded_at, crc FROM snapshots "
                                 "WHERE stream = ? AND version = ?", (stream, cut)).fetchone()
@@ -103,7 +101,7 @@ def compact_log(conn: sqlite3.Connection, stream: str, start: LogStart | None, b
         assert new_start is not None
         write_log_start(conn, new_start)
     return Compaction(start=new_start, dropped_events=dropped_events, dropped_snapshots=dropped_snapshots,
-                      bytes_in_use=size, over_budget=max_bytes is not None and size > max_bytes)
+                      bytes_in_use=size, over_budget=max_bytes is not None and size > max_bytes, behind=behind)
 
 
 def write_log_start(conn: sqlite3.Connection, start: LogStart) -> None:

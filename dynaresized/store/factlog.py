@@ -23,6 +23,11 @@ from dynaresized.store.retention import Retention
 log = structlog.get_logger("dynaresized.store")
 _FALLBACK = "replaying the whole log instead (a compacted one from the snapshot at its start)"
 _REPLAY_TRIES = 3  # a replay that a concurrent compaction overtook is tried again, this many times in all
+# A compaction drops at most this many snapshot intervals of facts: about 25 ms each on a 2-core
+# machine (1,024 devices: 10,000 facts and a 655 KB snapshot). A log far over its bounds (after an
+# upgrade, or a bound lowered) then shrinks by a few intervals per interval, and the log writer is
+# never held up for long nor the WAL filled with one huge transaction.
+CATCH_UP_INTERVALS = 4
 
 
 class FactLog:
@@ -134,22 +139,26 @@ class FactLog:
             self.compact(self._clock())
         return True
 
-    def compact(self, now_wall_s: float) -> Compaction:
+    def compact(self, now_wall_s: float, *, catch_up: bool = False) -> Compaction:
         """Drop the facts past the retention at `now_wall_s` that a snapshot covers: those
         recorded more than `retention.max_age_s` ago, then the oldest while the log takes more
-        than `retention.max_bytes`; up to a snapshot, which stays as the log's start. One
-        transaction: a crash leaves the log as it was or as it is after. Logs what it dropped,
-        and a warning when the facts after the newest snapshot alone exceed the size bound."""
+        than `retention.max_bytes`; up to a snapshot, which stays as the log's start; at most
+        CATCH_UP_INTERVALS × `snapshot_every` facts (`behind` says more is due), or all that is
+        due with `catch_up`. One transaction: a crash leaves the log as it was or as it is after.
+        Logs what it dropped, and a warning when the facts after the newest snapshot alone exceed
+        the size bound."""
         if self.retention is None:
             raise ValueError("this fact log has no retention: it keeps every fact")
         result = self.recorder.compact(self.stream, recorded_before=self.retention.recorded_before(now_wall_s),
-                                       max_bytes=self.retention.byte_budget())
+                                       max_bytes=self.retention.byte_budget(),
+                                       max_events=None if catch_up else CATCH_UP_INTERVALS * self.snapshot_every)
         if result.dropped_events or result.dropped_snapshots:
             assert result.start is not None
             log.info("store.compacted", stream=self.stream, dropped_events=result.dropped_events,
                      dropped_snapshots=result.dropped_snapshots, starts_after_version=result.start.version,
-                     starts_after_position=result.start.position, bytes_in_use=result.bytes_in_use)
-        if result.over_budget:
+                     starts_after_position=result.start.position, bytes_in_use=result.bytes_in_use,
+                     behind=result.behind)
+        if result.over_budget and not result.behind:
             log.warning("store.over_budget", stream=self.stream, bytes_in_use=result.bytes_in_use,
                         max_bytes=self.retention.max_bytes,
                         reason="the facts after the newest snapshot alone take more than the size bound; "

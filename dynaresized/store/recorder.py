@@ -58,7 +58,8 @@ class Compaction(msgspec.Struct, frozen=True):
     dropped_events: int  # by this compaction (0: nothing was due)
     dropped_snapshots: int
     bytes_in_use: int  # what the log holds afterwards (SQLite: its pages in use)
-    over_budget: bool  # max_bytes is not met: the events after the newest snapshot alone take more
+    over_budget: bool  # max_bytes is not met (more is due, or the events after the newest snapshot take more)
+    behind: bool = False  # max_events stopped it: a further compaction would drop more now
 
 
 class ConcurrencyError(Exception):
@@ -164,13 +165,14 @@ class Recorder(Protocol):
         """Where the retained log starts, or None if it was never compacted."""
         ...
 
-    def compact(self, stream: str, *, recorded_before: float | None = None,
-                max_bytes: int | None = None) -> Compaction:
+    def compact(self, stream: str, *, recorded_before: float | None = None, max_bytes: int | None = None,
+                max_events: int | None = None) -> Compaction:
         """Drop the oldest events of the log, up to a snapshot of `stream` that covers them, all
         or nothing: up to the newest snapshot whose last event was recorded before
         `recorded_before`, then further, a snapshot at a time, while the log takes more than
-        `max_bytes`. The snapshot at the cut is kept (the new start); older ones are dropped.
-        The events dropped must all be `stream`'s (ValueError otherwise)."""
+        `max_bytes`; at most `max_events` events (but always up to the first snapshot due). The
+        snapshot at the cut is kept (the new start); older ones are dropped. The events dropped
+        must all be `stream`'s (ValueError otherwise)."""
         ...
 
     def close(self) -> None:
@@ -236,15 +238,17 @@ def check_types(types: object) -> frozenset[str] | None:
     return frozenset(types)
 
 
-def check_compaction(stream: str, start: LogStart | None, recorded_before: object, max_bytes: object) -> int:
+def check_compaction(stream: str, start: LogStart | None, recorded_before: object, max_bytes: object,
+                     max_events: object) -> int:
     """The base version of `stream` (0 if never compacted); ValueError for bad arguments or a
     log whose start belongs to another stream."""
     check_stream(stream)
     if recorded_before is not None and (isinstance(recorded_before, bool)
                                         or not isinstance(recorded_before, (int, float))):
         raise ValueError(f"recorded_before must be a wall-clock time in seconds or None, got {recorded_before!r}")
-    if max_bytes is not None:
-        check_count("max_bytes", max_bytes)
+    for name, value in (("max_bytes", max_bytes), ("max_events", max_events)):
+        if value is not None:
+            check_count(name, value)
     if start is None:
         return 0
     if start.stream != stream:
@@ -252,6 +256,30 @@ def check_compaction(stream: str, start: LogStart | None, recorded_before: objec
             f"the log was compacted on stream {start.stream!r}; compaction keeps to one stream, not {stream!r}"
         )
     return start.version
+
+
+def plan_cut(cuts: Sequence[int], base: int, *, aged: int, max_events: int | None,
+             over_budget: Callable[[int], bool]) -> tuple[int, bool]:
+    """Where a compaction cuts: the version to drop through (`base`: nothing), and whether more
+    is due than `max_events` let it drop. `cuts` are the snapshot versions after `base`,
+    ascending; `aged` the newest of them past the age bound (or `base`); `over_budget(cut)` says
+    whether the log compacted through `cut` still exceeds the size bound (the SQLite recorder
+    drops through `cut` to measure it, so it is asked about cuts in ascending order)."""
+    if not cuts:
+        return base, False
+    reach = cuts[-1] if max_events is None else max(base + max_events, cuts[0])
+    cut = max((v for v in cuts if v <= min(aged, reach)), default=base)
+    behind = aged > cut
+    for later in cuts:
+        if later <= cut:
+            continue
+        if not over_budget(cut):
+            break
+        if later > reach:
+            behind = True
+            break
+        cut = later
+    return cut, behind
 
 
 def check_cut(stream: str, start: LogStart | None, cut_version: int, cut_position: int) -> None:
@@ -397,11 +425,11 @@ class InMemoryRecorder:
             self._check_open()
             return self._start
 
-    def compact(self, stream: str, *, recorded_before: float | None = None,
-                max_bytes: int | None = None) -> Compaction:
+    def compact(self, stream: str, *, recorded_before: float | None = None, max_bytes: int | None = None,
+                max_events: int | None = None) -> Compaction:
         with self._lock:
             self._check_open()
-            base = check_compaction(stream, self._start, recorded_before, max_bytes)
+            base = check_compaction(stream, self._start, recorded_before, max_bytes, max_events)
             records = self._streams.get(stream, [])
             snapshots = self._snapshots.get(stream, {})
             cuts = sorted(v for v in snapshots if v > base)
@@ -411,17 +439,15 @@ class InMemoryRecorder:
                 return (sum(len(e.data) for e in self._log[dropped:])
                         + sum(len(blob) for v, blob in snapshots.items() if v >= cut))
 
-            cut = base
-            if recorded_before is not None:
-                cut = max((v for v in cuts if records[v - base - 1].recorded_at < recorded_before), default=base)
-            for later in cuts:
-                if later > cut and max_bytes is not None and in_use(cut) > max_bytes:
-                    cut = later
+            aged = base if recorded_before is None else max(
+                (v for v in cuts if records[v - base - 1].recorded_at < recorded_before), default=base)
+            cut, behind = plan_cut(cuts, base, aged=aged, max_events=max_events,
+                                   over_budget=lambda c: max_bytes is not None and in_use(c) > max_bytes)
             size = in_use(cut)
             over = max_bytes is not None and size > max_bytes
             if cut == base:
                 return Compaction(start=self._start, dropped_events=0, dropped_snapshots=0, bytes_in_use=size,
-                                  over_budget=over)
+                                  over_budget=over, behind=behind)
             dropped = cut - base
             position = records[dropped - 1].position
             check_cut(stream, self._start, cut, position)
@@ -431,7 +457,7 @@ class InMemoryRecorder:
             self._snapshots[stream] = {v: blob for v, blob in snapshots.items() if v >= cut}
             self._start = LogStart(stream=stream, version=cut, position=position, compacted_at=self._clock())
             return Compaction(start=self._start, dropped_events=dropped, dropped_snapshots=len(old),
-                              bytes_in_use=size, over_budget=over)
+                              bytes_in_use=size, over_budget=over, behind=behind)
 
     def close(self) -> None:
         with self._lock:

@@ -519,16 +519,16 @@ class SQLiteRecorder:
     def log_start(self) -> LogStart | None:
         return self._log_start()
 
-    def compact(self, stream: str, *, recorded_before: float | None = None,
-                max_bytes: int | None = None) -> Compaction:
+    def compact(self, stream: str, *, recorded_before: float | None = None, max_bytes: int | None = None,
+                max_events: int | None = None) -> Compaction:
         with self._lock:
             self._check_writable()
-            base = check_compaction(stream, self._start, recorded_before, max_bytes)
+            base = check_compaction(stream, self._start, recorded_before, max_bytes, max_events)
             conn = self._conn
             try:
                 with _write_transaction(conn):  # all or nothing: a crash leaves the old log or the new
                     result = compact_log(conn, stream, self._start, base, recorded_before=recorded_before,
-                                         max_bytes=max_bytes, now=float(self._clock()))
+                                         max_bytes=max_bytes, max_events=max_events, now=float(self._clock()))
             except DamagedCut as e:
                 # Rolled back. A later compaction cuts at a later snapshot.
                 log.warning("store.compaction_skipped", file=self.path, stream=stream,

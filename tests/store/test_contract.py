@@ -230,6 +230,18 @@ def test_compaction_by_size_drops_snapshot_by_snapshot_until_the_log_fits(record
     assert [(e.position, e.version) for e in recorder.read_all()] == [(101, 101)]
 
 
+def test_compaction_drops_at_most_max_events_and_says_when_more_is_due(recorder: Recorder, clock: FakeClock) -> None:
+    _ten_a_second(recorder, clock, 100, snapshot_every=20)
+    first = recorder.compact("s", max_bytes=0, max_events=30)  # the snapshot at 40 lies beyond 30 events
+    assert first.start is not None and first.start.version == 20 and first.behind and first.over_budget
+    # Fewer than a snapshot interval still drops up to the first snapshot due: a compaction always gets on.
+    second = recorder.compact("s", recorded_before=clock.now, max_events=5)
+    assert second.start is not None and second.start.version == 40 and second.behind
+    rest = recorder.compact("s", recorded_before=clock.now)
+    assert rest.start is not None and rest.start.version == 100 and not rest.behind
+    assert rest.dropped_events == 60 and rest.dropped_snapshots == 3
+
+
 def test_compaction_keeps_to_one_stream_and_changes_nothing_when_refused(recorder: Recorder) -> None:
     recorder.append("s", 0, [("t", b"")] * 3)
     recorder.append("u", 0, [("t", b"")])
