@@ -23,7 +23,7 @@ from dynaresized.store.retention import Retention
 log = structlog.get_logger("dynaresized.store")
 _FALLBACK = "replaying the whole log instead (a compacted one from the snapshot at its start)"
 _REPLAY_TRIES = 3  # a replay that a concurrent compaction overtook is tried again, this many times in all
-# A compaction drops at most this many snapshot intervals of facts: about 25 ms each on a 2-core
+# A compaction drops at most this many snapshot intervals of facts: 15-25 ms each on a 2-core
 # machine (1,024 devices: 10,000 facts and a 655 KB snapshot). A log far over its bounds (after an
 # upgrade, or a bound lowered) then shrinks by a few intervals per interval, and the log writer is
 # never held up for long nor the WAL filled with one huge transaction.

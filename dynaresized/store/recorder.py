@@ -413,6 +413,8 @@ class InMemoryRecorder:
 
     def load_snapshot(self, stream: str, version: int | None = None) -> tuple[int, bytes] | None:
         check_stream(stream)
+        if version is not None:
+            check_count("version", version)
         with self._lock:
             self._check_open()
             snapshots = self._snapshots.get(stream, {})
