@@ -10,6 +10,8 @@
 * Replay of a `--facts`-fact log (default 1,000,000) from a SQLite file built from the same
   workload (without heartbeats: they make no facts) with a snapshot every `--snapshot-every`
   facts: with the snapshot (latest snapshot + fold of the rest) and without (fold of all).
+* Compaction of that log (retention, docs/store.md): the daemon's steady case, one snapshot
+  interval dropped after a snapshot, and a capped catch-up; replay after it must not change.
 
 Targets (DESIGN/issue 2): >= 100,000 events/s through step(); replay of 1M facts from a
 snapshot-bearing store <= 3 s. Usage: python benchmarks/core.py [--facts N] [--events N]
@@ -38,6 +40,7 @@ from dynaresized.core.guards import GuardConfig
 from dynaresized.core.policy import load_policy
 from dynaresized.domain import Pool, StepTiming, WorkerKind
 from dynaresized.store import FactLog, SQLiteRecorder
+from dynaresized.store.factlog import CATCH_UP_INTERVALS
 
 STEP_TARGET_EVENTS_PER_S = 100_000
 REPLAY_TARGET_S = 3.0
@@ -285,7 +288,10 @@ def timed_replay(path: str, use_snapshot: bool) -> tuple[float, float, ClusterSt
     return elapsed, cpu, state
 
 
-def bench_replay(directory: str, facts: int, snapshot_every: int, batch: int) -> dict[str, object]:
+def bench_replay(
+    directory: str, facts: int, snapshot_every: int, batch: int
+) -> tuple[dict[str, object], ClusterState]:
+    """The replay's figures, and the state the log's workload reached (for `bench_compact`)."""
     path = os.path.join(directory, "replay.sqlite")
     live, built = build_log(path, facts, snapshot_every, batch)
     with_s, with_cpu, from_snapshot = timed_replay(path, use_snapshot=True)
@@ -307,6 +313,30 @@ def bench_replay(directory: str, facts: int, snapshot_every: int, batch: int) ->
         "replay_matches_live_state": matches,
         "note": "replay = open the file (writer, tail check) + load the latest snapshot + read, CRC-check, "
         "decode and fold every fact after it",
+    }, live
+
+
+def bench_compact(path: str, live: ClusterState, snapshot_every: int) -> dict[str, object]:
+    """Compactions as the daemon runs them, timed on the replay's log: one that drops a single
+    snapshot interval (a size bound a byte under the log), then a catch-up to half the log capped
+    as the daemon caps it (CATCH_UP_INTERVALS intervals)."""
+    recorder = SQLiteRecorder(path)
+    in_use = recorder.compact("cluster").bytes_in_use  # no bound: drops nothing, measures
+    started = time.perf_counter()
+    one = recorder.compact("cluster", max_bytes=in_use - 1)
+    one_s = time.perf_counter() - started
+    started = time.perf_counter()
+    capped = recorder.compact("cluster", max_bytes=in_use // 2, max_events=CATCH_UP_INTERVALS * snapshot_every)
+    capped_s = time.perf_counter() - started
+    matches = FactLog(recorder).replay().durable() == live.durable()
+    recorder.close()
+    return {
+        "compact_one_interval_ms": round(one_s * 1000, 1),
+        "compact_one_interval_facts": one.dropped_events,
+        "compact_catch_up_ms": round(capped_s * 1000, 1),
+        "compact_catch_up_facts": capped.dropped_events,
+        "replay_after_compaction_matches": matches,
+        "note": "each compaction is one fsynced transaction in the log writer's thread",
     }
 
 
@@ -329,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     step = bench_step(events, live, args.profile)
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         append = bench_append(directory, args.per_step_appends)
-        replay = bench_replay(directory, args.facts, args.snapshot_every, args.batch)
+        replay, live = bench_replay(directory, args.facts, args.snapshot_every, args.batch)
+        compact = bench_compact(os.path.join(directory, "replay.sqlite"), live, args.snapshot_every)
     result = {
         "benchmark": "core",
         "machine": {
@@ -345,11 +376,13 @@ def main(argv: list[str] | None = None) -> int:
         "replay_1m_s_without_snapshots": replay["replay_s_without_snapshots"],
         "append_per_step_appends_per_s": append["per_step_appends_per_s"],
         "append_bulk_facts_per_s": replay["bulk_facts_per_s"],
+        "compact_one_interval_ms": compact["compact_one_interval_ms"],
         "meets_step_target": step["events_per_s"] >= STEP_TARGET_EVENTS_PER_S,  # type: ignore[operator]
         "meets_replay_target": replay["replay_s_with_snapshots"] <= REPLAY_TARGET_S,  # type: ignore[operator]
         "step": step,
         "append": append,
         "replay": replay,
+        "compact": compact,
     }
     json.dump(result, sys.stdout)
     sys.stdout.write("\n")

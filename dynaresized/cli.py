@@ -12,12 +12,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from dynaresized import __version__, wire
 from dynaresized.control import control_request, ensure_listening, read_control_secret
+
+if TYPE_CHECKING:
+    from dynaresized.store import LogStart
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NOT_CONFIGURED = 0, 1, 2, 3, 6
 DEFAULT_CONFIG = "/etc/dynaresized/config.toml"
@@ -183,7 +186,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
     from dynaresized.daemon.config import ConfigError
     from dynaresized.daemon.service import EVENTS_FILE
     from dynaresized.explain import explain
-    from dynaresized.store import CorruptLogError, open_recorder
+    from dynaresized.store import CompactedError, CorruptLogError, open_recorder
 
     try:
         state_dir = args.state_dir or _config_for_client(args.config).daemon.state_dir
@@ -208,19 +211,25 @@ def _cmd_events(args: argparse.Namespace) -> int:
     position = args.since
     try:
         while True:
-            for stored in recorder.read_all(after_position=position, types=types):
-                position = stored.position
-                fact = decode_fact(stored.data)
-                if as_json:
-                    body = json.loads(fact_to_json(fact))
-                    body = {"position": stored.position, "recorded_at": stored.recorded_at, **body}
-                    if isinstance(fact, StepObserved):
-                        # derived, not stored: each pool's idle share of the step (docs/idle.md)
-                        body["idle_ratio"] = {p.value: idle_ratio(fact.timing, p) for p in Pool}
-                    sys.stdout.write(json.dumps(body) + "\n")
-                else:
-                    stamp = time.strftime("%H:%M:%S", time.localtime(fact.at))
-                    sys.stdout.write(f"{stored.position:>8} {stamp} {stored.type:<20} {explain(fact)}\n")
+            # Where the retained history starts, each time round: the daemon may have compacted
+            # the facts this command had not read yet (a read it overtakes raises CompactedError).
+            position = _history_from(recorder.log_start(), position)
+            try:
+                for stored in recorder.read_all(after_position=position, types=types):
+                    position = stored.position
+                    fact = decode_fact(stored.data)
+                    if as_json:
+                        body = json.loads(fact_to_json(fact))
+                        body = {"position": stored.position, "recorded_at": stored.recorded_at, **body}
+                        if isinstance(fact, StepObserved):
+                            # derived, not stored: each pool's idle share of the step (docs/idle.md)
+                            body["idle_ratio"] = {p.value: idle_ratio(fact.timing, p) for p in Pool}
+                        sys.stdout.write(json.dumps(body) + "\n")
+                    else:
+                        stamp = time.strftime("%H:%M:%S", time.localtime(fact.at))
+                        sys.stdout.write(f"{stored.position:>8} {stamp} {stored.type:<20} {explain(fact)}\n")
+            except CompactedError:
+                continue
             sys.stdout.flush()
             if not args.follow:
                 return EXIT_OK
@@ -234,6 +243,22 @@ def _cmd_events(args: argparse.Namespace) -> int:
         return EXIT_FAIL
     finally:
         recorder.close()
+
+
+def _history_from(start: LogStart | None, position: int) -> int:
+    """Where `events` reads on from: after `position`, or after the log's start if a compaction
+    dropped the facts before it, which it says on stderr."""
+    if start is None or position >= start.position:
+        return position
+    print(f"dynaresized: {start.summary()} (the retention in [store], docs/store.md): the history here starts "
+          f"at position {start.position + 1}", file=sys.stderr)
+    return start.position
+
+
+def _cmd_store(args: argparse.Namespace) -> int:
+    from dynaresized.store.__main__ import main
+
+    return main(args.args, prog="dynaresized store")
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
@@ -313,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--type", action="append", metavar="T",
                    help="only events of this type, e.g. resize_started (repeatable)")
     p.set_defaults(run=_cmd_events)
+
+    # every argument goes to the store's own commands (python -m dynaresized.store, docs/store.md)
+    p = sub.add_parser("store", add_help=False, prefix_chars="\0",
+                       help="check, salvage or compact an event log file: `dynaresized store --help`")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(run=_cmd_store)
 
     p = sub.add_parser("pause", help="stop starting resizes (the one in flight finishes)")
     client_args(p)

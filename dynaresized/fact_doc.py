@@ -26,7 +26,8 @@ from dynaresized.protocol_doc import _type_of
 COMMAND = "python -m dynaresized.fact_doc > docs/facts.md"
 
 EVENTS_KEYS: tuple[tuple[str, str, str], ...] = (
-    ("position", "integer", "the fact's place in the log: global, from 1, no gaps (`--since N` prints those after N)"),
+    ("position", "integer", "the fact's place in the log: global, from 1, no gaps (`--since N` prints those after N); "
+     "a compacted log keeps those after its start, which `events` names on stderr (docs/store.md, retention)"),
     ("recorded_at", "number", "when the store recorded it: the store's wall clock, seconds since the Unix epoch"),
     ("type", "string", "the fact type: one of the sections below (`--type T` prints only those)"),
 )

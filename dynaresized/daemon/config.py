@@ -21,6 +21,7 @@ from dynaresized.core.guards import GuardConfig
 from dynaresized.core.machine import CoreConfig
 from dynaresized.core.policy import LoanCosts, ResizeCosts
 from dynaresized.domain import Pool, Split
+from dynaresized.store import DEFAULT_RETENTION_BYTES, DEFAULT_RETENTION_S, MIN_RETENTION_BYTES, Retention
 
 
 class ConfigError(Exception):
@@ -94,12 +95,24 @@ class CoreSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     learn_loan_costs: bool = False  # measured loans replace [loan_costs]' estimates (core.CoreConfig)
 
 
+class StoreSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How much history the event log keeps (docs/store.md, "Retention"): after each snapshot,
+    facts past either bound that a snapshot covers are dropped. 0 turns a bound off."""
+
+    retention_s: float = DEFAULT_RETENTION_S  # 30 days
+    retention_bytes: int = DEFAULT_RETENTION_BYTES  # 32 GiB: a month of a 1,024-device job
+
+    def retention(self) -> Retention:
+        return Retention(max_age_s=self.retention_s, max_bytes=self.retention_bytes)
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     daemon: DaemonSection = DaemonSection()
     security: SecuritySection = SecuritySection()
     cluster: ClusterSection = ClusterSection()
     policy: PolicySection = PolicySection()
     core: CoreSection = CoreSection()
+    store: StoreSection = StoreSection()
     guards: GuardConfig = GuardConfig()
     costs: ResizeCosts = ResizeCosts()
     loan_costs: LoanCosts = LoanCosts()
@@ -187,6 +200,12 @@ def _check(cfg: Config) -> list[tuple[str, str]]:
          f"must exceed daemon.heartbeat_interval_s ({d.heartbeat_interval_s})")
     need(math.isfinite(d.time_scale) and d.time_scale > 0, "daemon.time_scale", "must be > 0")
     need(d.snapshot_every > 0, "daemon.snapshot_every", "must be > 0")
+    st = cfg.store
+    need(math.isfinite(st.retention_s) and st.retention_s >= 0, "store.retention_s",
+         f"must be a number of seconds >= 0 (0: no age bound), got {st.retention_s}")
+    need(st.retention_bytes == 0 or st.retention_bytes >= MIN_RETENTION_BYTES, "store.retention_bytes",
+         f"must be 0 (no size bound) or at least {MIN_RETENTION_BYTES} (64 MiB: the facts since the last snapshot "
+         f"are always kept), got {st.retention_bytes}")
     need(math.isfinite(d.batch_window_ms) and 0 <= d.batch_window_ms <= 100, "daemon.batch_window_ms",
          "must be in [0, 100] milliseconds")
     need(0 <= d.io_threads <= 64, "daemon.io_threads", "must be in [0, 64] (0: one per 1,024 worker connections)")

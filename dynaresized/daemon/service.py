@@ -190,7 +190,8 @@ class Daemon:
         path = state_dir / EVENTS_FILE
         try:
             recorder = open_recorder(path)
-            self.factlog = FactLog(recorder, snapshot_every=self.config.daemon.snapshot_every)
+            self.factlog = FactLog(recorder, snapshot_every=self.config.daemon.snapshot_every,
+                                   retention=self.config.store.retention())  # compacts after each snapshot
             self.state = self.factlog.replay()
         except LOG_ERRORS as exc:
             raise StartupError(log_problem(path, exc)) from None

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 APPLICATION_ID = 0x44524C47  # "DRLG" in the SQLite header: marks the file as a dynaresized log
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1  # a log never compacted: what a new log is, and what dynaresized before compaction reads
+COMPACTED_SCHEMA_VERSION = 2  # a compacted log (it has a log_start row); the newest schema this code reads
 CHUNK = 2048  # rows per query when reading: no statement stays open between chunks
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -36,16 +37,30 @@ CREATE TABLE IF NOT EXISTS snapshots (
     PRIMARY KEY (stream, version)
 );
 """
+# Created by the first compaction, which also sets user_version to COMPACTED_SCHEMA_VERSION: a
+# dynaresized that does not know compaction then refuses the log instead of taking the missing
+# events for damage.
+LOG_START_SCHEMA = """
+CREATE TABLE IF NOT EXISTS log_start (
+    stream       TEXT    NOT NULL,     -- the stream compacted
+    version      INTEGER NOT NULL,     -- its events 1..version are gone; its snapshot at version is kept
+    position     INTEGER NOT NULL,     -- the log's events 1..position are gone
+    compacted_at REAL    NOT NULL,     -- wall clock of the compaction that last moved the start
+    crc          INTEGER NOT NULL      -- CRC32 of the other columns (log_start_crc)
+)
+"""
 STREAM_INDEX = "sqlite_autoindex_events_1"  # SQLite's name for the UNIQUE (stream, version) index
 COLUMNS = "position, stream, version, type, data, recorded_at, crc"
 
 _EVENT_HEAD = struct.Struct("<qqd")
 _SNAPSHOT_HEAD = struct.Struct("<qd")
+_LOG_START_HEAD = struct.Struct("<qqd")
 
 # SQLite primary result codes that mean "the file is damaged", as opposed to busy, locked,
 # read-only or out of disk, which are not ours to repair.
 _SQLITE_CORRUPT = 11
 _SQLITE_NOTADB = 26
+_SQLITE_FULL = 13  # how SQLite's unix VFS reports a write that failed with ENOSPC or ran short
 
 
 def _crc(position: int, version: int, recorded_at: float, names: bytes, data: bytes) -> int:
@@ -113,6 +128,20 @@ def snapshot_intact(stream: Any, version: Any, data: Any, recorded_at: Any, crc:
         return False
 
 
+def log_start_crc(stream: bytes, version: int, position: int, compacted_at: float) -> int:
+    """The CRC32 stored with the log_start row: version and position (int64), compacted_at
+    (double), then the stream's UTF-8 bytes."""
+    return zlib.crc32(_LOG_START_HEAD.pack(version, position, compacted_at) + stream)
+
+
+def log_start_intact(stream: Any, version: Any, position: Any, compacted_at: Any, crc: Any) -> bool:
+    """Whether the log_start row as read (text as bytes) matches its CRC."""
+    try:
+        return log_start_crc(stream, version, position, compacted_at) == crc
+    except (TypeError, struct.error):
+        return False
+
+
 def as_text(value: bytes) -> str:
     """A text column read as bytes (our connections read text as bytes, so that damaged text
     fails its CRC instead of failing the whole query), for messages and records."""
@@ -126,6 +155,12 @@ def is_corruption(error: BaseException) -> bool:
         _SQLITE_CORRUPT,
         _SQLITE_NOTADB,
     )
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether a sqlite3 error says the disk (or the filesystem's quota) is full."""
+    code = getattr(error, "sqlite_errorcode", None)
+    return isinstance(error, sqlite3.DatabaseError) and code is not None and (code & 0xFF) == _SQLITE_FULL
 
 
 def create_schema(conn: sqlite3.Connection) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from dynaresized.store.compaction import read_log_start, write_log_start
 from dynaresized.store.layout import (
     CHUNK,
     COLUMNS,
@@ -29,7 +30,7 @@ from dynaresized.store.layout import (
     row_intact,
     snapshot_intact,
 )
-from dynaresized.store.recorder import CorruptLogError, check_count
+from dynaresized.store.recorder import CorruptLogError, LogStart, check_count
 
 log = structlog.get_logger("dynaresized.store")
 
@@ -68,17 +69,27 @@ def _row_problem(row: tuple[Any, ...], position: int, versions: dict[bytes, int]
     return None
 
 
+def _bases(start: LogStart | None) -> tuple[int, dict[bytes, int]]:
+    """The last position a compaction dropped, and each stream's last version it dropped."""
+    return (0, {}) if start is None else (start.position, {start.stream.encode(): start.version})
+
+
 def verify_log(conn: sqlite3.Connection, *, full: bool, tail: int = TAIL_WINDOW) -> str | None:
     """What is wrong with the log, or None. `full=False` checks what a crash or a damaged
-    file end would break, cheaply: the row count against the last position, and the CRC and
-    versions of the last `tail` rows, and the snapshots. `full=True` reads everything. May raise
-    sqlite3.DatabaseError when SQLite itself finds the damage."""
+    file end would break, cheaply: the row count against the positions from the log's start
+    to its last, and the CRC and versions of the last `tail` rows, and the snapshots.
+    `full=True` reads everything. May raise sqlite3.DatabaseError when SQLite itself finds
+    the damage."""
+    try:
+        first, bases = _bases(read_log_start(conn))
+    except CorruptLogError as e:
+        return str(e)
     if full:
         result = [as_text(r[0]) for r in conn.execute("PRAGMA integrity_check(20)")]
         if result != ["ok"]:
             return "SQLite's integrity check fails: " + "; ".join(result)
-        versions: dict[bytes, int] = {}
-        position = 0
+        versions = dict(bases)
+        position = first
         while True:
             rows = conn.execute(
                 f"SELECT {COLUMNS} FROM events WHERE position > ? ORDER BY position LIMIT ?", (position, CHUNK)
@@ -92,9 +103,10 @@ def verify_log(conn: sqlite3.Connection, *, full: bool, tail: int = TAIL_WINDOW)
             if len(rows) < CHUNK:
                 return None
     count, last = conn.execute("SELECT count(*), max(position) FROM events").fetchone()
-    last = last or 0
-    if count != last:
-        return f"the log has {count} events but its last position is {last}: events are missing"
+    last = last or first
+    if count != last - first:
+        kept = f"its last position is {last}" if not first else f"it keeps positions {first + 1}..{last}"
+        return f"the log has {count} events but {kept}: events are missing"
     rows = conn.execute(
         f"SELECT {COLUMNS} FROM events ORDER BY position DESC LIMIT ?", (tail,)
     ).fetchall()
@@ -248,7 +260,14 @@ def salvage(
             dst.execute("PRAGMA synchronous = FULL")
             dst.execute("BEGIN IMMEDIATE")
             create_schema(dst)
-            good, versions, stop = _copy_prefix(src, dst, through)
+            start = _log_start_of(src, path)
+            if start is not None:
+                write_log_start(dst, start)
+            first, _ = _bases(start)
+            if through is not None and through < first:
+                raise CorruptLogError(f"{path}: cannot keep events through position {through}: the log was "
+                                      f"compacted, its first event is at position {first + 1}", path=path)
+            good, versions, stop = _copy_prefix(src, dst, through, start)
             if stop is not None and (through is None or through > good):
                 if through is not None:
                     raise CorruptLogError(
@@ -268,7 +287,7 @@ def salvage(
                         path=path,
                         position=good + 1,
                     )
-                if good == 0:
+                if good == first:
                     raise CorruptLogError(
                         f"{path}: no event could be read ({stop}; {reason}). The file is untouched; "
                         "move it aside to start a new log, or restore it from a backup",
@@ -316,14 +335,27 @@ def salvage(
     return report
 
 
+def _log_start_of(src: sqlite3.Connection, path: str) -> LogStart | None:
+    """Where the damaged log starts. A file whose header SQLite cannot read counts as never
+    compacted: then no event can be placed at position 1 either, and the salvage refuses."""
+    try:
+        return read_log_start(src)
+    except CorruptLogError as e:
+        raise CorruptLogError(f"{path}: {e}. The file is untouched", path=path) from None
+    except sqlite3.DatabaseError as e:
+        if not is_corruption(e):
+            raise
+        return None
+
+
 def _copy_prefix(
-    src: sqlite3.Connection, dst: sqlite3.Connection, through: int | None
+    src: sqlite3.Connection, dst: sqlite3.Connection, through: int | None, start: LogStart | None
 ) -> tuple[int, dict[bytes, int], str | None]:
-    """Copy events 1..k from src to dst for the largest intact k (at most `through`).
-    Returns k, each stream's last version, and why the copy stopped before the end (None if
-    it reached the end of the readable log)."""
-    good = 0
-    versions: dict[bytes, int] = {}
+    """Copy events s+1..k from src to dst for the largest intact k (at most `through`), s the
+    last position a compaction dropped (`start`; 0 if none). Returns k, each stream's last
+    version, and why the copy stopped before the end (None if it reached the end of the
+    readable log)."""
+    good, versions = _bases(start)
     insert = f"INSERT INTO events ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
     scan = f"SELECT {COLUMNS} FROM events WHERE position > ? ORDER BY position"
     point = f"SELECT {COLUMNS} FROM events WHERE position = ?"

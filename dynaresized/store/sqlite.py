@@ -7,7 +7,10 @@ found when it is read. Recovery: SQLite itself discards a torn tail of the write
 (we detect that and log it); a damaged tail of the database file is salvaged into a fresh
 file, keeping the damaged one beside it as `<name>.corrupt-<timestamp>`. Damage with intact
 events after it is never cut away silently: it raises `CorruptLogError`, and an operator
-decides (`python -m dynaresized.store salvage PATH --through N`). See docs/store.md.
+decides (`python -m dynaresized.store salvage PATH --through N`). Retention: `compact()`
+drops the oldest events a snapshot covers, in one transaction (`dynaresized.store.compaction`).
+A full disk: the write is rolled back and `DiskFull` raised; the recorder writes again once
+there is space. See docs/store.md.
 """
 
 from __future__ import annotations
@@ -24,16 +27,18 @@ from typing import Any, Literal
 import msgspec
 import structlog
 
+from dynaresized.store.compaction import DamagedCut, bytes_in_use, compact_log, read_log_start
 from dynaresized.store.layout import (
     APPLICATION_ID,
     CHUNK,
     COLUMNS,
-    SCHEMA_VERSION,
+    COMPACTED_SCHEMA_VERSION,
     as_text,
     create_schema,
     event_params,
     insert_events_sql,
     is_corruption,
+    is_disk_full,
     quote_uri_path,
     row_intact,
     snapshot_crc,
@@ -41,16 +46,22 @@ from dynaresized.store.layout import (
 )
 from dynaresized.store.recorder import (
     Clock,
+    CompactedError,
+    Compaction,
     ConcurrencyError,
     CorruptLogError,
+    DiskFull,
+    LogStart,
     RecorderClosedError,
     StoredEvent,
+    check_compaction,
     check_count,
     check_events,
     check_limit,
     check_snapshot,
     check_stream,
     check_types,
+    compacted_error,
 )
 from dynaresized.store.recovery import TAIL_WINDOW, inspect_wal_tail, salvage, verify_log
 
@@ -60,6 +71,9 @@ Verify = Literal["tail", "full"]
 
 _COLUMN_NAMES = COLUMNS.split(", ")
 _MAX_INSERT_ROWS = 256  # rows per INSERT statement (a power of two)
+# Once a checkpoint has copied the WAL into the database, SQLite cuts a WAL file larger than
+# this back to it: one large transaction (a compaction) leaves no WAL of its size behind.
+WAL_SIZE_LIMIT = 64 * 1024 * 1024
 
 
 @contextmanager
@@ -88,6 +102,7 @@ class LogCheck(msgspec.Struct, frozen=True):
     streams: dict[str, int]
     snapshots: int
     damaged_snapshots: int
+    start: LogStart | None = None  # where the retained log starts, if it was compacted
 
 
 class SQLiteRecorder:
@@ -116,6 +131,7 @@ class SQLiteRecorder:
         self._lock = threading.RLock()
         self._closed = False
         self._lock_fd: int | None = None
+        self._start: LogStart | None = None  # the writer's record of where the log starts
         if read_only:
             if not os.path.exists(self.path):
                 raise FileNotFoundError(f"no event log at {self.path}")
@@ -142,6 +158,12 @@ class SQLiteRecorder:
             release_writer_lock(self._lock_fd)
             self._lock_fd = None
             raise
+        # The one writer is the only one that moves the log's start: it keeps it (readers read it).
+        try:
+            self._start = self._read_start(self._conn)
+        except BaseException:
+            self.close()
+            raise
         # As many rows per INSERT as SQLite's limit on bound parameters allows, up to _MAX_INSERT_ROWS.
         rows = self._conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // len(_COLUMN_NAMES)
         self._max_insert_rows = 1 << (max(min(rows, _MAX_INSERT_ROWS), 1).bit_length() - 1)
@@ -167,10 +189,10 @@ class SQLiteRecorder:
         user_version = conn.execute("PRAGMA user_version").fetchone()[0]
         tables = {as_text(r[0]) for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if app_id == APPLICATION_ID:
-            if user_version > SCHEMA_VERSION:
+            if user_version > COMPACTED_SCHEMA_VERSION:
                 raise ValueError(
                     f"{self.path} was written by a newer dynaresized (schema {user_version}; "
-                    f"this one reads up to {SCHEMA_VERSION}); upgrade dynaresized to open it"
+                    f"this one reads up to {COMPACTED_SCHEMA_VERSION}); upgrade dynaresized to open it"
                 )
             return True
         if app_id != 0 or tables:
@@ -188,6 +210,7 @@ class SQLiteRecorder:
                 "the log needs a local filesystem that supports shared memory"
             )
         conn.execute("PRAGMA synchronous = FULL")
+        conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT}")
         if not self._check_identity(conn):
             with _write_transaction(conn):
                 create_schema(conn)
@@ -242,6 +265,35 @@ class SQLiteRecorder:
             path=self.path,
         )
 
+    def _write_error(self, e: sqlite3.DatabaseError, doing: str) -> Exception | None:
+        """The store's error for a SQLite error in a write (its transaction already rolled
+        back): CorruptLogError, DiskFull, or None for one to raise as it is."""
+        if is_corruption(e):
+            return self._corrupt(e, doing)
+        if is_disk_full(e):
+            return DiskFull(self.path, doing)
+        return None
+
+    def _read_start(self, conn: sqlite3.Connection) -> LogStart | None:
+        try:
+            return read_log_start(conn)
+        except CorruptLogError as e:
+            raise CorruptLogError(f"{self.path}: {e}", path=self.path) from None
+        except sqlite3.DatabaseError as e:
+            if is_corruption(e):
+                raise self._corrupt(e, "reading where the log starts") from e
+            raise
+
+    def _log_start(self) -> LogStart | None:
+        """Where the log starts: the writer's own record, or read again (another process may
+        have compacted the log since)."""
+        with self._lock:
+            self._check_open()
+            return self._read_start(self._conn) if self.read_only else self._start
+
+    def _base(self, stream: str, start: LogStart | None) -> int:
+        return start.version if start is not None and start.stream == stream else 0
+
     def _query(self, sql: str, params: Sequence[Any], doing: str) -> list[Any]:
         with self._lock:
             self._check_open()
@@ -275,12 +327,14 @@ class SQLiteRecorder:
             conn = self._conn
             try:
                 with _write_transaction(conn):  # durable once it ends
+                    start = self._start  # none of its stream's events may be left: then max() is NULL
                     actual = conn.execute(
                         "SELECT max(version) FROM events WHERE stream = ?", (stream,)
-                    ).fetchone()[0] or 0
+                    ).fetchone()[0] or self._base(stream, start)
                     if actual != expected_version:
                         raise ConcurrencyError(stream, expected_version, actual)
-                    last = conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0
+                    last = conn.execute("SELECT max(position) FROM events").fetchone()[0] or (
+                        0 if start is None else start.position)
                     now = float(self._clock())
                     self._insert(conn, event_params(last + 1, stream, expected_version + 1, batch, now))
             except sqlite3.IntegrityError as e:
@@ -288,9 +342,11 @@ class SQLiteRecorder:
                 actual = self.last_version(stream)
                 raise ConcurrencyError(stream, expected_version, actual) from e
             except sqlite3.DatabaseError as e:
-                if is_corruption(e):
-                    raise self._corrupt(e, f"appending to stream {stream!r}") from e
-                raise
+                error = self._write_error(e, f"appending {len(batch)} event(s) to stream {stream!r} "
+                                             f"after version {expected_version}")
+                if error is None:
+                    raise
+                raise error from e
             return expected_version + len(batch)
 
     def _insert(self, conn: sqlite3.Connection, params: list[Any]) -> None:
@@ -312,6 +368,10 @@ class SQLiteRecorder:
         check_stream(stream)
         check_count("after_version", after_version)
         stop = check_limit(limit)
+        start = self._log_start()
+        if after_version < self._base(stream, start):
+            assert start is not None
+            raise compacted_error(stream, after_version, start)
         # A read covers the stream as it is now; events appended while it is consumed are not
         # part of it (the next read gets them).
         end = self.last_version(stream)
@@ -320,7 +380,8 @@ class SQLiteRecorder:
     def _read_stream(self, stream: str, after: int, stop: int | None, end: int) -> Iterator[StoredEvent]:
         sql = f"SELECT {COLUMNS} FROM events WHERE stream = ? AND version > ? AND version <= ? ORDER BY version LIMIT ?"
         return self._scan(sql, lambda a, n: (stream, a, end, n), lambda e: e.version, after, end, stop,
-                          gapless=True, subject=f"stream {stream!r}", whole="the stream", unit="version")
+                          gapless=True, stream=stream, subject=f"stream {stream!r}", whole="the stream",
+                          unit="version")
 
     def read_all(
         self, after_position: int = 0, types: Collection[str] | None = None, limit: int | None = None
@@ -328,6 +389,9 @@ class SQLiteRecorder:
         check_count("after_position", after_position)
         wanted = check_types(types)
         stop = check_limit(limit)
+        start = self._log_start()
+        if start is not None:
+            after_position = max(after_position, start.position)  # the retained log
         end = self.last_position()  # as in read(): the log as it is now
         return self._read_all(after_position, wanted, stop, end)
 
@@ -344,19 +408,21 @@ class SQLiteRecorder:
         extra = () if wanted is None else tuple(sorted(wanted))
         # A filtered read skips positions on purpose: only an unfiltered one can check for gaps.
         return self._scan(sql, lambda a, n: (a, end, *extra, n), lambda e: e.position, after, end, stop,
-                          gapless=wanted is None, subject="the log", whole="it", unit="position")
+                          gapless=wanted is None, stream=None, subject="the log", whole="it", unit="position")
 
     def _scan(self, sql: str, params: Callable[[int, int], tuple[Any, ...]], key: Callable[[StoredEvent], int],
-              after: int, end: int, stop: int | None, *, gapless: bool, subject: str, whole: str,
-              unit: str) -> Iterator[StoredEvent]:
-        """Read in chunks of CHUNK rows ordered by `key`, up to `end`; with `gapless`, a key that
-        skips or a scan that ends before `end` means events are missing (CorruptLogError)."""
+              after: int, end: int, stop: int | None, *, gapless: bool, stream: str | None, subject: str,
+              whole: str, unit: str) -> Iterator[StoredEvent]:
+        """Read in chunks of CHUNK rows ordered by `key` (versions of `stream`, or positions for
+        None), up to `end`; with `gapless`, a key that skips or a scan that ends before `end` means
+        events are missing: compacted while the read ran (CompactedError), else CorruptLogError."""
         while stop is None or stop > 0:
             n = CHUNK if stop is None else min(CHUNK, stop)
             rows = self._query(sql, params(after, n), f"reading {subject} after {unit} {after}")
             for row in rows:
                 event = self._event(row)
                 if gapless and key(event) != after + 1:
+                    self._check_not_compacted(stream, after, subject, unit)
                     raise CorruptLogError(
                         f"{self.path}: {subject} jumps from {unit} {after} to {key(event)}: "
                         f"{key(event) - after - 1} event(s) are missing from the middle of the log",
@@ -369,6 +435,7 @@ class SQLiteRecorder:
                 stop -= len(rows)
             if len(rows) < n:
                 if gapless and after < end:
+                    self._check_not_compacted(stream, after, subject, unit)
                     # A damaged index page can end a scan early without an error from SQLite.
                     raise CorruptLogError(
                         f"{self.path}: reading {subject} stops at {unit} {after}, but {whole} reaches {unit} "
@@ -377,13 +444,30 @@ class SQLiteRecorder:
                     )
                 return
 
+    def _check_not_compacted(self, stream: str | None, after: int, subject: str, unit: str) -> None:
+        """Raise CompactedError if events a read was about to return were compacted while it ran
+        (it reads in chunks, each its own transaction), rather than report them missing."""
+        start = self._log_start()
+        if start is None:
+            return
+        if (start.position if stream is None else self._base(stream, start)) > after:
+            raise CompactedError(
+                f"{self.path}: {subject} after {unit} {after} was compacted while it was read (the log now "
+                f"starts after position {start.position}); read it again",
+                start=start,
+            )
+
     def last_version(self, stream: str) -> int:
         check_stream(stream)
         rows = self._query("SELECT max(version) FROM events WHERE stream = ?", (stream,), "reading a stream version")
-        return rows[0][0] or 0
+        return rows[0][0] or self._base(stream, self._log_start())
 
     def last_position(self) -> int:
-        return self._query("SELECT max(position) FROM events", (), "reading the last position")[0][0] or 0
+        last = self._query("SELECT max(position) FROM events", (), "reading the last position")[0][0]
+        if last is not None:
+            return int(last)
+        start = self._log_start()
+        return 0 if start is None else start.position
 
     def save_snapshot(self, stream: str, version: int, data: bytes) -> None:
         check_stream(stream)
@@ -393,41 +477,86 @@ class SQLiteRecorder:
             try:
                 with _write_transaction(conn):
                     last = conn.execute("SELECT max(version) FROM events WHERE stream = ?", (stream,)).fetchone()[0]
-                    blob = check_snapshot(stream, version, data, last or 0)
+                    blob = check_snapshot(stream, version, data, last or self._base(stream, self._start))
                     now = float(self._clock())
-                    # Every snapshot is kept (they are small next to the events they stand for):
-                    # nothing in the file is ever deleted, so SQLite allocates pages in the order
-                    # things were written, and a file cut short loses only what was written last.
+                    # Every snapshot is kept until a compaction drops the events before it (they are
+                    # small next to the events they stand for): until then nothing in the file is
+                    # deleted, so SQLite allocates pages in the order things were written, and a
+                    # file cut short loses only what was written last.
                     conn.execute(
                         "INSERT OR REPLACE INTO snapshots (stream, version, data, recorded_at, crc) "
                         "VALUES (?, ?, ?, ?, ?)",
                         (stream, version, blob, now, snapshot_crc(stream, version, blob, now)),
                     )
             except sqlite3.DatabaseError as e:
-                if is_corruption(e):
-                    raise self._corrupt(e, f"saving a snapshot of stream {stream!r}") from e
-                raise
+                error = self._write_error(e, f"saving a snapshot of stream {stream!r} at version {version}")
+                if error is None:
+                    raise
+                raise error from e
 
-    def load_snapshot(self, stream: str) -> tuple[int, bytes] | None:
+    def load_snapshot(self, stream: str, version: int | None = None) -> tuple[int, bytes] | None:
         check_stream(stream)
+        exactly = "" if version is None else " AND version = ?"
         rows = self._query(
-            "SELECT version, data, recorded_at, crc FROM snapshots WHERE stream = ? ORDER BY version DESC",
-            (stream,),
+            f"SELECT version, data, recorded_at, crc FROM snapshots WHERE stream = ?{exactly} ORDER BY version DESC",
+            (stream,) if version is None else (stream, check_count("version", version)),
             f"loading a snapshot of stream {stream!r}",
         )
         last = self.last_version(stream)
-        for version, data, recorded_at, crc in rows:
-            if not snapshot_intact(stream.encode(), version, data, recorded_at, crc):
+        for at, data, recorded_at, crc in rows:
+            if not snapshot_intact(stream.encode(), at, data, recorded_at, crc):
                 # A snapshot is only a cache of the fold: fall back to an older one (or none).
-                log.warning("store.snapshot_damaged", file=self.path, stream=stream, version=version,
+                log.warning("store.snapshot_damaged", file=self.path, stream=stream, version=at,
                             reason="fails its CRC32 check; using an older snapshot or a full replay")
                 continue
-            if version > last:
-                log.warning("store.snapshot_ignored", file=self.path, stream=stream, version=version,
+            if at > last:
+                log.warning("store.snapshot_ignored", file=self.path, stream=stream, version=at,
                             reason=f"the snapshot is ahead of the stream (at version {last})")
                 continue
-            return version, data
+            return at, data
         return None
+
+    def log_start(self) -> LogStart | None:
+        return self._log_start()
+
+    def compact(self, stream: str, *, recorded_before: float | None = None, max_bytes: int | None = None,
+                max_events: int | None = None) -> Compaction:
+        with self._lock:
+            self._check_writable()
+            base = check_compaction(stream, self._start, recorded_before, max_bytes, max_events)
+            conn = self._conn
+            try:
+                with _write_transaction(conn):  # all or nothing: a crash leaves the old log or the new
+                    result = compact_log(conn, stream, self._start, base, recorded_before=recorded_before,
+                                         max_bytes=max_bytes, max_events=max_events, now=float(self._clock()))
+            except DamagedCut as e:
+                # Rolled back. A later compaction cuts at a later snapshot.
+                log.warning("store.compaction_skipped", file=self.path, stream=stream,
+                            reason=f"{e}; nothing was dropped")
+                return Compaction(start=self._start, dropped_events=0, dropped_snapshots=0,
+                                  bytes_in_use=bytes_in_use(conn), over_budget=False)
+            except sqlite3.DatabaseError as e:
+                error = self._write_error(e, f"compacting stream {stream!r}")
+                if error is None:
+                    raise
+                raise error from e
+            self._start = result.start
+            return result
+
+    def vacuum(self) -> None:
+        """Rewrite the database file without its free pages, giving the space a compaction
+        freed back to the filesystem (and laying the pages out in written order again). Needs
+        free space about the size of the log for the copy; the log is locked meanwhile."""
+        with self._lock:
+            self._check_writable()
+            try:
+                self._conn.execute("VACUUM")
+                self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.DatabaseError as e:
+                error = self._write_error(e, "rewriting the log (VACUUM)")
+                if error is None:
+                    raise
+                raise error from e
 
     def close(self) -> None:
         with self._lock:
@@ -463,14 +592,17 @@ class SQLiteRecorder:
                 problem = f"SQLite reports: {e}"
             if problem is not None:
                 raise CorruptLogError(f"{self.path}: {problem}", path=self.path)
-            streams = {
-                as_text(stream): version
+            start = self._read_start(self._conn)
+            streams = {} if start is None else {start.stream: start.version}  # all its events may be gone
+            streams.update(
+                (as_text(stream), version)
                 for stream, version in self._conn.execute("SELECT stream, max(version) FROM events GROUP BY stream")
-            }
+            )
             events = self._conn.execute("SELECT count(*) FROM events").fetchone()[0]
             snaps = self._conn.execute("SELECT stream, version, data, recorded_at, crc FROM snapshots").fetchall()
         damaged = sum(1 for row in snaps if not snapshot_intact(*row))
-        return LogCheck(path=self.path, events=events, streams=streams, snapshots=len(snaps), damaged_snapshots=damaged)
+        return LogCheck(path=self.path, events=events, streams=streams, snapshots=len(snaps), damaged_snapshots=damaged,
+                        start=start)
 
 
 # -- file modes -----------------------------------------------------------------------------------

@@ -199,3 +199,39 @@ def test_conformance_is_a_subcommand_that_hands_every_argument_to_the_checker(ca
         assert exit_.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: dynaresized conformance ENDPOINT") and "-- COMMAND" in out
+
+
+def test_events_and_the_store_commands_say_where_a_compacted_log_starts(tmp_path: Path, capsys) -> None:
+    from dynaresized.store import FactLog, SQLiteRecorder
+    from tests.store.test_factlog import Cluster
+
+    path = tmp_path / "events.sqlite"
+    with SQLiteRecorder(path) as recorder:
+        cluster = Cluster(FactLog(recorder, snapshot_every=20))
+        cluster.start()
+        cluster.run_steps(4, rollout_s=255, train_s=100)
+        last = recorder.last_position()
+    busy = SQLiteRecorder(path)  # the daemon: the log is open for writing
+    refused = cli("store", "compact", str(path), "--retention-s", "0", "--retention-bytes", "1")
+    busy.close()
+    assert refused.returncode == 1 and "already open for writing" in refused.stderr
+    # With the daemon stopped: drop every fact a snapshot covers.
+    done = cli("store", "compact", str(path), "--retention-s", "0", "--retention-bytes", "1")
+    assert done.returncode == 0, done.stderr
+    start = json.loads(done.stdout)["compaction"]["start"]
+    assert 0 < start["position"] < last
+    check = cli("store", "check", str(path))
+    assert check.returncode == 0, check.stderr
+    assert json.loads(check.stdout)["start"] == start
+    assert json.loads(check.stdout)["events"] == last - start["position"]
+
+    assert main(["events", "--state-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out.splitlines()[0])["position"] == start["position"] + 1
+    assert len(out.out.splitlines()) == last - start["position"]
+    first = start["position"] + 1
+    assert out.err.startswith(f"dynaresized: facts before position {first} (versions 1..{start['version']} "
+                              "of stream 'cluster') were compacted at ")
+    assert out.err.rstrip().endswith(f"the history here starts at position {first}")
+    assert main(["events", "--state-dir", str(tmp_path), "--since", str(first)]) == 0  # after the start: no word
+    assert capsys.readouterr().err == ""

@@ -57,6 +57,11 @@ def test_example_config_is_valid() -> None:
     ({"cluster": {"devices": ["a", "b"]}, "guards": {"verify_steps": 0}}, "guards.verify_steps: must be >= 1"),
     ({"cluster": {"devices": ["a", "b"]}, "daemon": {"batch_window_ms": -1}}, "daemon.batch_window_ms: must be in"),
     ({"cluster": {"devices": ["a", "b"]}, "daemon": {"batch_window_ms": float("nan")}}, "daemon.batch_window_ms"),
+    ({"cluster": {"devices": ["a", "b"]}, "store": {"retention_s": -1}}, "store.retention_s: must be a number"),
+    ({"cluster": {"devices": ["a", "b"]}, "store": {"retention_s": float("inf")}}, "store.retention_s"),
+    ({"cluster": {"devices": ["a", "b"]}, "store": {"retention_bytes": 1 << 20}},
+     "store.retention_bytes: must be 0 (no size bound) or at least 67108864"),
+    ({"cluster": {"devices": ["a", "b"]}, "store": {"retention": 1}}, "Object contains unknown field `retention`"),
 ])
 def test_bad_values_name_the_key(raw: dict, expected: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(expected)):
@@ -120,3 +125,11 @@ def test_io_threads_grow_with_the_inventory_and_the_daemon_runs_that_many(tmp_pa
         assert daemon.ctx is not None and daemon.ctx.get(zmq.IO_THREADS) == 2
     finally:
         daemon._close()
+
+
+def test_the_store_section_is_the_fact_log_s_retention() -> None:
+    from dynaresized.store import Retention
+
+    assert Config().store.retention() == Retention(max_age_s=30 * 86_400, max_bytes=32 << 30)
+    cfg = config_from_dict({"cluster": {"devices": ["a", "b"]}, "store": {"retention_s": 0, "retention_bytes": 0}})
+    assert not cfg.store.retention().bounded  # both bounds off: the log keeps everything

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from dynaresized.store import (
+    CompactedError,
     ConcurrencyError,
     InMemoryRecorder,
     Recorder,
@@ -174,6 +175,86 @@ def test_snapshots_load_the_latest(recorder: Recorder) -> None:
         recorder.save_snapshot("s", 10, b"ahead")
 
 
+# -- compaction ------------------------------------------------------------------------------
+
+
+def _ten_a_second(recorder: Recorder, clock: FakeClock, n: int, snapshot_every: int) -> None:
+    """Stream "s": n events of 1 KB (several to a SQLite page), one every 0.1 s of the clock,
+    a snapshot every `snapshot_every`."""
+    for v in range(1, n + 1):
+        recorder.append("s", v - 1, [("t", b"%04d" % v * 250)])
+        if v % snapshot_every == 0:
+            recorder.save_snapshot("s", v, b"state at %d" % v)
+        clock.now += 0.1
+
+
+def test_compaction_by_age_drops_up_to_the_newest_snapshot_past_it(recorder: Recorder, clock: FakeClock) -> None:
+    t0 = clock.now
+    _ten_a_second(recorder, clock, 100, snapshot_every=20)  # event v recorded at t0 + (v - 1) / 10
+    assert recorder.log_start() is None
+    # Events 1..55 are older than t0 + 5.45; the newest snapshot covering only them is at 40.
+    done = recorder.compact("s", recorded_before=t0 + 5.45)
+    assert (done.dropped_events, done.dropped_snapshots, done.over_budget) == (40, 1, False)
+    assert done.start is not None and (done.start.stream, done.start.version, done.start.position) == ("s", 40, 40)
+    assert done.start.compacted_at == clock.now and recorder.log_start() == done.start
+    # What is kept reads as before; versions and positions go on where they were.
+    assert [e.version for e in recorder.read("s", after_version=40)] == list(range(41, 101))
+    assert [e.position for e in recorder.read_all()] == list(range(41, 101))  # the retained log
+    assert [e.position for e in recorder.read_all(after_position=70)] == list(range(71, 101))
+    assert (recorder.last_version("s"), recorder.last_position()) == (100, 100)
+    assert recorder.load_snapshot("s") == (100, b"state at 100")
+    assert recorder.load_snapshot("s", 40) == (40, b"state at 40")  # the start's snapshot stays
+    assert recorder.load_snapshot("s", 20) is None
+    with pytest.raises(CompactedError, match=r"facts before position 41 \(versions 1\.\.40 of stream 's'\) were") as info:
+        recorder.read("s", after_version=39)
+    assert info.value.start == done.start
+    assert recorder.append("s", 100, [("t", b"101")]) == 101
+    assert [e.position for e in recorder.read_all(after_position=100)] == [101]
+    # Nothing more is due: a compaction changes nothing.
+    again = recorder.compact("s", recorded_before=t0 + 5.45)
+    assert (again.dropped_events, again.start) == (0, done.start)
+
+
+def test_compaction_by_size_drops_snapshot_by_snapshot_until_the_log_fits(recorder: Recorder, clock: FakeClock) -> None:
+    _ten_a_second(recorder, clock, 100, snapshot_every=20)
+    whole = recorder.compact("s", max_bytes=1 << 40)
+    assert whole.dropped_events == 0 and not whole.over_budget
+    fits = recorder.compact("s", max_bytes=whole.bytes_in_use - 1)  # a byte too many: the oldest snapshot's worth
+    assert fits.start is not None and fits.start.version == 20 and fits.bytes_in_use < whole.bytes_in_use
+    # A bound nothing can meet drops all a snapshot covers, keeps the newest, and says so.
+    everything = recorder.compact("s", max_bytes=0)
+    assert everything.start is not None and everything.start.version == 100 and everything.over_budget
+    assert list(recorder.read_all()) == [] and list(recorder.read("s", after_version=100)) == []
+    assert (recorder.last_version("s"), recorder.last_position()) == (100, 100)  # the count goes on
+    assert recorder.append("s", 100, [("t", b"101")]) == 101
+    assert [(e.position, e.version) for e in recorder.read_all()] == [(101, 101)]
+
+
+def test_compaction_drops_at_most_max_events_and_says_when_more_is_due(recorder: Recorder, clock: FakeClock) -> None:
+    _ten_a_second(recorder, clock, 100, snapshot_every=20)
+    first = recorder.compact("s", max_bytes=0, max_events=30)  # the snapshot at 40 lies beyond 30 events
+    assert first.start is not None and first.start.version == 20 and first.behind and first.over_budget
+    # Fewer than a snapshot interval still drops up to the first snapshot due: a compaction always gets on.
+    second = recorder.compact("s", recorded_before=clock.now, max_events=5)
+    assert second.start is not None and second.start.version == 40 and second.behind
+    rest = recorder.compact("s", recorded_before=clock.now)
+    assert rest.start is not None and rest.start.version == 100 and not rest.behind
+    assert rest.dropped_events == 60 and rest.dropped_snapshots == 3
+
+
+def test_compaction_keeps_to_one_stream_and_changes_nothing_when_refused(recorder: Recorder) -> None:
+    recorder.append("s", 0, [("t", b"")] * 3)
+    recorder.append("u", 0, [("t", b"")])
+    recorder.append("s", 3, [("t", b"")] * 3)
+    recorder.save_snapshot("s", 6, b"six")
+    with pytest.raises(ValueError, match="events of other streams lie before it"):
+        recorder.compact("s", max_bytes=0)
+    assert recorder.log_start() is None and [e.position for e in recorder.read_all()] == list(range(1, 8))
+    assert recorder.load_snapshot("s") == (6, b"six")
+    with pytest.raises(ValueError, match="max_bytes must be an integer >= 0"):
+        recorder.compact("s", max_bytes=-1)
+
+
 def test_close_is_idempotent_and_final(recorder: Recorder) -> None:
     recorder.append("s", 0, [("t", b"")])
     recorder.close()
@@ -186,6 +267,8 @@ def test_close_is_idempotent_and_final(recorder: Recorder) -> None:
         lambda: recorder.last_position(),
         lambda: recorder.load_snapshot("s"),
         lambda: recorder.save_snapshot("s", 1, b""),
+        lambda: recorder.log_start(),
+        lambda: recorder.compact("s", max_bytes=0),
     ):
         with pytest.raises(RecorderClosedError, match="closed"):
             call()
