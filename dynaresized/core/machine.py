@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import msgspec
 from msgspec.structs import replace
@@ -146,6 +147,7 @@ class _Tx:
 
 
 Handler = Callable[["Core", _Tx, ev.Event], None]
+_P = TypeVar("_P", LoanProposal, TailProposal)
 
 
 class Core:
@@ -1206,19 +1208,12 @@ def _free_to_plan(s: ClusterState) -> bool:
 
 
 def _consider_loan(core: Core, tx: _Tx, at: float) -> None:
-    s = tx.state
-    lend = getattr(core.policy, "propose_loan", None)
-    if lend is None or not _free_to_plan(s):
-        return
-    view = loan_view(core, s, at)
-    proposal: LoanProposal | None = lend(view)
+    """Ask the lending policy whether to lend idle devices to the other stage for the rest of the
+    step (`propose_loan`), and start the loan when its guard lets it."""
+    proposal = _proposed(core, tx, at, getattr(core.policy, "propose_loan", None), guards.check_loan)
     if proposal is None:
         return
-    rejection = guards.check_loan(view, proposal, core.config.guards)
-    if rejection is not None:
-        _reject(tx, at, core.policy.name, None, rejection.guard, rejection.reason)
-        return
-    plan = plan_loan(s, proposal.devices, Pool(proposal.to_pool), PlanKind.LOAN)
+    plan = plan_loan(tx.state, proposal.devices, Pool(proposal.to_pool), PlanKind.LOAN)
     if isinstance(plan, str):
         _reject(tx, at, core.policy.name, None, "capacity", plan)
         return
@@ -1232,18 +1227,12 @@ def _consider_tail(core: Core, tx: _Tx, at: float) -> None:
     """An engine reported its queue empty: ask the policy whether to regroup a busy engine and
     idle ones into one wider engine for the rest of the step (`propose_tail`), and start that
     regroup when the guard lets it (its saving over its cost, as a loan's)."""
-    s = tx.state
-    propose = getattr(core.policy, "propose_tail", None)
-    if propose is None or core.config.tail_costs is None or not _free_to_plan(s) or _tail_open(s):
+    if core.config.tail_costs is None or _tail_open(tx.state):
         return
-    view = loan_view(core, s, at)
-    proposal: TailProposal | None = propose(view)
+    proposal = _proposed(core, tx, at, getattr(core.policy, "propose_tail", None), guards.check_tail)
     if proposal is None:
         return
-    rejection = guards.check_tail(view, proposal, core.config.guards)
-    if rejection is not None:
-        _reject(tx, at, core.policy.name, None, rejection.guard, rejection.reason)
-        return
+    s = tx.state
     undo = tuple(dict.fromkeys(s.engine_of(d) for d in proposal.devices))
     plan = plan_regroup(s, proposal.devices, len(proposal.devices), lent_ok=True)
     if isinstance(plan, str):
@@ -1252,6 +1241,24 @@ def _consider_tail(core: Core, tx: _Tx, at: float) -> None:
     tx.emit(f.RegroupStarted(at=at, plan=plan, source=core.policy.name, reason=proposal.reason,
                              op_deadline=at + core.config.op_timeout_s, undo=undo))
     _advance(core, tx, at, fresh=True)
+
+
+def _proposed(core: Core, tx: _Tx, at: float, propose: Callable[[LoanView], _P | None] | None,
+              check: Callable[[LoanView, _P, guards.GuardConfig], guards.Rejection | None]) -> _P | None:
+    """What the lending policy's `propose` (its `propose_loan` or `propose_tail`; None: it has
+    none) proposes on what it sees now, where a loan or tail regroup may start and the proposal
+    passes its guard `check`; None otherwise (a proposal the guard refuses is recorded so)."""
+    if propose is None or not _free_to_plan(tx.state):
+        return None
+    view = loan_view(core, tx.state, at)
+    proposal = propose(view)
+    if proposal is None:
+        return None
+    rejection = check(view, proposal, core.config.guards)
+    if rejection is not None:
+        _reject(tx, at, core.policy.name, None, rejection.guard, rejection.reason)
+        return None
+    return proposal
 
 
 def _after_tail_back(core: Core, tx: _Tx, at: float) -> None:
