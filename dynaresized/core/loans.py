@@ -1,7 +1,6 @@
-"""Loans: what the lending policy sees (`loan_view`), whether idle devices are lent to the other
-stage for the rest of a step, the plan of a loan and of its way home, and their returns at the
-step boundary. Emits LoanStarted, LoanLanded, LoanReturnStarted, LoanReturned, MiniBatchObserved
-(and ProposalRejected for a loan its guard refuses)."""
+"""Loans: what the lending policy sees, whether idle devices serve the other stage for the rest
+of a step, and their way home at its boundary. Emits MiniBatchObserved, LoanStarted, LoanLanded,
+LoanReturnStarted, LoanReturned (and ProposalRejected for a loan refused)."""
 
 from __future__ import annotations
 

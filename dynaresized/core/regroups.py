@@ -1,7 +1,6 @@
-"""Regroups: rollout devices that become engines of another size, on an operator's request, and
-the tail regroup, where a step's last busy engine and idle ones serve as one wider engine until
-the step boundary and are then regrouped back. Emits RegroupStarted, RegroupCommitted (and
-ProposalRejected for a regroup refused)."""
+"""Regroups: rollout devices become engines of another size, on request or for a step's tail
+(its last busy engine and idle ones as one wider engine, regrouped back at the boundary).
+Emits RegroupStarted, RegroupCommitted (and ProposalRejected for a regroup refused)."""
 
 from __future__ import annotations
 

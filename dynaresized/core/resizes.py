@@ -1,7 +1,6 @@
-"""Resizes: the plan that moves devices between the pools, the guards' verdict on a proposal,
-and the execution every operation sequence shares (send, advance, fail, abort, roll back); then
-the measured outcome of a committed resize. Emits ResizeStarted, OpAcked, OpCompleted, OpFailed,
-ResizeAborted, ResizeCommitted, ResizeRolledBack, Degraded, PredictionChecked, ResizeJudged."""
+"""Resizes: plan and start a move between the pools, run any operation sequence (send, advance,
+fail, abort, roll back), judge a committed resize. Emits ResizeStarted, OpAcked, OpCompleted,
+OpFailed, ResizeAborted, ResizeCommitted, ResizeRolledBack, Degraded, PredictionChecked, ResizeJudged."""
 
 from __future__ import annotations
 

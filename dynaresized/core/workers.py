@@ -1,7 +1,6 @@
-"""Workers: who is live. Hellos (registration, a process restarted under a live worker's name),
-heartbeats, goodbyes, state reports, and the tick that declares silent workers lost, times out
-the op in flight, re-sends it and audits. Emits WorkerRegistered, WorkerLost, WorkerLeft,
-WorkerReported, DaemonStalled, OpFailed (a timeout)."""
+"""Workers: who is live. Hellos, heartbeats, goodbyes and state reports, and the tick that
+declares silent workers lost and times out, re-sends and audits ops. Emits WorkerRegistered,
+WorkerLost, WorkerLeft, WorkerReported, DaemonStalled, OpFailed (a timeout)."""
 
 from __future__ import annotations
 
