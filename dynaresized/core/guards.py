@@ -129,20 +129,26 @@ def check_signal_run(view: ObservedView, p: Proposal, cfg: GuardConfig, h: Histo
 
 
 def check_dwell(view: ObservedView, p: Proposal, cfg: GuardConfig, h: History) -> Rejection | None:
-    if h.last_resize_end_at is None:
-        return None
-    waited = view.now - h.last_resize_end_at
-    if waited < cfg.min_dwell_s:
-        return Rejection("dwell", f"{waited:.1f}s since the last resize; min_dwell_s={cfg.min_dwell_s:g}")
-    return None
+    return _since_last_resize(
+        "dwell", view.now, h.last_resize_end_at, cfg.min_dwell_s,
+        lambda waited: f"{waited:.1f}s since the last resize; min_dwell_s={cfg.min_dwell_s:g}")
 
 
 def check_cooldown(view: ObservedView, p: Proposal, cfg: GuardConfig, h: History) -> Rejection | None:
-    if h.last_resize_end_step is None:
+    return _since_last_resize(
+        "cooldown", view.step, h.last_resize_end_step, cfg.cooldown_steps,
+        lambda steps: f"{steps} step(s) since the last resize; cooldown_steps={cfg.cooldown_steps}")
+
+
+def _since_last_resize(guard: str, now: float, ended: float | None, least: float,
+                       why: Callable[[float], str]) -> Rejection | None:
+    """Rejection `guard`, saying `why(now - ended)`, while less than `least` has passed since the
+    last resize ended at `ended` (seconds or steps); None after that, and before any resize."""
+    if ended is None:
         return None
-    steps = view.step - h.last_resize_end_step
-    if steps < cfg.cooldown_steps:
-        return Rejection("cooldown", f"{steps} step(s) since the last resize; cooldown_steps={cfg.cooldown_steps}")
+    passed = now - ended
+    if passed < least:
+        return Rejection(guard, why(passed))
     return None
 
 

@@ -1,0 +1,239 @@
+"""Loans: what the lending policy sees, whether idle devices serve the other stage for the rest
+of a step, and their way home at its boundary. Emits MiniBatchObserved, LoanStarted, LoanLanded,
+LoanReturnStarted, LoanReturned (and ProposalRejected for a loan refused)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import msgspec
+
+from dynaresized.core import events as ev
+from dynaresized.core import facts as f
+from dynaresized.core import guards
+from dynaresized.core.policy import EngineTail, LoanCosts, LoanProposal, LoanView, Proposal, TailProposal
+from dynaresized.core.resizes import advance, plan_resize, start_resize, unique
+from dynaresized.core.state import ClusterState, InFlight, Phase, Progress, progressed
+from dynaresized.core.tx import CoreLike, Refused, Tx, reject, require_worker
+from dynaresized.domain import DeviceId, OpKind, OpSpec, PlanKind, Pool, ResizePlan, Split, WorkerKind
+
+_P = TypeVar("_P", LoanProposal, TailProposal)
+
+
+def loan_view(core: CoreLike, state: ClusterState, now: float) -> LoanView:
+    """What the lending policy sees: idle engines of the rollout step in progress, trainers
+    whose part of the step is done (after its last mini-batch, or with nothing to train yet),
+    and the trainer's measured mini-batch pace."""
+    mb = state.mini_batch
+    done = mb is not None and mb.done >= mb.total
+    # One-step off-policy: while the trainer trains step s the rollout generates s + 1; with
+    # nothing to train (0 of 0) it waits for the rollout of step s itself.
+    if mb is None:
+        rollout_step = state.last_step + 2
+    else:
+        rollout_step = mb.step if mb.total == 0 else mb.step + 1
+    idle, trainers = state.lendable()
+    # no rollout step left to serve (the run's last training step): no trainer is free to lend
+    last = core.config.steps_total is not None and rollout_step >= core.config.steps_total
+    free = trainers if done and not last else ()
+    samples_done, samples_total = state.samples(rollout_step)
+    view = LoanView(
+        now=now,
+        split=state.split,
+        idle_engines=idle,
+        free_trainers=free,
+        training_devices=len(state.pool_devices(Pool.TRAINING)),
+        mini_batch_done=mb.done if mb is not None else 0,
+        mini_batch_total=mb.total if mb is not None else 0,
+        mini_batch_s=mb.last_s if mb is not None else 0.0,
+        queue_empty=state.dry_step >= rollout_step,
+        costs=_loan_costs(core, state, Pool.TRAINING),
+        rollout_costs=_loan_costs(core, state, Pool.ROLLOUT),
+        recent=state.recent,
+        rollout_step=rollout_step,
+        samples_done=samples_done,
+        samples_total=samples_total,
+    )
+    if core.config.tail_costs is None:
+        return view  # the daemon: no tail regroups, and no scan of every device for lent ones per report
+    return msgspec.structs.replace(
+        view,
+        tails=tuple(EngineTail(devices=state.engine_of(d), running=n, tokens_left=left, at=t)
+                    for d, n, left, t in state.tails if state.dry_step == rollout_step),
+        tail_costs=core.config.tail_costs,
+        lent_to_rollout=tuple(d for d in state.lent_devices() if state.devices[d].pool is Pool.ROLLOUT),
+        tail_open=tail_open(state),
+    )
+
+
+def _loan_costs(core: CoreLike, state: ClusterState, to_pool: Pool) -> LoanCosts:
+    """Configured, or learned from the last loans to `to_pool` (`CoreConfig.learn_loan_costs`)."""
+    if not core.config.learn_loan_costs:
+        return core.config.loan_costs
+    return core.config.loan_costs.learned(state.loan_times, to_pool)
+
+
+def free_to_plan(s: ClusterState) -> bool:
+    """Steady, nothing in flight, neither paused nor stopping: a loan or a tail regroup may start."""
+    return s.phase is Phase.STEADY and s.inflight is None and not s.paused and not s.stopping
+
+
+def tail_open(s: ClusterState) -> bool:
+    """A tail regroup's engine has not become the engines it was made of again."""
+    return bool(s.tail_undo) and not all(s.engine_of(g[0]) == g for g in s.tail_undo)
+
+
+def proposed(core: CoreLike, tx: Tx, at: float, propose: Callable[[LoanView], _P | None] | None,
+             check: Callable[[LoanView, _P, guards.GuardConfig], guards.Rejection | None]) -> _P | None:
+    """What the lending policy's `propose` (its `propose_loan` or `propose_tail`; None: it has
+    none) proposes on what it sees now, where a loan or tail regroup may start and the proposal
+    passes its guard `check`; None otherwise (a proposal the guard refuses is recorded so)."""
+    if propose is None or not free_to_plan(tx.state):
+        return None
+    view = loan_view(core, tx.state, at)
+    proposal = propose(view)
+    if proposal is None:
+        return None
+    rejection = check(view, proposal, core.config.guards)
+    if rejection is not None:
+        reject(tx, at, core.policy.name, None, rejection.guard, rejection.reason)
+        return None
+    return proposal
+
+
+def consider_loan(core: CoreLike, tx: Tx, at: float) -> None:
+    """Ask the lending policy whether to lend idle devices to the other stage for the rest of the
+    step (`propose_loan`), and start the loan when its guard lets it."""
+    proposal = proposed(core, tx, at, getattr(core.policy, "propose_loan", None), guards.check_loan)
+    if proposal is None:
+        return
+    plan = plan_loan(tx.state, proposal.devices, Pool(proposal.to_pool), PlanKind.LOAN)
+    if isinstance(plan, str):
+        reject(tx, at, core.policy.name, None, "capacity", plan)
+        return
+    tx.emit(f.LoanStarted(at=at, plan=plan, source=core.policy.name, reason=proposal.reason,
+                          op_deadline=at + core.config.op_timeout_s, saves_s=proposal.saves_s,
+                          cost_s=proposal.cost_s))
+    advance(core, tx, at, fresh=True)
+
+
+def plan_loan(state: ClusterState, devices: tuple[DeviceId, ...], to_pool: Pool, kind: PlanKind) -> ResizePlan | str:
+    """Drain, release and join `devices` into `to_pool`: a loan, or (kind RETURN) its way home.
+    No commit: a loan lasts until the step boundary, where its return is the next sequence."""
+    from_pool = to_pool.other
+    devices = tuple(sorted(devices))
+    live = state.live_workers_by_device()
+    src = unique(live.get((d, WorkerKind.for_pool(from_pool))) for d in devices)
+    dst = unique(live.get((d, WorkerKind.for_pool(to_pool))) for d in devices)
+    # One worker may serve several of the devices (verl's rollout worker holds every hybrid slot).
+    if kind is PlanKind.LOAN and any((d, WorkerKind.for_pool(to_pool)) not in live for d in devices):
+        return f"not every device of {', '.join(devices)} has a live {WorkerKind.for_pool(to_pool).value} worker"
+    named = set(devices)
+    if kind is PlanKind.LOAN and (part := [d for d in devices if not named.issuperset(state.engine_of(d))]):
+        return (f"device(s) {', '.join(part)} serve in engines of several devices whose other devices are not "
+                "lent with them: a loan takes whole engines")
+    resize_id = f"l{state.loans_started + 1}" if kind is PlanKind.LOAN else f"l{state.loans_started}-home{state.version}"
+    targets = {OpKind.DRAIN: src, OpKind.RELEASE: src, OpKind.JOIN: dst}
+    ops = tuple(
+        OpSpec(op_id=f"{resize_id}/{i}-{k.value}", kind=k, devices=devices, targets=ts,
+               from_pool=from_pool, to_pool=to_pool)
+        for i, (k, ts) in enumerate(targets.items())
+    )
+    split = state.split
+    return ResizePlan(resize_id=resize_id, devices=devices, from_pool=from_pool, to_pool=to_pool, ops=ops,
+                      before=split, after=split, kind=kind)
+
+
+def on_mini_batch_done(core: CoreLike, tx: Tx, e: ev.MiniBatchDone) -> None:
+    w = require_worker(tx.state, e.worker_id)
+    if w.kind is not WorkerKind.TRAINER_RANK:
+        raise Refused("bad_request", f"worker {e.worker_id!r} is a {w.kind.value}; only trainers report mini-batches")
+    if e.step < 0 or not (0 <= e.done <= e.total):
+        raise Refused("bad_value", f"mini-batch {e.done} of {e.total} in step {e.step} is impossible")
+    tx.emit(f.MiniBatchObserved(at=e.at, worker_id=e.worker_id, step=e.step, done=e.done, total=e.total))
+    s = tx.state
+    lent_out = [d for d in s.lent_devices() if s.devices[d].pool is Pool.ROLLOUT]
+    if e.done < e.total and lent_out and s.phase is Phase.STEADY and s.inflight is None and not tail_open(s):
+        # The training step begins while its trainers serve the rollout (lent in the window
+        # with nothing to train, which ends without a step report): they go home first.
+        return_loans(core, tx, e.at, None, "", why=f"training step {e.step} begins")
+        return
+    consider_loan(core, tx, e.at)
+
+
+def on_progress(core: CoreLike, tx: Tx, e: ev.ProgressReported) -> None:
+    require_worker(tx.state, e.worker_id)
+    if not (0 <= e.done <= e.total) or e.tokens < 0 or e.step < 0:
+        raise Refused("bad_value", f"progress done={e.done} total={e.total} tokens={e.tokens} is impossible")
+    tx.state = progressed(tx.state, e.worker_id, Progress(e.step, e.done, e.total, e.tokens))  # soft: no fact
+    # A lending policy that sends its loans home on the rollout's progress (verl's rules go home
+    # once enough samples are done) is asked after every report.
+    s = tx.state
+    ask = getattr(core.policy, "observe_progress", None)
+    if ask is None or not free_to_plan(s):
+        return
+    why = ask(loan_view(core, s, e.at))
+    if why and s.lent_devices():
+        return_loans(core, tx, e.at, None, "", why=why)
+
+
+def return_loans(core: CoreLike, tx: Tx, at: float, proposal: Proposal | None, source: str, why: str = "") -> None:
+    """Step boundary: every lent device goes home. A resize the policy proposes at the same
+    boundary is checked by the guards now and starts once the devices are home."""
+    s = tx.state
+    then: Split | None = None
+    if proposal is not None:
+        view = core.view(s, at)
+        rejection = guards.evaluate(view, proposal, core.config.guards, s.history, hysteresis=core.policy.guarded)
+        if rejection is not None:
+            reject(tx, at, source, proposal.target, rejection.guard, rejection.reason)
+        else:
+            then = proposal.target
+    lent = s.lent_devices()
+    # One sequence per direction; the rare boundary with loans both ways returns rollout first.
+    by_pool = {p: tuple(d for d in lent if s.devices[d].pool is p) for p in (Pool.TRAINING, Pool.ROLLOUT)}
+    pool = Pool.TRAINING if by_pool[Pool.TRAINING] else Pool.ROLLOUT
+    plan = plan_loan(s, by_pool[pool], pool.other, PlanKind.RETURN)
+    assert not isinstance(plan, str)
+    reason = f"{why or f'step {s.last_step} done'}: {len(plan.devices)} lent device(s) go home to {pool.other.value}"
+    tx.emit(f.LoanReturnStarted(at=at, plan=plan, reason=reason, op_deadline=at + core.config.op_timeout_s,
+                                then=then, then_source=source if then is not None else "",
+                                then_reason=proposal.reason if then is not None and proposal else "",
+                                then_predicted_step_s=proposal.predicted_step_s if then is not None and proposal else 0.0,
+                                then_predicted_step_s_after=(proposal.predicted_step_s_after
+                                                             if then is not None and proposal else 0.0)))
+    advance(core, tx, at, fresh=True)
+
+
+def landed(core: CoreLike, tx: Tx, fl: InFlight, at: float) -> bool:
+    """The end of a loan: the lent devices serve the other pool until the step boundary. True
+    when they go home at once, because a step was reported while the loan ran (`machine.ENDINGS`
+    otherwise lets trainers lent to the rollout join a tail)."""
+    tx.emit(f.LoanLanded(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at))
+    s = tx.state
+    if s.last_step > fl.step and not s.paused and not s.stopping:
+        # A step was reported while the loan ran (a trainer lent to the rollout's last
+        # requests): that boundary's work, the policy's say and the way home, is done now.
+        return_loans(core, tx, at, core.policy(core.view(s, at)), core.policy.name)
+        return True
+    return False
+
+
+def returned(core: CoreLike, tx: Tx, fl: InFlight, at: float) -> None:
+    """The end of a loan's way home: loans the other way round go home next; then the resize the
+    policy asked for at the boundary (`LoanReturnStarted.then`) starts, if it still can."""
+    tx.emit(f.LoanReturned(at=at, resize_id=fl.plan.resize_id, duration_s=at - fl.started_at))
+    s = tx.state
+    if s.lent_devices():  # loans the other way round go home next
+        return_loans(core, tx, at, None, "")
+        return
+    if fl.then is None or s.paused or s.stopping or s.split == fl.then:
+        return
+    plan = plan_resize(s, fl.then)
+    if isinstance(plan, str):
+        reject(tx, at, fl.then_source, fl.then, "capacity", plan)
+        return
+    proposal = Proposal(target=fl.then, reason=fl.then_reason, predicted_step_s=fl.then_predicted_step_s,
+                        predicted_step_s_after=fl.then_predicted_step_s_after)
+    start_resize(core, tx, core.view(s, at), plan, proposal, fl.then_source, at)
