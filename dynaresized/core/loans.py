@@ -151,7 +151,10 @@ def on_mini_batch_done(core: CoreLike, tx: Tx, e: ev.MiniBatchDone) -> None:
         raise Refused("bad_request", f"worker {e.worker_id!r} is a {w.kind.value}; only trainers report mini-batches")
     if e.step < 0 or not (0 <= e.done <= e.total):
         raise Refused("bad_value", f"mini-batch {e.done} of {e.total} in step {e.step} is impossible")
-    tx.emit(f.MiniBatchObserved(at=e.at, worker_id=e.worker_id, step=e.step, done=e.done, total=e.total))
+    mb = tx.state.mini_batch
+    if mb is None or (mb.step, mb.done, mb.total) != (e.step, e.done, e.total):
+        # A repeat of the last mini-batch would only restart its pace: no fact
+        tx.emit(f.MiniBatchObserved(at=e.at, worker_id=e.worker_id, step=e.step, done=e.done, total=e.total))
     s = tx.state
     lent_out = [d for d in s.lent_devices() if s.devices[d].pool is Pool.ROLLOUT]
     if e.done < e.total and lent_out and s.phase is Phase.STEADY and s.inflight is None and not tail_open(s):

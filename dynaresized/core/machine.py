@@ -212,8 +212,13 @@ def on_engine_queue_empty(core: CoreLike, tx: Tx, e: ev.EngineQueueEmpty) -> Non
         # (it drains first): what it ran dry in is over for it. Recorded, a regrouped engine
         # would look dry before it served a step.
         return
-    tx.emit(f.EngineQueueEmptyObserved(at=e.at, worker_id=e.worker_id, device=w.devices[0], step=e.step,
-                                       running=e.running, tokens_left=e.tokens_left))
+    s = tx.state
+    if not (e.running == 0 and e.step == s.dry_step and w.devices[0] in s.dry
+            and all(t[0] != w.devices[0] for t in s.tails)):
+        # A repeat (the same engine dry again in the same step) would change nothing: no fact
+        # (issue 42: 40,000 of them were 40,000 facts). The policy is asked as for the first.
+        tx.emit(f.EngineQueueEmptyObserved(at=e.at, worker_id=e.worker_id, device=w.devices[0], step=e.step,
+                                           running=e.running, tokens_left=e.tokens_left))
     regroups.consider_tail(core, tx, e.at)
     loans.consider_loan(core, tx, e.at)
 

@@ -426,3 +426,30 @@ def test_measured_loans_replace_the_configured_loan_costs_of_their_direction():
     # [core] learn_loan_costs = false (the default) keeps the configured costs
     fixed = Core(replace(d.core.config, learn_loan_costs=False), d.core.policy)
     assert loan_view(fixed, d.state, d.at()).costs_to(Pool.ROLLOUT) == configured
+
+
+def test_a_report_that_changes_nothing_writes_no_fact_and_decides_as_the_first_did():
+    """40,000 identical `queue_empty` of one engine in one step are at most one fact (issue 42);
+    a repeated mini-batch is none. The core decides as it would have on the first."""
+    d = boot(make_core(replace(EAGER), "static", op_timeout_s=30.0), TRAIN, ROLLOUT)  # a policy that never lends
+    pace(d)
+    before = len(d.log)
+    for _ in range(40_000):
+        idle(d)
+    assert [type(x) for x in d.log[before:]] == [f.EngineQueueEmptyObserved]
+    assert d.state.dry == (IDLE,) and d.state.inflight is None
+    mb = d.state.mini_batch
+    d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=mb.step, done=mb.done, total=mb.total))
+    assert len(d.log) == before + 1 and d.state.mini_batch == mb, "the pace measured stays"
+    idle(d, running=2)  # not a repeat: it now decodes again
+    assert isinstance(d.log[-1], f.EngineQueueEmptyObserved) and d.log[-1].running == 2
+    assert d.replayed().durable() == d.state.durable()
+
+
+def test_a_repeated_queue_empty_still_lends_as_the_first_would_have():
+    d = lending_cluster()
+    pace(d)
+    for _ in range(3):
+        facts, _ = idle(d)
+    assert d.state.inflight is not None and d.state.inflight.plan.kind is PlanKind.LOAN
+    assert sum(isinstance(x, f.EngineQueueEmptyObserved) for x in d.log) == 1

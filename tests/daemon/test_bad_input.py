@@ -308,3 +308,26 @@ def test_refused_control_requests_say_why_and_a_request_is_always_two_frames(mak
         assert isinstance(reply, wire.ControlReply) and reply.ok and not daemon.status()["paused"]
     finally:
         peer.close()
+
+
+async def test_a_chatty_worker_is_rate_bounded_and_its_repeats_write_no_fact(make_daemon) -> None:
+    """Reports that write facts are bounded per worker (`daemon.report_rate`, bursts of
+    `daemon.report_burst`): past them `rate_limited`, changing nothing; and 1,000 identical
+    `queue_empty` of one step were never more than one fact."""
+    from dynaresized.core import facts as f
+
+    daemon = make_daemon(daemon={"report_rate": 1.0, "report_burst": 50})
+    engine = WorkerClient(daemon.worker_endpoint, "chatty", WorkerKind.ROLLOUT_ENGINE, ("node0:cpu2",))
+    await engine.start()
+    try:
+        for _ in range(1000):
+            await engine.report_queue_empty(step=3)
+        await until(lambda: metric(daemon, "dynaresized_refusals_total", 'reason="rate_limited"') >= 900,
+                    what="the reports past the burst refused")
+        assert metric(daemon, "dynaresized_refusals_total", 'reason="rate_limited"') <= 1000 - 50
+        await until(lambda: any(e.reason == "rate_limited" for e in engine.errors), what="the refusal at the worker")
+        dry = [x for x in read_facts(daemon.state_dir) if isinstance(x, f.EngineQueueEmptyObserved)]
+        assert len(dry) == 1, "a repeat of the same queue_empty writes no fact"
+        assert engine.registered and daemon.status()["workers"][0]["status"] == "live"
+    finally:
+        await engine.close()
