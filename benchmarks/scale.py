@@ -56,8 +56,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = Path(__file__).resolve()
 STEP_S = 6.0  # the job's RL step, wall seconds (real steps take minutes: this is a busy job)
@@ -181,7 +182,15 @@ def step_timing(step: int, split: Any) -> Any:
 
 def host_main(args: dict[str, Any]) -> int:
     """One process hosting many light workers: a raw DEALER per worker, each with its own
-    identity `<worker_id>#<process>`, hello (with a secret), token and heartbeats."""
+    identity `<worker_id>#<process>`, hello (with a secret), token and heartbeats.
+
+    Options of the spec that scale.py leaves out (benchmarks/soak.py sets them): `queue_empty`,
+    each engine reports its queue empty for the next rollout step once a step, the engines
+    spread over the step's second half (so that a lending policy lends them to the training
+    step running); `chatty` (a worker id) and `chatty_per_s`, that engine sends the same
+    `queue_empty` over and over at that rate; `measure` (a path), the heartbeat RTTs and the
+    longest time a worker went without an answer (`ack_silence_max_s`) are recorded from when
+    it exists (from the start without it)."""
     import zmq
 
     from dynaresized import wire
@@ -191,6 +200,9 @@ def host_main(args: dict[str, Any]) -> int:
     endpoint, first, count = args["endpoint"], args["first"], args["count"]
     out, stop = Path(args["out"]), Path(args["stop"])
     reporter, step_s = args["reporter"], args["step_s"]
+    reports_dry, chatty_id, chatty_per_s = args.get("queue_empty", False), args.get("chatty", ""), args.get("chatty_per_s", 0.0)
+    measure = Path(args["measure"]) if args.get("measure") else None
+    measured_from = None if measure else time.monotonic()  # when the RTTs and silences began to count
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 65536)
     encoder, decoder = wire.encode, wire.daemon_decoder()
@@ -206,7 +218,7 @@ def host_main(args: dict[str, Any]) -> int:
             workers.append({"index": len(workers), "id": wid, "kind": kind, "device": device, "process": process, "sock": s,
                             "secret": secrets.token_hex(16), "token": "", "seq": 0, "sent": {},
                             "acked": -math.inf, "asked": -math.inf, "reported": -math.inf,
-                            "incarnation": 0, "backoff": 0.0})
+                            "incarnation": 0, "backoff": 0.0, "silence": 0.0})
     by_sock = {w["sock"]: w for w in workers}
     poller = zmq.Poller()
     for w in workers:
@@ -248,6 +260,12 @@ def host_main(args: dict[str, Any]) -> int:
     ops_answered = 0
     step_sent: dict[int, float] = {}
 
+    def answered(w: dict[str, Any], now: float) -> None:
+        """An answer from the daemon (a heartbeat_ack or a welcome): the silence it ends."""
+        if measured_from is not None and w["acked"] > -math.inf:
+            w["silence"] = max(w["silence"], now - max(w["acked"], measured_from))
+        w["acked"] = now
+
     def receive(timeout_ms: float) -> None:
         nonlocal ops_answered
         for sock, _ in poller.poll(timeout_ms):
@@ -260,9 +278,9 @@ def host_main(args: dict[str, Any]) -> int:
                 now = time.time()
                 msg = decoder.decode(data)
                 if type(msg) is wire.HeartbeatAck:
-                    w["acked"] = time.monotonic()
+                    answered(w, time.monotonic())
                     sent = w["sent"].pop(msg.seq, None)
-                    if sent is not None:
+                    if sent is not None and measured_from is not None:
                         rtts.append(time.monotonic() - sent)
                 elif type(msg) is wire.OpCommand:
                     first_op.setdefault(msg.resize_id, now)
@@ -271,7 +289,7 @@ def host_main(args: dict[str, Any]) -> int:
                 elif type(msg) is wire.Welcome:
                     if msg.incarnation >= w["incarnation"]:  # several hellos answered: the newest is current
                         w["token"], w["incarnation"] = msg.token, msg.incarnation
-                    w["acked"] = time.monotonic()
+                    answered(w, time.monotonic())
                 elif type(msg) is wire.Error:
                     errors[msg.reason or msg.code.value] = errors.get(msg.reason or msg.code.value, 0) + 1
                     if (msg.reason in ("stale_token", "not_registered", "missing_token")
@@ -289,12 +307,17 @@ def host_main(args: dict[str, Any]) -> int:
     Path(args["ready"]).write_text(str(sum(bool(w["token"]) for w in workers)))
     engines = [w for w in workers if w["kind"] is WorkerKind.ROLLOUT_ENGINE]
     trainer0 = next((w for w in workers if w["id"] == "tr-0"), None)
+    chatty = next((w for w in engines if w["id"] == chatty_id), None)
+    dry_step, dry_sent, dry_total = -1, 0, 0  # the step whose engines report, how many did, in all
+    chatty_due = chatty_sent = 0  # the chatty engine's reports due so far, and sent (none while it says hello)
     t0 = time.monotonic()
     hb_sent = prog_sent = beats = asked = 0  # heartbeat slots passed, progress reports, heartbeats sent, acks asked
     last_step, last_mb = -1, -1
     split = Split(train=args["devices"] // 2, rollout=args["devices"] - args["devices"] // 2)
     while not stop.exists():
         now = time.monotonic()
+        if measured_from is None and measure is not None and measure.exists():
+            measured_from = now
         # heartbeats and progress spread evenly over their interval, as independent processes
         # would; a worker's beat half an interval after its report (not at the same instant)
         due = int(((now - t0) / HEARTBEAT_S - 0.5) * len(workers))
@@ -329,6 +352,26 @@ def host_main(args: dict[str, Any]) -> int:
             w["sock"].send(encoder(wire.Progress(worker_id=w["id"], step=step, done=int(into * 100), total=100,
                                                  token=w["token"])))
             w["reported"] = now
+        if reports_dry:
+            if step != dry_step:
+                dry_step, dry_sent = step, 0
+            # engine i runs dry at (0.5 + 0.4 i / engines) of the step: for the next step, whose
+            # rollout runs while this step trains
+            due = min(len(engines), int(max(0.0, into - 0.5) / 0.4 * len(engines)))
+            while dry_sent < due:
+                w = engines[dry_sent]
+                dry_sent += 1
+                if w["token"]:
+                    dry_total += 1
+                    w["sock"].send(encoder(wire.QueueEmpty(worker_id=w["id"], step=step + 1, token=w["token"])))
+                    w["reported"] = now
+        if chatty is not None:
+            due = int((now - t0) * chatty_per_s)
+            for _ in range(due - chatty_due if chatty["token"] else 0):
+                chatty["sock"].send(encoder(wire.QueueEmpty(worker_id=chatty["id"], step=step + 1,
+                                                            token=chatty["token"])))
+                chatty_sent += 1
+            chatty_due = due
         if reporter and trainer0 is not None:
             tok, sock = trainer0["token"], trainer0["sock"]
             mb = int(into * MINI_BATCHES)
@@ -345,8 +388,14 @@ def host_main(args: dict[str, Any]) -> int:
             last_step, last_mb = step, mb
         receive(10)
     usage = resource.getrusage(resource.RUSAGE_SELF)
+    end = time.monotonic()
+    if measured_from is not None:  # a worker still waiting for an answer: its silence so far
+        for w in workers:
+            answered(w, end)
     out.write_text(json.dumps({"cpu_share": (usage.ru_utime + usage.ru_stime) / (time.monotonic() - t0), "rtts": rtts, "errors": errors, "first_op": first_op, "ops_answered": ops_answered,
-                               "step_sent": step_sent, "heartbeats_sent": beats, "acks_asked": asked, "progress_sent": prog_sent}))
+                               "step_sent": step_sent, "heartbeats_sent": beats, "acks_asked": asked, "progress_sent": prog_sent,
+                               "queue_empty_sent": dry_total, "chatty_sent": chatty_sent,
+                               "ack_silence_max_s": max((w["silence"] for w in workers), default=0.0)}))
     for w in workers:
         w["sock"].close(0)
     ctx.term()
@@ -362,15 +411,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def config_text(state_dir: Path, worker_ep: str, control_ep: str, n: int, batch_window_ms: float | None = None) -> str:
+def config_text(state_dir: Path, worker_ep: str, control_ep: str, n: int, batch_window_ms: float | None = None,
+                metrics_port: int = 0, lending: bool = False) -> str:
+    """The daemon's configuration: the hysteresis policy with its guards opened; with `lending`,
+    it lends too, and loans cost next to nothing (it lends whenever an engine is idle)."""
     devices = device_names(n)
     g = open_guards()
+    loans = ("\n[loan_costs]\nto_training_s = 0.01\nto_rollout_s = 0.01\nreturn_s = 0.01\nlead_s = 0.0\n"
+             if lending else "")
     return f"""
 [daemon]
 state_dir = "{state_dir}"
 worker_endpoint = "{worker_ep}"
 control_endpoint = "{control_ep}"
-metrics_port = 0
+metrics_port = {metrics_port}
 {"" if batch_window_ms is None else f"batch_window_ms = {batch_window_ms}"}
 log_format = "json"
 log_level = "info"
@@ -381,7 +435,7 @@ training = {json.dumps(devices[: n // 2])}
 
 [policy]
 name = "hysteresis"
-options = {{ lending = false }}
+options = {{ lending = {"true" if lending else "false"} }}
 
 [guards]
 signal_run = {g.signal_run}
@@ -392,7 +446,7 @@ payback_safety = {g.payback_safety}
 [costs]
 to_training_s = 0.01
 to_rollout_s = 0.01
-"""
+{loans}"""
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -421,19 +475,25 @@ def status(control_ep: str, timeout_s: float = 5.0) -> dict[str, Any] | None:
         return None
 
 
-def bench_daemon(n: int, hosts: int, window_s: float, step_s: float, tmp: Path,
-                 batch_window_ms: float | None = None) -> dict[str, Any]:
-    from dynaresized.core import facts as fx
-    from dynaresized.store import open_recorder
+class Served(NamedTuple):
+    """A daemon serving registered worker hosts (`serving`)."""
 
-    state_dir = tmp / "state"
-    worker_ep, control_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    daemon: subprocess.Popen[bytes]
+    registered_s: float  # from its start to every host's workers registered
+
+
+@contextlib.contextmanager
+def serving(tmp: Path, config: str, worker_ep: str, control_ep: str, n: int, hosts: int, step_s: float,
+            **host_options: Any) -> Iterator[Served]:
+    """`dynaresized serve` on `config` (tmp/config.toml, its output in tmp/daemon.log) and `hosts`
+    worker-host processes (`host_main`, the n devices split between them, `host_options` added to
+    each spec), once every host's workers are registered. Leaving it stops the hosts (each writes
+    tmp/host-<i>.json: `host_results`), then the daemon."""
     cfg = tmp / "config.toml"
-    cfg.write_text(config_text(state_dir, worker_ep, control_ep, n, batch_window_ms))
+    cfg.write_text(config)
     daemon = subprocess.Popen([sys.executable, "-m", "dynaresized.cli", "serve", "--config", str(cfg)],
                               stdout=(tmp / "daemon.log").open("wb"), stderr=subprocess.STDOUT,
                               preexec_fn=raise_fd_limit)
-    hosts = max(1, min(hosts, n))
     procs: list[subprocess.Popen[bytes]] = []
     stop = tmp / "stop"
     started = time.monotonic()
@@ -446,7 +506,7 @@ def bench_daemon(n: int, hosts: int, window_s: float, step_s: float, tmp: Path,
         for i, count in enumerate(per):
             spec = {"endpoint": worker_ep, "first": first, "count": count, "reporter": i == 0, "step_s": step_s,
                     "devices": n, "out": str(tmp / f"host-{i}.json"), "stop": str(stop),
-                    "ready": str(tmp / f"host-{i}.ready")}
+                    "ready": str(tmp / f"host-{i}.ready"), **host_options}
             procs.append(subprocess.Popen([sys.executable, str(HERE), "--host", json.dumps(spec)],
                                           stderr=(tmp / f"host-{i}.log").open("wb")))
             first += count
@@ -456,16 +516,7 @@ def bench_daemon(n: int, hosts: int, window_s: float, step_s: float, tmp: Path,
                 raise RuntimeError("the worker hosts did not all register: "
                                    + " | ".join((tmp / f"host-{i}.log").read_text()[-500:] for i in range(hosts)))
             time.sleep(0.5)
-        registered_s = time.monotonic() - started
-        time.sleep(max(2 * step_s, 5.0))  # steady state: heartbeats spread, a resize or two done
-        load0 = os.getloadavg()[0]
-        c0, w0, t0 = proc_cpu_s(daemon.pid), time.monotonic(), time.time()
-        rss = []
-        while time.monotonic() - w0 < window_s:
-            time.sleep(1.0)
-            rss.append(proc_rss_mib(daemon.pid))
-        c1, w1, t1 = proc_cpu_s(daemon.pid), time.monotonic(), time.time()
-        st = status(control_ep, 30.0)
+        yield Served(daemon=daemon, registered_s=time.monotonic() - started)
         stop.touch()
         for p in procs:
             p.wait(timeout=120)
@@ -482,16 +533,48 @@ def bench_daemon(n: int, hosts: int, window_s: float, step_s: float, tmp: Path,
             except subprocess.TimeoutExpired:
                 daemon.kill()
                 daemon.wait()
+
+
+def host_results(tmp: Path, hosts: int) -> list[dict[str, Any]]:
+    """What each worker host wrote when it stopped (`host_main`)."""
     missing = [i for i in range(hosts) if not (tmp / f"host-{i}.json").exists()]
     if missing:
         raise RuntimeError("worker host(s) ended without their results: "
                            + " | ".join((tmp / f"host-{i}.log").read_text()[-1500:] for i in missing))
-    results = [json.loads((tmp / f"host-{i}.json").read_text()) for i in range(hosts)]
-    rtts = [x for r in results for x in r["rtts"]]
+    return [json.loads((tmp / f"host-{i}.json").read_text()) for i in range(hosts)]
+
+
+def worker_errors(results: list[dict[str, Any]]) -> dict[str, int]:
+    """The daemon's refusals the hosts' workers received, by reason, summed over the hosts."""
     errors: dict[str, int] = {}
     for r in results:
         for k, v in r["errors"].items():
             errors[k] = errors.get(k, 0) + v
+    return errors
+
+
+def bench_daemon(n: int, hosts: int, window_s: float, step_s: float, tmp: Path,
+                 batch_window_ms: float | None = None) -> dict[str, Any]:
+    from dynaresized.core import facts as fx
+
+    state_dir = tmp / "state"
+    worker_ep, control_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    hosts = max(1, min(hosts, n))
+    with serving(tmp, config_text(state_dir, worker_ep, control_ep, n, batch_window_ms), worker_ep, control_ep,
+                 n, hosts, step_s) as served:
+        daemon, registered_s = served.daemon, served.registered_s
+        time.sleep(max(2 * step_s, 5.0))  # steady state: heartbeats spread, a resize or two done
+        load0 = os.getloadavg()[0]
+        c0, w0, t0 = proc_cpu_s(daemon.pid), time.monotonic(), time.time()
+        rss = []
+        while time.monotonic() - w0 < window_s:
+            time.sleep(1.0)
+            rss.append(proc_rss_mib(daemon.pid))
+        c1, w1, t1 = proc_cpu_s(daemon.pid), time.monotonic(), time.time()
+        st = status(control_ep, 30.0)
+    results = host_results(tmp, hosts)
+    rtts = [x for r in results for x in r["rtts"]]
+    errors = worker_errors(results)
     first_op: dict[str, float] = {}
     for r in results:
         for rid, at in r["first_op"].items():
@@ -503,20 +586,9 @@ def bench_daemon(n: int, hosts: int, window_s: float, step_s: float, tmp: Path,
         before = [s for s in sent if s[0] <= at]
         if before:
             latencies.append((at - before[-1][0]) * 1000)
-    recorder = open_recorder(state_dir / "events.sqlite", read_only=True)
-    try:
-        rows = list(recorder.read_all())
-        facts = [fx.decode_fact(e.data) for e in rows]
-    finally:
-        recorder.close()
+    rows, facts, bytes_per_fact = read_log(state_dir)
     in_window = sum(t0 <= e.recorded_at <= t1 for e in rows)
-    with contextlib.closing(sqlite3.connect(state_dir / "events.sqlite")) as db:  # the WAL into the file
-        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    bytes_per_fact = log_bytes(state_dir) / max(len(rows), 1)
-    # Lost up to the end of the window (what the run measures), and after it: once the hosts stop,
-    # a daemon still finishing a resize whose ops nobody answers any more loses them all.
-    lost_at = [e.recorded_at for e, x in zip(rows, facts, strict=True) if isinstance(x, fx.WorkerLost)]
-    lost = sum(at <= t1 for at in lost_at)
+    lost, lost_after = workers_lost(rows, facts, t1)
     started_resizes = sum(isinstance(x, fx.ResizeStarted) for x in facts)
     replay = bench_replay(state_dir / "events.sqlite")
     live = None if st is None else sum(w["status"] == "live" for w in st["workers"])
@@ -533,7 +605,7 @@ def bench_daemon(n: int, hosts: int, window_s: float, step_s: float, tmp: Path,
                              "max": round(max(rtts, default=0) * 1000, 1), "acks": len(rtts),
                              "sent": sum(r["heartbeats_sent"] for r in results),
                              "asked": sum(r["acks_asked"] for r in results)},
-        "workers_lost": lost, "workers_lost_after_window": len(lost_at) - lost, "live_at_end": live, "resizes_started": started_resizes,
+        "workers_lost": lost, "workers_lost_after_window": lost_after, "live_at_end": live, "resizes_started": started_resizes,
         "worker_errors": errors,
         "host_cpu_share_max": round(max(r["cpu_share"] for r in results), 3),
         "facts_per_s": round(in_window / (t1 - t0), 1), "log_bytes_per_fact": round(bytes_per_fact, 1),
@@ -541,6 +613,34 @@ def bench_daemon(n: int, hosts: int, window_s: float, step_s: float, tmp: Path,
         
         **replay,
     }
+
+
+def read_log(state_dir: Path) -> tuple[list[Any], list[Any], float]:
+    """The daemon's log read whole, once it has stopped: its records, their facts, and its bytes
+    per fact with the WAL checkpointed into the file."""
+    from dynaresized.core import facts as fx
+    from dynaresized.store import open_recorder
+
+    recorder = open_recorder(state_dir / "events.sqlite", read_only=True)
+    try:
+        rows = list(recorder.read_all())
+        facts = [fx.decode_fact(e.data) for e in rows]
+    finally:
+        recorder.close()
+    with contextlib.closing(sqlite3.connect(state_dir / "events.sqlite")) as db:  # the WAL into the file
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return rows, facts, log_bytes(state_dir) / max(len(rows), 1)
+
+
+def workers_lost(rows: list[Any], facts: list[Any], until: float) -> tuple[int, int]:
+    """Workers the daemon declared lost up to `until` (what a run measures), and after it: once
+    the hosts stop, a daemon still finishing a resize whose ops nobody answers any more loses
+    them all."""
+    from dynaresized.core import facts as fx
+
+    lost_at = [e.recorded_at for e, x in zip(rows, facts, strict=True) if isinstance(x, fx.WorkerLost)]
+    lost = sum(at <= until for at in lost_at)
+    return lost, len(lost_at) - lost
 
 
 def bench_replay(path: Path) -> dict[str, Any]:
