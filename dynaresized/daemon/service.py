@@ -1,9 +1,9 @@
 """The daemon: starts up (bind, replay), composes its parts and runs them as root tasks.
 
 Its parts: endpoints.py (sockets), ingress.py (worker frames in), control.py (operator requests),
-reactor.py (the one task that steps the state), commit.py (facts durable before anything leaves),
-status.py, reload.py. Root tasks are guarded: one that ends unexpectedly stops the daemon with a
-non-zero exit.
+reactor.py (the one task that steps the state cluster.py holds), commit.py (facts durable before
+anything leaves), status.py, reload.py. Root tasks are guarded: one that ends unexpectedly stops
+the daemon with a non-zero exit.
 """
 
 from __future__ import annotations
