@@ -80,6 +80,24 @@ def send_error(raw: zmq.Socket, identity: bytes, code: wire.ErrorCode, message: 
         send_to(raw, identity, wire.encode(err))
 
 
+# Linux's limits (tcp(7)): larger values make setsockopt fail with EINVAL, and libzmq then
+# drops every connection it accepts without a word.
+_KEEPIDLE_MAX, _KEEPINTVL_MAX, _KEEPCNT_MAX = 32767, 32767, 127
+
+
+def keepalive_options(timeout_s: float) -> dict[int, int]:
+    """Socket options under which the kernel drops a connection whose peer vanished within about
+    `timeout_s` wall seconds (at least 3): keepalive probes from a third of it while idle, and
+    `TCP_USER_TIMEOUT` (`ZMQ_TCP_MAXRT`) while sends go unacknowledged, within Linux's limits."""
+    timeout_s = max(3.0, timeout_s)
+    idle = min(_KEEPIDLE_MAX, max(1, int(timeout_s / 3)))
+    rest = max(1.0, timeout_s - idle)
+    interval = min(_KEEPINTVL_MAX, max(1, math.ceil(rest / _KEEPCNT_MAX)))
+    count = min(_KEEPCNT_MAX, max(1, math.ceil(rest / interval)))
+    return {zmq.TCP_KEEPALIVE: 1, zmq.TCP_KEEPALIVE_IDLE: idle, zmq.TCP_KEEPALIVE_INTVL: interval,
+            zmq.TCP_KEEPALIVE_CNT: count, zmq.TCP_MAXRT: min(2**31 - 1, int(timeout_s * 1000))}
+
+
 class Endpoints:
     def __init__(self, config: Config, metrics: Metrics, refusals: Refusals) -> None:
         self.config = config
@@ -132,13 +150,10 @@ class Endpoints:
             # writes to a connection whose peer closed while its queue was full, and aborts the
             # daemon (`Assertion failed: !_io_error (src/stream_engine_base.cpp:310)`, after a
             # junk flood: docs/benchmarks.md, "Flood"); and their timers cost the I/O thread.
-            timeout_s = max(self.config.core.heartbeat_timeout_s, 3 * self.config.daemon.heartbeat_interval_s)
-            idle_s = max(1, int(timeout_s / 3))
-            sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-            sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, idle_s)
-            sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
-            sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, max(1, math.ceil(timeout_s - idle_s)))
-            sock.setsockopt(zmq.TCP_MAXRT, int(timeout_s * 1000))
+            d = self.config.daemon
+            timeout_s = max(self.config.core.heartbeat_timeout_s, 3 * d.heartbeat_interval_s) / d.time_scale
+            for option, value in keepalive_options(timeout_s).items():
+                sock.setsockopt(option, value)
         sock.setsockopt(zmq.LINGER, 1000)
         # No handover: a second connection for a routing id that is connected must not take the
         # slot (it would take that worker's ops and acks). libzmq parks it unrouted; a restarted

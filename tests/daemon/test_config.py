@@ -133,3 +133,29 @@ def test_the_store_section_is_the_fact_log_s_retention() -> None:
     assert Config().store.retention() == Retention(max_age_s=30 * 86_400, max_bytes=32 << 30)
     cfg = config_from_dict({"cluster": {"devices": ["a", "b"]}, "store": {"retention_s": 0, "retention_bytes": 0}})
     assert not cfg.store.retention().bounded  # both bounds off: the log keeps everything
+
+
+@pytest.mark.parametrize("timeout_s", [0.01, 3.0, 10.0, 200.0, 200_000.0, 1e12])
+def test_the_worker_endpoints_keepalives_stay_within_linuxs_limits(timeout_s: float) -> None:
+    """A demo's heartbeat timeout is 200,000 simulated seconds: beyond Linux's TCP_KEEPIDLE and
+    TCP_KEEPCNT limits setsockopt fails and libzmq drops every connection it accepts. The kernel
+    gives up on a vanished peer within about the timeout, never before 3 s."""
+    import socket
+
+    import zmq
+
+    from dynaresized.daemon.endpoints import keepalive_options
+
+    o = keepalive_options(timeout_s)
+    assert 1 <= o[zmq.TCP_KEEPALIVE_IDLE] <= 32767 and 1 <= o[zmq.TCP_KEEPALIVE_INTVL] <= 32767
+    assert 1 <= o[zmq.TCP_KEEPALIVE_CNT] <= 127 and 0 < o[zmq.TCP_MAXRT] <= 2**31 - 1
+    bound = max(3.0, timeout_s)
+    probes = o[zmq.TCP_KEEPALIVE_IDLE] + o[zmq.TCP_KEEPALIVE_INTVL] * o[zmq.TCP_KEEPALIVE_CNT]
+    if bound < 32767 * 128:
+        assert bound <= probes <= bound + o[zmq.TCP_KEEPALIVE_INTVL] + 1
+    with socket.socket() as s:  # the kernel takes them
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, o[zmq.TCP_KEEPALIVE_IDLE])
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, o[zmq.TCP_KEEPALIVE_INTVL])
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, o[zmq.TCP_KEEPALIVE_CNT])
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, o[zmq.TCP_MAXRT])
