@@ -336,6 +336,7 @@ must have a live worker of the destination kind (and none that has not converged
 | `stale_op` | an `op_result` for an op that is not the one in flight | nothing: a late answer to a re-sent op |
 | `not_a_target` | an `op_result` from a worker the op was not sent to | nothing: it changes nothing |
 | `illegal_transition` | the message is not accepted in the daemon's phase (e.g. an `op_result` with nothing in flight) | nothing |
+| `disk_full` | the disk under the event log is full: nothing that would be recorded is accepted | send it again later (heartbeats are still answered) |
 | `rate_limited` | more reports that write facts (`queue_empty`, `mini_batch_done`, `step_report`, `state_report`) than `daemon.report_rate` a second (bursts of `daemon.report_burst`) | nothing: the report changed nothing; send a few a step, as the protocol does |
 
 **The order of the checks.** The daemon checks every message on the worker endpoint in this
@@ -381,6 +382,7 @@ Operators send one request (`status`, `pause`, `resume`, `resize`, `regroup`, `d
 | `split` | `{{"train": n, "rollout": n}}` |
 | `paused`, `stopping` | booleans |
 | `degraded_reason` | text, empty unless degraded |
+| `disk_full` | text, empty unless the disk under the event log is full: then no transition starts (docs/store.md, *The daemon on a full disk*) |
 | `last_step` | the last observed RL step, -1 before the first |
 | `facts` | facts in the log |
 | `resizes` | `{{"started": n, "committed": n, "rolled_back": n, "degraded": n, "in_flight": 0 or 1}}`: every resize started is committed, rolled back, degraded (it could neither finish nor roll back) or in flight, so `started` is the sum of the other four. Loans and reconciles are not counted |

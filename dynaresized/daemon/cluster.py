@@ -26,15 +26,23 @@ class Cluster:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.state = ClusterState()
+        # Why the event log cannot be written now ("" while it can): meanwhile only what writes no
+        # fact and sends no op is stepped (heartbeats, progress), the rest is refused `disk_full`.
+        self.disk_full = ""
 
     def step(self, event: ev.Event, facts: list[f.Fact], commands: list[Command]) -> None:
         """Step the core; a refusal becomes an error reply to the sender and changes nothing."""
         try:
-            self.state, new_facts, new_commands = self.core.step(self.state, event)
+            state, new_facts, new_commands = self.core.step(self.state, event)
         except Refused as exc:
             raise Reply(wire.ErrorCode.REFUSED, exc.message, exc.code) from None
         except IllegalTransition as exc:
             raise Reply(wire.ErrorCode.REFUSED, str(exc), "illegal_transition") from None
+        if self.disk_full and (new_facts or new_commands):
+            raise Reply(wire.ErrorCode.REFUSED, f"the disk under the event log is full, so nothing that would be "
+                        f"recorded is accepted until there is space again (heartbeats and status go on): "
+                        f"{self.disk_full}", "disk_full")
+        self.state = state
         facts.extend(new_facts)
         commands.extend(new_commands)
 
@@ -42,7 +50,8 @@ class Cluster:
         try:
             self.step(event, facts, commands)
         except Reply as r:  # operator/daemon events are accepted in every phase; log if not
-            log.error("daemon event refused", event=type(event).__name__, error=r.message)
+            if r.reason != "disk_full":  # said once, when the disk filled
+                log.error("daemon event refused", event=type(event).__name__, error=r.message)
 
     def live_workers(self) -> int:
         return sum(1 for w in self.state.workers.values() if w.status is WorkerStatus.LIVE)

@@ -73,6 +73,8 @@ class Metrics:
             "dynaresized_connections_cut_total",
             "Connections to the worker endpoint cut for sending more refused frames than daemon.junk_budget, "
             "by the kind of the last one", ["reason"], registry=r)
+        self.disk_full = Gauge("dynaresized_disk_full",
+                               "1 while the event log cannot be written (a full disk): no transition starts", registry=r)
         self.worker_connections = Gauge("dynaresized_worker_connections",
                                         "Open connections to the worker endpoint", registry=r)
 

@@ -114,6 +114,9 @@ class Reactor:
         now = self.clock()
         if type(item) is not WorkerIn:
             if isinstance(item, TickIn):
+                if self.cluster.disk_full:  # no loss declared, no op timed out or re-sent meanwhile
+                    self._on_tick(now, facts, commands)
+                    return
                 self._step(ev.Tick(at=now), facts, commands)
                 self._on_tick(now, facts, commands)
             elif isinstance(item, ControlIn):

@@ -48,7 +48,7 @@ from dynaresized.daemon.reactor import ControlIn, Items, Reactor, ReloadIn, Tick
 from dynaresized.daemon.reload import PolicyReload
 from dynaresized.daemon.security import Refusals, make_state_dir
 from dynaresized.daemon.status import idle_status, observe, outcome_status, status_of
-from dynaresized.store import FactLog, open_recorder
+from dynaresized.store import DiskFull, FactLog, open_recorder
 
 log = structlog.get_logger("dynaresized")
 
@@ -72,7 +72,7 @@ class Daemon:
         self.control = Control(config, self.cluster, self.endpoints, self.queue, status=self.status,
                                notifier=self.notifier, metrics=self.metrics, refusals=self.refusals)
         self.reloads = PolicyReload(config, policy, config_path, self.cluster, self.notifier)
-        self.commit = GroupCommit(self.metrics, self.endpoints)
+        self.commit = GroupCommit(self.metrics, self.endpoints, self.cluster)
         self.reactor = Reactor(config, self.cluster, self.queue, endpoints=self.endpoints, commit=self.commit,
                                control=self.control, reload=self.reloads, clock=self.clock, metrics=self.metrics,
                                notifier=self.notifier, boot_id=self.boot_id, intake=intake)
@@ -122,7 +122,13 @@ class Daemon:
     def _apply(self, event: ev.Event) -> list[Command]:
         """Step the core outside the reactor (start-up only) and record the facts."""
         self.cluster.state, facts, commands = self.cluster.core.step(self.state, event)
-        self.commit.persist(facts, self.state)
+        try:
+            problem = self.commit.persist(facts, self.state)
+        except DiskFull as exc:  # written once there is space: the daemon serves meanwhile
+            self.commit.held(facts, self.state)
+            self.commit.full(str(exc))
+            return commands
+        self.commit.durable(self.state, problem)
         observe(self.metrics, facts, self.state)
         return commands
 

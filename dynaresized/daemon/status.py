@@ -30,6 +30,7 @@ def status_of(state: ClusterState, daemon: Daemon | None = None) -> dict[str, An
         "paused": state.paused,
         "stopping": state.stopping,
         "degraded_reason": state.degraded_reason,
+        "disk_full": daemon.cluster.disk_full if daemon else "",
         "last_step": state.last_step,
         "facts": state.version,
         "resizes": {"started": state.resizes_started, "committed": state.resizes_committed,
