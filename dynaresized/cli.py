@@ -282,7 +282,7 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 def _cmd_check_config(args: argparse.Namespace) -> int:
     """What `serve` checks before it binds or writes, with the words `serve` would print."""
     from dynaresized.daemon.config import ConfigError, config_warnings, load_config
-    from dynaresized.daemon.preflight import StartupError, check_startup
+    from dynaresized.daemon.preflight import StartupError, check_startup, held_by
 
     try:
         config = load_config(args.config)
@@ -297,6 +297,9 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         return EXIT_NOT_CONFIGURED
     for key, why in config_warnings(config):
         print(f"dynaresized: warning: {args.config}: {key}: {why}", file=sys.stderr)
+    if held := held_by(config):
+        print(f"dynaresized: note: {args.config}: a daemon runs on this state_dir, so `serve` would be refused "
+              f"until it stops: {held}", file=sys.stderr)
     print(f"{args.config}: ok")
     return EXIT_OK
 

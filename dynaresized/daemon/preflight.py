@@ -17,7 +17,7 @@ from dynaresized.core.policy import Policy, UnknownPolicyError, load_policy
 from dynaresized.core.state import ClusterState
 from dynaresized.daemon.config import Config, is_loopback_endpoint
 from dynaresized.daemon.security import SecurityError, load_server_keys
-from dynaresized.store import CorruptLogError, FactLog, StoreLockedError, open_recorder
+from dynaresized.store import CorruptLogError, FactLog, StoreLockedError, open_recorder, writer_lock_problem
 
 EVENTS_FILE = "events.sqlite"
 
@@ -210,3 +210,10 @@ def check_startup(config: Config, *, read_log: bool, policy: bool = True) -> Non
         raise StartupError(problems[0])
     if problems:
         raise StartupError(f"{len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def held_by(config: Config) -> str:
+    """Why a `serve` of this configuration would be refused while another daemon runs on its
+    state directory ("" when none does): what `check-config` says beside "ok" (the running
+    daemon's own configuration is valid too), and what `serve` checks before it binds anything."""
+    return writer_lock_problem(str(Path(config.daemon.state_dir) / EVENTS_FILE))

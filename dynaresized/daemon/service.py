@@ -39,6 +39,7 @@ from dynaresized.daemon.preflight import (
     LOG_ERRORS,
     StartupError,
     check_startup,
+    held_by,
     configured_policy,
     inventory_problem,
     log_problem,
@@ -110,6 +111,9 @@ class Daemon:
             raise StartupError(log_problem(path, exc)) from None
         if problem := inventory_problem(self.config, self.state):
             raise StartupError(problem)
+
+    def _start_log(self) -> None:
+        """The start's first fact: the cluster configured, or the daemon started again."""
         devices, pools = self.config.initial_pools()
         now = self.clock()
         if not self.state.configured:
@@ -142,11 +146,17 @@ class Daemon:
         try:
             # Everything that can refuse the start comes before the log's first write: a refused
             # start leaves the log as it was (or absent), so fixing the configuration is enough.
+            # A state directory another daemon holds is refused before anything is bound: binding an
+            # ipc:// control endpoint re-creates its socket file, and the running daemon's CLI
+            # would lose it. (The log's lock, taken when it opens, settles a start that races this.)
             check_startup(self.config, read_log=False, policy=False)
+            if held := held_by(self.config):
+                raise StartupError(held)
             self._bind()
             if d.metrics_port:
                 self.metrics.serve(d.metrics_host, d.metrics_port)
             self._open_log()
+            self._start_log()
         except Exception:
             self._close()
             raise

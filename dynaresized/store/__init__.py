@@ -25,7 +25,7 @@ from dynaresized.store.recorder import (
 )
 from dynaresized.store.recovery import SalvageReport, salvage
 from dynaresized.store.retention import DEFAULT_RETENTION_BYTES, DEFAULT_RETENTION_S, MIN_RETENTION_BYTES, Retention
-from dynaresized.store.sqlite import SQLiteRecorder, StoreLockedError
+from dynaresized.store.sqlite import SQLiteRecorder, StoreLockedError, writer_lock_problem
 
 MEMORY = ":memory:"
 
@@ -59,6 +59,7 @@ __all__ = [
     "SQLiteRecorder",
     "SalvageReport",
     "StoreLockedError",
+    "writer_lock_problem",
     "StoredEvent",
     "open_recorder",
     "salvage",

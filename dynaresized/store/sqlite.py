@@ -657,5 +657,24 @@ def take_writer_lock(path: str) -> int:
     return fd
 
 
+def writer_lock_problem(path: str) -> str:
+    """Why `path` cannot be opened for writing now: another process holds its writer lock (what
+    `take_writer_lock` would raise), or "". Creates nothing: a log without a lock file is free."""
+    lock_path = path + ".lock"
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except FileNotFoundError:
+        return ""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # shared: fails only while a writer holds it
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        return (f"{path} is already open for writing (pid {holder}, per {lock_path}); "
+                "one daemon per event log: stop the other one, or give this configuration its own state_dir")
+    finally:
+        os.close(fd)
+    return ""
+
+
 def release_writer_lock(fd: int) -> None:
     os.close(fd)  # closing the descriptor releases the flock

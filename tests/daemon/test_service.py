@@ -368,3 +368,30 @@ async def test_a_worker_that_waited_out_a_long_outage_re_registers_within_the_re
     finally:
         await client.close()
     assert not any(isinstance(x, f.WorkerLost) for x in read_facts(daemon.state_dir)), daemon.output()[-3000:]
+
+
+def test_a_second_serve_on_a_held_state_directory_touches_nothing(make_daemon) -> None:
+    """A second `serve` on the state directory a running daemon holds (another worker port, the
+    same default ipc:// control socket) is refused before it binds or unlinks anything: the
+    running daemon still answers `status` and `drain` on its socket afterwards."""
+    import subprocess
+    import sys
+
+    from .conftest import free_port, write_config
+
+    first = make_daemon(daemon={"control_endpoint": ""})  # ipc://<state_dir>/control.sock
+    sock_file = first.state_dir / "control.sock"
+    inode = sock_file.stat().st_ino
+    sections = {k: dict(v) for k, v in first.sections.items()}
+    sections["daemon"].update(worker_endpoint=f"tcp://127.0.0.1:{free_port()}", metrics_port=free_port())
+    second = write_config(first.config_path.with_name("second.toml"), sections)
+    done = subprocess.run([sys.executable, "-m", "dynaresized.cli", "serve", "--config", str(second)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "already open for writing" in done.stdout + done.stderr
+    assert sock_file.stat().st_ino == inode, "the running daemon's control socket is untouched"
+    assert first.status()["phase"] == "steady"
+    check = subprocess.run([sys.executable, "-m", "dynaresized.cli", "check-config", "--config", str(second)],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0 and f"pid {first.proc.pid}" in check.stderr  # valid, but held: said beside "ok"
+    assert first.control(wire.DrainRequest()).ok
+    assert first.proc.wait(timeout=30) == 0
