@@ -122,6 +122,14 @@ CONFORMANCE: tuple[tuple[str, str], ...] = (
                    "worker reports the `holding` of the resize table: `drain`, `release`, `reclaim`, `resume` "
                    "for a serving worker; `join`, `restore`, `evict` for a released one. It ends where it "
                    "began."),
+    ("loan", "(with `--round-trip`) The worker's ops of a loan (`op.plan` `loan`) succeed, and after each it "
+             "reports the `holding` of the loan table: a serving worker, the lent-from one, gets `drain` "
+             "and `release`; a released one, the lent-to one, gets `join` and then says `serving`, not "
+             "`drained`. A `state_query` then gets the table's *landed* row."),
+    ("loan-return", "(with `--round-trip`) The worker's ops of the loan's return (`op.plan` `return`) succeed "
+                    "and after each it reports the `holding` of the return table: the lent-from worker gets "
+                    "`join` and says `serving`; the lent-to one gets `drain` and `release`. A `state_query` "
+                    "then gets the *home* row: the worker ends where it began."),
 )
 """The checks `dynaresized conformance` runs against a worker, in order: (name, rule)."""
 
