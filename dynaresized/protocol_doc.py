@@ -141,8 +141,9 @@ def _holding_table() -> str:
 
 
 def _loan_table(plan: PlanKind, end: str) -> str:
-    rows = [f"| `{step.op.value}` | {step.to} | {step.does} | `{step.lent_from.value}` | `{step.lent_to.value}` |"
-            for step in LOAN_STEPS[plan]]
+    source = LENT_FROM if plan is PlanKind.LOAN else LENT_TO  # the worker of the source pool's kind
+    rows = [f"| `{step.op.value}` | {step.to} ({'source' if step.to == source else 'destination'} pool's kind) "
+            f"| {step.does} | `{step.lent_from.value}` | `{step.lent_to.value}` |" for step in LOAN_STEPS[plan]]
     last = LOAN_STEPS[plan][-1]
     return "\n".join([f"| {plan.value} | sent to | the worker it is sent to | lent-from reports | lent-to reports |",
                       "|---|---|---|---|---|", *rows,
@@ -555,15 +556,17 @@ that got no op still reports what it reported last):
 
 {_loan_table(PlanKind.RETURN, "home")}
 
-The daemon expects the last row once the sequence ends and reconciles a worker whose last
-report differs, with two exceptions: a trainer lent to the training step leaves the group by
-itself once the step's last mini-batch is done, and may then report `drained` or `released`
-until the return; and of an engine of several devices, lent whole with `op.engine` naming it
-in every op, the members report `released` where the table says `serving` (the worker of its
-first device reports `actual.engine` as well). **Report `serving` after either `join`, not
-`drained`:** a worker that stays `drained` waiting for a `commit` takes no work, so the daemon
-does not count it as serving but reconciles it with a `resume` after every loan and every
-return (and a resize that starts at the same boundary finds it idle until its `commit`).
+A failed op rolls the sequence back (`evict`, `reclaim`, `resume`, reported as the resize table
+says): a loan to the *home* row, a return to the *landed* row. The daemon expects that row, or
+the last, once the sequence ends and reconciles a worker whose last report differs, with two
+exceptions: a trainer lent to the training step leaves the group by itself once the step's last
+mini-batch is done, and may then report `drained` or `released` until the return; and of an
+engine of several devices, lent whole with `op.engine` naming it in every op, the members
+report `released` where the table says `serving` (the worker of its first device reports
+`actual.engine` as well). **Report `serving` after either `join`, not `drained`:** a worker
+that stays `drained` waiting for a `commit` takes no work, so the daemon does not count it as
+serving but reconciles it with a `resume` after every loan and every return (and a resize that
+starts at the same boundary finds it idle until its `commit`).
 
 ## Conformance
 

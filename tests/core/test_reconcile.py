@@ -14,7 +14,7 @@ from dynaresized.core import Core, Phase, QueryState, Refused, SendOp
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, Split, StepTiming, WorkerKind
-from dynaresized.protocol_doc import LENT_FROM, LENT_TO, LOAN_STEPS
+from dynaresized.protocol_doc import HOLDING_AFTER, LENT_FROM, LENT_TO, LOAN_STEPS
 
 from .cluster import EAGER, Driver, device, engine, make_core, trainer
 
@@ -511,3 +511,26 @@ def test_a_worker_that_stays_drained_after_a_loans_join_is_resumed_after_the_loa
         assert reconciled(d) == [(w, Holding.SERVING, Holding.DRAINED, [OpKind.RESUME]) for w in joined], plan
         if plan is PlanKind.LOAN:
             send_home(d, home)
+
+
+@pytest.mark.parametrize("failed", [PlanKind.LOAN, PlanKind.RETURN])
+def test_a_loan_or_return_whose_join_fails_is_rolled_back_to_the_tables_other_row(failed: PlanKind) -> None:
+    d = boot_reporting(make_core(EAGER, "hysteresis", op_timeout_s=30.0), 2, 2)
+    home = lend(d, Pool.TRAINING)
+    if failed is PlanKind.RETURN:
+        answer_as_the_tables_say(d, home)
+        send_home(d, home)
+    for step in LOAN_STEPS[failed][:-1]:
+        for w in d.state.inflight.op.targets:
+            ack(d, w, held(step.reports(role(d, w, home))))
+    (joining,) = d.state.inflight.op.targets
+    ack(d, joining, held(Holding.RELEASED), ok=False)
+    while (fl := d.state.inflight) is not None:  # the undo ops, answered as the resize table says
+        for w in fl.op.targets:
+            ack(d, w, held(HOLDING_AFTER[fl.op.kind][0]))
+    assert isinstance(d.log[-1], f.ResizeRolledBack)
+    row = LOAN_STEPS[PlanKind.RETURN if failed is PlanKind.LOAN else PlanKind.LOAN][-1]  # home, or landed
+    for w in (engine(3), trainer(3)):
+        worker = d.state.workers[w]
+        assert worker.actual.holding is d.state.desired(worker) is row.reports(role(d, w, home)), w
+    assert reconciles_at_the_next_tick(d) == []
