@@ -28,7 +28,7 @@ import zmq
 
 from dynaresized import wire
 from dynaresized.domain import Holding, OpKind, PlanKind, Pool, WorkerKind
-from dynaresized.protocol_doc import CONFORMANCE, HOLDING_AFTER
+from dynaresized.protocol_doc import CONFORMANCE, HOLDING_AFTER, LENT_FROM, LENT_TO, LOAN_STEPS
 
 
 class Outcome(str, enum.Enum):
@@ -224,9 +224,10 @@ class Conversation:
         assert self.first is not None
         return self.first.actual.holding if self.first.actual is not None else None
 
-    def op(self, kind: OpKind, from_pool: Pool, to_pool: Pool, *, landing: Pool) -> wire.OpCommand:
+    def op(self, kind: OpKind, from_pool: Pool, to_pool: Pool, *, landing: Pool,
+           plan: PlanKind = PlanKind.RESIZE) -> wire.OpCommand:
         """An op on the worker's devices, as the daemon would send it (`landing`: where the
-        devices are once the resize commits, or once it is rolled back)."""
+        devices are once the sequence ends, or once it is rolled back)."""
         assert self.hello is not None
         self.ops += 1
         devices = tuple(self.hello.devices)
@@ -234,7 +235,7 @@ class Conversation:
                               resize_id=f"k{self.ops}", kind=kind, devices=devices, from_pool=from_pool,
                               to_pool=to_pool, timeout_s=self.timeout_s,
                               training=devices if landing is Pool.TRAINING else (),
-                              rollout=devices if landing is Pool.ROLLOUT else (), plan=PlanKind.RESIZE)
+                              rollout=devices if landing is Pool.ROLLOUT else (), plan=plan)
 
     def result_of(self, op: wire.OpCommand, timeout_s: float | None = None) -> wire.OpResult:
         return self.expect(f"op_result for {op.op_id}",
@@ -344,6 +345,64 @@ def _check_holding(kind: OpKind, holding: Holding) -> None:
         raise Broken(f"after {kind.value} the worker reports holding {holding.value}; it should be {expected}")
 
 
+def _loan_role(c: Conversation) -> str:
+    """The worker's part in a loan of its devices: a serving one lends them to the other pool
+    (lent-from), a released one serves on devices lent to its pool (lent-to)."""
+    if c.holding in (None, Holding.SERVING):
+        return LENT_FROM
+    if c.holding is Holding.RELEASED:
+        return LENT_TO
+    raise Skip(f"the worker holds {c.holding.value}: it takes no ops")
+
+
+def _loan_sequence(c: Conversation, plan: PlanKind) -> list[str]:
+    """Send the worker its ops of a loan (or of its return) as protocol_doc.LOAN_STEPS lists
+    them; Broken when an op fails or the worker reports another holding than the table, after
+    an op or in a `state_report` once the sequence is over."""
+    role = _loan_role(c)
+    home = c.pool if role == LENT_FROM else c.pool.other  # the devices' home pool
+    from_pool, to_pool = (home, home.other) if plan is PlanKind.LOAN else (home.other, home)
+    end = "once the loan landed" if plan is PlanKind.LOAN else "once the loan is home"
+    seen = []
+    for step in LOAN_STEPS[plan]:
+        if step.to != role:
+            continue
+        op = c.op(step.op, from_pool, to_pool, landing=to_pool, plan=plan)
+        c.send(op)
+        result = c.result_of(op)
+        c.current_token(result, f"the op_result for {op.op_id}")
+        if not result.ok:
+            raise Broken(f"the {plan.value}'s {step.op.value} failed: {result.detail!r}")
+        if c.holding is not None and result.actual is None:
+            raise Broken(f"the op_result for {op.op_id} carries no `actual`, though the hello did")
+        if result.actual is not None:
+            _check_loan_holding(plan, step.op, role, step.reports(role), result.actual.holding,
+                                f"after the {plan.value}'s {step.op.value} the worker reports")
+        seen.append(f"{step.op.value} -> {result.actual.holding.value if result.actual else '?'}")
+    if c.holding is not None:
+        c.send(wire.StateQuery(boot_id=c.boot_id))
+        report = c.expect(f"state_report {end}", lambda m: isinstance(m, wire.StateReport))
+        _check_loan_holding(plan, None, role, LOAN_STEPS[plan][-1].reports(role), report.actual.holding,
+                            f"{end}, its state_report says")
+        seen.append(f"state_report {report.actual.holding.value}")
+    return seen
+
+
+def _check_loan_holding(plan: PlanKind, op: OpKind | None, role: str, want: Holding, got: Holding,
+                        said: str) -> None:
+    """Broken unless `got` is the holding `want` of the `plan`'s table (`op`: after that op; None:
+    once the sequence is over); `said` begins the message."""
+    if got is want:
+        return
+    why = f"the protocol's {plan.value} table says {want.value} for the {role} worker"
+    if op is OpKind.JOIN and got is Holding.DRAINED:
+        why += (": no restore or commit follows this join, so the worker takes work from it; one that stays "
+                "drained takes none, and the daemon reconciles it with a resume after every loan and return")
+    elif op is None:
+        why += " (the daemon would reconcile it)"
+    raise Broken(f"{said} holding {got.value}; {why}")
+
+
 class Checker:
     """Runs the checks in order on one conversation, keeping what later checks reuse."""
 
@@ -351,6 +410,7 @@ class Checker:
         self.c = c
         self.round_trip = round_trip
         self.answered: tuple[wire.OpCommand, wire.OpResult] | None = None  # an op and its first answer
+        self.lent: bool | None = None  # the loan check lent the worker's devices (None: it did not run)
 
     def checks(self) -> dict[str, Check]:
         return {
@@ -370,6 +430,8 @@ class Checker:
             "welcomes-crossing": self.check_welcomes_crossing,
             "daemon-restart": self.check_daemon_restart,
             "round-trip": self.check_round_trip,
+            "loan": self.check_loan,
+            "loan-return": self.check_loan_return,
         }
 
     def _answered(self) -> tuple[wire.OpCommand, wire.OpResult]:
@@ -532,6 +594,29 @@ class Checker:
             seen.append(f"{kind.value} -> {result.actual.holding.value if result.actual else '?'}")
         return ", ".join(seen)
 
+    def check_loan(self, c: Conversation) -> str:
+        if not self.round_trip:
+            raise Skip("run with --round-trip: it lends the worker's devices to the other pool")
+        role = _loan_role(c)
+        self.lent = False
+        seen = _loan_sequence(c, PlanKind.LOAN)
+        self.lent = True
+        return f"as the {role} worker: " + ", ".join(seen)
+
+    def check_loan_return(self, c: Conversation) -> str:
+        if not self.round_trip:
+            raise Skip("run with --round-trip: it brings the worker's lent devices home")
+        if self.lent is False:
+            raise Skip("the loan check failed: nothing is lent to bring home")
+        if self.lent is None:  # the loan check did not run: lend first
+            try:
+                _loan_sequence(c, PlanKind.LOAN)
+            except Broken as exc:
+                raise Broken(f"the loan before the return: {exc}") from None
+        seen = _loan_sequence(c, PlanKind.RETURN)
+        self.lent = None
+        return f"as the {_loan_role(c)} worker: " + ", ".join(seen)
+
 
 def run_checks(c: Conversation, *, only: Sequence[str] = (), round_trip: bool = False) -> list[CheckResult]:
     """Every check (or `hello` and those in `only`) in order; after a failed `hello` the others
@@ -569,7 +654,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="announced in welcome (default 5)")
     p.add_argument("--only", action="append", default=[], metavar="CHECK", help="run only these checks (repeatable)")
     p.add_argument("--round-trip", action="store_true",
-                   help="also move the worker's devices out and back through its ops (round-trip)")
+                   help="also move the worker's devices out and back through its ops (round-trip), and lend "
+                        "them and bring them home (loan, loan-return)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 

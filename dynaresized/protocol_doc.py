@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
+
 from dynaresized import wire
-from dynaresized.domain import Holding, OpKind
+from dynaresized.domain import Holding, OpKind, PlanKind
 
 HOLDING_AFTER: dict[OpKind, tuple[Holding, ...]] = {
     OpKind.DRAIN: (Holding.DRAINED,),
@@ -26,14 +28,59 @@ HOLDING_AFTER: dict[OpKind, tuple[Holding, ...]] = {
 """The `holding` a worker reports once it performed an op on its devices: what the op leads to,
 then what is accepted as well. The conformance round trip checks workers against it."""
 
+FOLLOWS_AFTER: frozenset[OpKind] = frozenset({OpKind.JOIN, OpKind.RESTORE, OpKind.COMMIT, OpKind.RECLAIM,
+                                              OpKind.RESUME})
+"""The ops after which an engine worker whose `op.engine` another device leads (a member of a
+wider engine) reports `released` instead of what `HOLDING_AFTER` says: it holds nothing while
+the worker of the engine's first device runs it."""
+
+LENT_FROM, LENT_TO = "lent-from", "lent-to"
+"""The two workers on a lent device: the one of its home pool's kind, and the one of the other kind."""
+
+
+class LoanStep(msgspec.Struct, frozen=True):
+    """One op of a loan or of its return: who gets it, what it does there, and the `holding`
+    each of the device's two workers reports once it is done (the one that got no op reports
+    what it reported last)."""
+
+    op: OpKind
+    to: str  # LENT_FROM or LENT_TO
+    does: str
+    lent_from: Holding
+    lent_to: Holding
+
+    def reports(self, role: str) -> Holding:
+        return self.lent_from if role == LENT_FROM else self.lent_to
+
+
+LOAN_STEPS: dict[PlanKind, tuple[LoanStep, ...]] = {
+    PlanKind.LOAN: (
+        LoanStep(OpKind.DRAIN, LENT_FROM, "stops taking work, as in a resize", Holding.DRAINED, Holding.RELEASED),
+        LoanStep(OpKind.RELEASE, LENT_FROM, "gives the device up (a lent engine may stay loaded, asleep)",
+                 Holding.RELEASED, Holding.RELEASED),
+        LoanStep(OpKind.JOIN, LENT_TO, "takes the device and works from the join on: no `restore` or `commit` "
+                 "follows", Holding.RELEASED, Holding.SERVING),
+    ),
+    PlanKind.RETURN: (
+        LoanStep(OpKind.DRAIN, LENT_TO, "stops taking work", Holding.RELEASED, Holding.DRAINED),
+        LoanStep(OpKind.RELEASE, LENT_TO, "gives the device up", Holding.RELEASED, Holding.RELEASED),
+        LoanStep(OpKind.JOIN, LENT_FROM, "takes its device back and works from the join on: no `restore` or "
+                 "`commit` follows", Holding.SERVING, Holding.RELEASED),
+    ),
+}
+"""The op sequences of a loan and of its return, and what each worker reports after each op.
+Once the last op is done (the loan landed, or is home) the daemon expects the last row: what
+the log says each worker should hold (`ClusterState.desired`)."""
+
 HOLDING_NOTES: dict[OpKind, str] = {
     OpKind.DRAIN: "it holds its device but takes no new work",
     OpKind.RELEASE: "it holds nothing: engine asleep, paused or stopped; trainer out of its group, state parked",
-    OpKind.JOIN: "`serving` if it works from the join on (a trainer in the group from the join's boundary); "
-                 "`drained` if it holds the device but takes work only from `commit` (an engine loaded, "
-                 "not admitting yet)",
+    OpKind.JOIN: "`serving` if it works from the join on (a trainer in the group from the join's boundary; "
+                 "every worker in a loan and its return, where no `commit` follows); `drained` if it holds the "
+                 "device but takes work only from `commit` (an engine loaded, not admitting yet)",
     OpKind.RESTORE: "as after `join`",
-    OpKind.COMMIT: "every receiver's devices are in its kind's pool now",
+    OpKind.COMMIT: "every receiver's devices are in its kind's pool now (a regroup's member: `released`, "
+                   "below)",
     OpKind.RESUME: "from `drained` and from `released` alike: a released worker takes its device back first",
     OpKind.RECLAIM: "it holds its device again and works only after the `resume` that follows (`serving` if it "
                     "never stopped: nothing to undo)",
@@ -49,7 +96,7 @@ CONFORMANCE: tuple[tuple[str, str], ...] = (
                     "for a worker whose hello carries no `actual`: it is never reconciled)."),
     ("op", "An op is answered with an `op_result` carrying its `op_id`, the token and `actual`; an undo with "
            "nothing to undo (`resume` to a serving worker, `evict` to a released one) succeeds, and `holding` "
-           "is then what the table above says."),
+           "is then what the resize table (*What a worker reports between the steps of a resize*) says."),
     ("op-resent", "The same `op_id` sent again is answered from the record of its first run (the same `ok`, "
                   "`detail` and `duration_s`), not run again."),
     ("op-resent-at-once", "An op sent twice back to back runs once: every answer to it is the same."),
@@ -72,9 +119,17 @@ CONFORMANCE: tuple[tuple[str, str], ...] = (
                        "nothing but a hello: the worker says hello again (same `process`) within "
                        "`heartbeat_timeout_s` and the checker's timeout, and carries the new token."),
     ("round-trip", "(with `--round-trip`) The ops of a move and its rollback succeed, and after each the "
-                   "worker reports the `holding` of the table above: `drain`, `release`, `reclaim`, `resume` "
+                   "worker reports the `holding` of the resize table: `drain`, `release`, `reclaim`, `resume` "
                    "for a serving worker; `join`, `restore`, `evict` for a released one. It ends where it "
                    "began."),
+    ("loan", "(with `--round-trip`) The worker's ops of a loan (`op.plan` `loan`) succeed, and after each it "
+             "reports the `holding` of the loan table: a serving worker, the lent-from one, gets `drain` "
+             "and `release`; a released one, the lent-to one, gets `join` and then says `serving`, not "
+             "`drained`. A `state_query` then gets the table's *landed* row."),
+    ("loan-return", "(with `--round-trip`) The worker's ops of the loan's return (`op.plan` `return`) succeed "
+                    "and after each it reports the `holding` of the return table: the lent-from worker gets "
+                    "`join` and says `serving`; the lent-to one gets `drain` and `release`. A `state_query` "
+                    "then gets the *home* row: the worker ends where it began."),
 )
 """The checks `dynaresized conformance` runs against a worker, in order: (name, rule)."""
 
@@ -83,6 +138,16 @@ def _holding_table() -> str:
     rows = [f"| `{kind.value}` | {' or '.join(f'`{h.value}`' for h in held)} | {HOLDING_NOTES[kind]} |"
             for kind, held in HOLDING_AFTER.items()]
     return "\n".join(["| after | `holding` | why |", "|---|---|---|", *rows])
+
+
+def _loan_table(plan: PlanKind, end: str) -> str:
+    source = LENT_FROM if plan is PlanKind.LOAN else LENT_TO  # the worker of the source pool's kind
+    rows = [f"| `{step.op.value}` | {step.to} ({'source' if step.to == source else 'destination'} pool's kind) "
+            f"| {step.does} | `{step.lent_from.value}` | `{step.lent_to.value}` |" for step in LOAN_STEPS[plan]]
+    last = LOAN_STEPS[plan][-1]
+    return "\n".join([f"| {plan.value} | sent to | the worker it is sent to | lent-from reports | lent-to reports |",
+                      "|---|---|---|---|---|", *rows,
+                      f"| {end}: the daemon expects | | | `{last.lent_from.value}` | `{last.lent_to.value}` |"])
 
 
 def _conformance_list() -> str:
@@ -427,13 +492,13 @@ of it (`drain`, `release`, `join`, `restore`, `commit`, with `op.plan` `regroup`
 engine workers of those devices, one worker of one device each, and carries `op.engine`: the
 devices of the engine the receiving worker serves in once the sequence is done, when wider than
 its own device (empty: an engine of its own device). On `join` the worker whose device is the
-first of `op.engine` starts that engine over all of its devices and the others hold nothing
-(they answer with `actual.holding` `released`); `restore` brings the engine to the current
-weights; `commit` admits it. A failed op rolls a regroup back (`evict`, `reclaim`, `resume`,
-whose `op.engine` names the engines the log still holds); a failed `commit` leaves the new
-engines in the log (the daemon is then degraded, as for a resize). A worker reports the engine
-it runs in `actual.engine` (empty: its own device); one that serves another engine than the log
-says is reconciled with `drain`, `release`, `reclaim`, `resume` carrying the log's `op.engine`.
+first of `op.engine` starts that engine over all of its devices and the others, its *members*,
+hold nothing; `restore` brings the engine to the current weights; `commit` admits it. A failed
+op rolls a regroup back (`evict`, `reclaim`, `resume`, whose `op.engine` names the engines the
+log still holds); a failed `commit` leaves the new engines in the log (the daemon is then
+degraded, as for a resize). A worker reports the engine it runs in `actual.engine` (empty: its
+own device); one that serves another engine than the log says is reconciled with `drain`,
+`release`, `reclaim`, `resume` carrying the log's `op.engine`.
 An engine of several devices moves between pools whole (a resize that would split it is
 refused: regroup it first, or move a multiple of its size), and is lent whole: once the worker that runs it (its
 first device's) says its queue is empty, a loan takes all of its devices, or none (`op.engine` names it in
@@ -441,6 +506,15 @@ every op of the loan and its way home). A regroup is refused (`regroup_started` 
 says why) unless every device is at home in the rollout pool with a live engine worker of its
 own, the devices hold whole engines, and the layout changes. `status` shows `engines` and
 `regroups`; Prometheus, `dynaresized_wide_engines` and `dynaresized_regroups{{state}}`.
+
+**What the members report.** Members get every op, `restore` and `commit` included. After
+`join`, `restore`, `commit`, `reclaim` and `resume` the worker of the first device of `op.engine`
+reports what the table below says, with `actual.engine` set to `op.engine`; a member reports
+`released`, since the log's `desired` for a member is `released` (`status` shows it), and its
+`actual.engine` is not read (the daemon compares it only where it expects `serving`). So after a
+committed regroup its members say `released`; after a rollback, or a reconcile whose ops name
+their engine, each worker reports for the engine it is back in (an empty `op.engine`: a
+one-device engine, `actual.engine` empty).
 
 **Tail regroups (simulated only).** In `dynaresized simulate --policy-option tail_regroup=true`
 the policy may also start a regroup inside a rollout step: when engines have run dry, or
@@ -462,11 +536,39 @@ the worker performed the op on its devices:
 
 {_holding_table()}
 
-While a resize, loan or reconcile is in flight the daemon records these reports (`op_acked`,
-`worker_reported`) but converges nobody. When the sequence ends, committed or rolled back, each
-live worker's last report must agree with the log (`serving` with its devices in its kind's pool,
-`released` with them in the other pool), or the daemon reconciles it. The sim backend, the vLLM
-engine worker and the torch trainer rank report this.
+An engine worker whose `op.engine` another device leads reports `released` instead (see *What
+the members report*). While a resize, loan or reconcile is in flight the daemon records these
+reports (`op_acked`, `worker_reported`) but converges nobody. When the sequence ends, committed,
+landed, home or rolled back, each live worker's last report must agree with the log (`serving`
+with its devices in its kind's pool, `released` with them in the other pool or as a member), or
+the daemon reconciles it. The sim backend, the vLLM engine worker and the torch trainer rank
+report this.
+
+## What a worker reports in a loan and on its way home
+
+A loan (`op.plan` `loan`) lends devices to the other pool for the rest of the RL step in
+progress; its return (`op.plan` `return`) brings them home at the step boundary. On each lent
+device the *lent-from* worker is the worker of the device's home pool's kind (the engine of a
+rollout device lent to training, the trainer of a training device lent to the rollout) and the
+*lent-to* worker the one of the other kind. Each sequence is three ops and never has a
+`restore` or a `commit`. After each op the two workers report this `actual.holding` (the one
+that got no op still reports what it reported last):
+
+{_loan_table(PlanKind.LOAN, "landed")}
+
+{_loan_table(PlanKind.RETURN, "home")}
+
+A failed op rolls the sequence back (`evict`, `reclaim`, `resume`, reported as the resize table
+says): a loan to the *home* row, a return to the *landed* row. The daemon expects that row, or
+the last, once the sequence ends and reconciles a worker whose last report differs, with two
+exceptions: a trainer lent to the training step leaves the group by itself once the step's last
+mini-batch is done, and may then report `drained` or `released` until the return; and of an
+engine of several devices, lent whole with `op.engine` naming it in every op, the members
+report `released` where the table says `serving` (the worker of its first device reports
+`actual.engine` as well). **Report `serving` after either `join`, not `drained`:** a worker
+that stays `drained` waiting for a `commit` takes no work, so the daemon does not count it as
+serving but reconciles it with a `resume` after every loan and every return (and a resize that
+starts at the same boundary finds it idle until its `commit`).
 
 ## Conformance
 

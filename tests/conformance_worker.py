@@ -3,6 +3,8 @@ with handlers that keep what the sim backend's workers keep (a holding after eac
 `--break RULE`, the same client made to break one rule of docs/protocol.md.
 
     python tests/conformance_worker.py ENDPOINT [--kind trainer-rank] [--released] [--break rerun]
+
+`--break` names a client class of BREAKS or a misreport of MISREPORTS.
 """
 
 from __future__ import annotations
@@ -49,16 +51,22 @@ class AnswersWithTheOldToken(WorkerClient):
 BREAKS: dict[str, type[WorkerClient]] = {"rerun": RerunsResentOps, "ignore-stale-token": IgnoresStaleToken,
                                          "old-token": AnswersWithTheOldToken}
 
+MISREPORTS: dict[str, dict[OpKind, Holding]] = {"drained-after-join": {OpKind.JOIN: Holding.DRAINED}}
+"""Handlers that report another holding than the protocol's tables: `drained-after-join` is the
+client written from the resize table alone, waiting after every join for a commit that a loan
+and its return never send."""
+
 
 async def serve(args: argparse.Namespace) -> None:
     holding = Holding.RELEASED if args.released else Holding.SERVING
     last_op = ""
+    after = {**HOLDING_AFTER, **MISREPORTS.get(args.breaks, {})}
 
     async def perform(op: OpRequest) -> str:
         nonlocal holding, last_op
         await asyncio.sleep(0.02)  # an op takes time: a re-run answers with another duration
-        if op.kind in HOLDING_AFTER:
-            holding = HOLDING_AFTER[op.kind]
+        if op.kind in after:
+            holding = after[op.kind]
         last_op = op.op_id
         return f"{op.kind.value} done"
 
@@ -82,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="node0:gpu0")
     p.add_argument("--kind", default=WorkerKind.ROLLOUT_ENGINE.value, choices=[k.value for k in WorkerKind])
     p.add_argument("--released", action="store_true", help="start holding nothing (its device in the other pool)")
-    p.add_argument("--break", dest="breaks", default="", choices=["", *BREAKS])
+    p.add_argument("--break", dest="breaks", default="", choices=["", *BREAKS, *MISREPORTS])
     asyncio.run(serve(p.parse_args(argv)))
     return 0
 

@@ -64,13 +64,42 @@ def test_the_client_takes_the_newest_of_two_welcomes_that_arrive_back_to_back(ca
         assert outcomes(report)["welcomes-crossing"] == "passed", report
 
 
-def test_a_released_trainer_passes_the_ops_and_the_round_trip_into_its_pool(capsys) -> None:
-    status, report = check(capsys, "--round-trip", "--only", "op", "--only", "round-trip",
+def test_a_released_trainer_passes_the_ops_the_round_trip_and_the_loan_into_its_pool(capsys) -> None:
+    checks = ["op", "round-trip", "loan", "loan-return"]
+    status, report = check(capsys, "--round-trip", *(a for name in checks for a in ("--only", name)),
                            worker=["--kind", "trainer-rank", "--released"])
-    assert outcomes(report) == {"hello": "passed", "op": "passed", "round-trip": "passed"}, report
+    assert outcomes(report) == dict.fromkeys(["hello", *checks], "passed"), report
     detail = {c["name"]: c["detail"] for c in report["checks"]}
     assert detail["round-trip"] == "join -> serving, restore -> serving, evict -> released"
+    assert detail["loan"] == "as the lent-to worker: join -> serving, state_report serving"
+    assert detail["loan-return"] == ("as the lent-to worker: drain -> drained, release -> released, "
+                                     "state_report released")
     assert status == 0
+
+
+def test_the_return_lends_first_when_run_alone(capsys) -> None:
+    status, report = check(capsys, "--round-trip", "--only", "loan-return", worker=[])
+    assert outcomes(report) == {"hello": "passed", "loan-return": "passed"}, report
+    assert report["checks"][1]["detail"] == "as the lent-from worker: join -> serving, state_report serving"
+
+
+@pytest.mark.parametrize(("released", "fails", "then"), [
+    (False, "loan-return", "passed"),  # the lent-from engine: its join is the return's
+    (True, "loan", "skipped"),  # the lent-to trainer: its join is the loan's, and nothing is lent
+])
+def test_a_worker_that_stays_drained_after_a_loans_join_fails_the_loan_checks(capsys, released: bool, fails: str,
+                                                                              then: str) -> None:
+    worker = ["--break", "drained-after-join"] + (["--kind", "trainer-rank", "--released"] if released else [])
+    status, report = check(capsys, "--round-trip", "--timeout", "5", "--only", "loan", "--only", "loan-return",
+                           worker=worker)
+    other = "loan" if fails == "loan-return" else "loan-return"
+    assert outcomes(report) == {"hello": "passed", fails: "failed", other: then}, report
+    detail = next(c["detail"] for c in report["checks"] if c["name"] == fails)
+    plan = "loan" if fails == "loan" else "return"
+    assert detail.startswith(f"after the {plan}'s join the worker reports holding drained; the protocol's {plan} "
+                             "table says serving"), detail
+    assert "reconciles it with a resume after every loan and return" in detail
+    assert status == 1
 
 
 @pytest.mark.parametrize(("broken", "checks", "fails"), [

@@ -1,6 +1,7 @@
 """What docs/configuration.md and docs/protocol.md tell a worker or tool author, checked against
 the code: the control secret's format, and which `holding` a worker reports between the steps
-of a resize (the sim backend's workers against the documented table)."""
+of a resize, of a loan and of its return, and as a member of a wider engine (the sim backend's
+workers against the documented tables)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import re
 import stat
 from pathlib import Path
 
+from dynaresized import wire
 from dynaresized.backends.sim import HOLDING_AFTER as SIM_HOLDING_AFTER
+from dynaresized.backends.sim import after_op
 from dynaresized.control import control_secret_file, read_control_secret
 from dynaresized.daemon.security import load_control_secret
-from dynaresized.domain import OpKind
-from dynaresized.protocol_doc import HOLDING_AFTER, HOLDING_NOTES
+from dynaresized.domain import Holding, OpKind, PlanKind, Pool, WorkerKind
+from dynaresized.protocol_doc import FOLLOWS_AFTER, HOLDING_AFTER, HOLDING_NOTES, LENT_FROM, LENT_TO, LOAN_STEPS
 
 
 def test_the_control_secret_is_64_hex_characters_and_a_newline_sent_without_it(tmp_path: Path) -> None:
@@ -39,3 +42,26 @@ def test_the_sim_workers_report_what_the_protocol_says_after_each_op() -> None:
     assert set(SIM_HOLDING_AFTER) == set(OpKind) - {OpKind.COMMIT}
     for kind, holding in SIM_HOLDING_AFTER.items():
         assert holding is HOLDING_AFTER[kind][0], kind
+
+
+def _op(kind: OpKind, plan: PlanKind, engine: tuple[str, ...] = ()) -> wire.OpCommand:
+    return wire.OpCommand(op_id=f"x/{kind.value}", resize_id="x", kind=kind, devices=("n0:gpu1",),
+                          from_pool=Pool.ROLLOUT, to_pool=Pool.TRAINING, timeout_s=10.0, training=(), rollout=(),
+                          plan=plan, engine=engine)
+
+
+def test_the_sim_workers_report_what_the_loan_tables_say() -> None:
+    # a rollout device lent to training: its engine is the lent-from worker, its trainer the lent-to one
+    kind = {LENT_FROM: WorkerKind.ROLLOUT_ENGINE, LENT_TO: WorkerKind.TRAINER_RANK}
+    for plan, steps in LOAN_STEPS.items():
+        for step in steps:
+            before = Holding.SERVING if step.op is OpKind.DRAIN else Holding.RELEASED
+            after, _ = after_op(_op(step.op, plan), "n0:gpu1", kind[step.to], before, ())
+            assert after is step.reports(step.to), (plan, step.op)
+
+
+def test_a_sim_engine_whose_engine_another_device_leads_reports_released_after_the_documented_ops() -> None:
+    for kind in FOLLOWS_AFTER:
+        after, runs = after_op(_op(kind, PlanKind.REGROUP, ("n0:gpu0", "n0:gpu1")), "n0:gpu1",
+                               WorkerKind.ROLLOUT_ENGINE, Holding.RELEASED, ("n0:gpu0", "n0:gpu1"))
+        assert after is Holding.RELEASED, kind

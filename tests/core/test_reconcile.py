@@ -13,7 +13,8 @@ import pytest
 from dynaresized.core import Core, Phase, QueryState, Refused, SendOp
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
-from dynaresized.domain import ActualState, Holding, OpKind, Pool, Split, WorkerKind
+from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, Split, StepTiming, WorkerKind
+from dynaresized.protocol_doc import HOLDING_AFTER, LENT_FROM, LENT_TO, LOAN_STEPS
 
 from .cluster import EAGER, Driver, device, engine, make_core, trainer
 
@@ -416,3 +417,120 @@ def test_the_daemons_own_stall_is_not_held_against_the_op_in_flight() -> None:
             break
     failed = next(x for x in facts if isinstance(x, f.OpFailed))
     assert "release timed out" in failed.reason and failed.at == pytest.approx(started + 4.1)
+
+
+# -- a loan and its return, reported as docs/protocol.md's tables say ------------------
+
+
+def lend(d: Driver, to_pool: Pool) -> Pool:
+    """Start a loan to `to_pool` (an idle engine to training, or trainers with nothing to train
+    to the rollout); the lent devices' home pool."""
+    if to_pool is Pool.TRAINING:
+        for done in (1, 2):
+            d.send(ev.MiniBatchDone(at=d.at(60.0), worker_id=trainer(0), step=0, done=done, total=8))
+        d.send(ev.EngineQueueEmpty(at=d.at(), worker_id=engine(3), step=1))
+    else:
+        d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=0, done=0, total=0))
+    assert d.state.inflight is not None and d.state.inflight.plan.kind is PlanKind.LOAN
+    return to_pool.other
+
+
+def send_home(d: Driver, home: Pool) -> None:
+    """The step boundary that sends the loan home: the step report, or the training step's start."""
+    if home is Pool.ROLLOUT:
+        d.send(ev.StepReported(at=d.at(), worker_id=trainer(0), timing=StepTiming(
+            step=0, rollout_s=10.0, train_s=10.0, rollout_devices=2, train_devices=2)))
+    else:
+        d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=0, done=0, total=8))
+    assert d.state.inflight is not None and d.state.inflight.plan.kind is PlanKind.RETURN
+
+
+def role(d: Driver, worker_id: str, home: Pool) -> str:
+    return LENT_FROM if d.state.workers[worker_id].kind.pool is home else LENT_TO
+
+
+def answer_as_the_tables_say(d: Driver, home: Pool, after_join: Holding | None = None) -> None:
+    """Each target answers each op of the loan or return in flight with the holding that
+    protocol_doc.LOAN_STEPS gives its role (`after_join`: what it reports after a join instead)."""
+    while (fl := d.state.inflight) is not None:
+        step = next(s for s in LOAN_STEPS[fl.plan.kind] if s.op is fl.op.kind)
+        for w in fl.op.targets:
+            holding = after_join if after_join is not None and step.op is OpKind.JOIN else step.reports(role(d, w, home))
+            ack(d, w, held(holding))
+
+
+def reconciles_at_the_next_tick(d: Driver) -> list[f.ReconcileStarted]:
+    now = d.at()
+    d.heartbeat_all(now)
+    facts, _ = d.send(ev.Tick(at=now))
+    return [x for x in facts if isinstance(x, f.ReconcileStarted)]
+
+
+@pytest.mark.parametrize("to_pool", [Pool.TRAINING, Pool.ROLLOUT])
+def test_workers_that_report_what_the_loan_tables_say_are_never_reconciled(to_pool: Pool) -> None:
+    d = boot_reporting(make_core(EAGER, "hysteresis", op_timeout_s=30.0), 2, 2)
+    home = lend(d, to_pool)
+    devices = d.state.inflight.plan.devices
+    on_lent = [w for w in sorted(d.state.workers) if d.state.workers[w].devices[0] in devices]
+    for plan, ended in ((PlanKind.LOAN, f.LoanLanded), (PlanKind.RETURN, f.LoanReturned)):
+        answer_as_the_tables_say(d, home)
+        assert isinstance(d.log[-1], ended)
+        last = LOAN_STEPS[plan][-1]
+        for w in on_lent:  # the table's last row is what the log says each worker should hold
+            worker = d.state.workers[w]
+            assert worker.actual.holding is d.state.desired(worker) is last.reports(role(d, w, home)), (plan, w)
+        assert reconciles_at_the_next_tick(d) == []
+        if plan is PlanKind.LOAN:
+            send_home(d, home)
+    assert d.state.reconciles_started == 0 and d.state.lent_devices() == ()
+
+
+def reconciled(d: Driver) -> list[tuple[str, Holding, Holding, list[OpKind]]]:
+    """Tick and answer every reconcile that follows as a worker that does as it is told:
+    (worker, desired, actual, ops) of each."""
+    done = []
+    started = reconciles_at_the_next_tick(d)
+    while started:
+        x = started[0]
+        done.append((x.worker_id, x.desired, x.actual, [op.kind for op in x.plan.ops]))
+        facts, _ = ack(d, x.worker_id, held(x.desired))
+        started = [y for y in facts if isinstance(y, f.ReconcileStarted)]
+    return done
+
+
+@pytest.mark.parametrize("to_pool", [Pool.TRAINING, Pool.ROLLOUT])
+def test_a_worker_that_stays_drained_after_a_loans_join_is_resumed_after_the_loan_and_its_return(
+        to_pool: Pool) -> None:
+    # What a client written from the old table reported: `drained` after a join, waiting for a
+    # commit that a loan never sends. It takes no work, so the daemon must not count it serving.
+    d = boot_reporting(make_core(EAGER, "hysteresis", op_timeout_s=30.0), 2, 2)
+    home = lend(d, to_pool)
+    for plan in (PlanKind.LOAN, PlanKind.RETURN):
+        joined = d.state.inflight.plan.ops[-1].targets
+        answer_as_the_tables_say(d, home, after_join=Holding.DRAINED)
+        assert reconciled(d) == [(w, Holding.SERVING, Holding.DRAINED, [OpKind.RESUME]) for w in joined], plan
+        if plan is PlanKind.LOAN:
+            send_home(d, home)
+
+
+@pytest.mark.parametrize("failed", [PlanKind.LOAN, PlanKind.RETURN])
+def test_a_loan_or_return_whose_join_fails_is_rolled_back_to_the_tables_other_row(failed: PlanKind) -> None:
+    d = boot_reporting(make_core(EAGER, "hysteresis", op_timeout_s=30.0), 2, 2)
+    home = lend(d, Pool.TRAINING)
+    if failed is PlanKind.RETURN:
+        answer_as_the_tables_say(d, home)
+        send_home(d, home)
+    for step in LOAN_STEPS[failed][:-1]:
+        for w in d.state.inflight.op.targets:
+            ack(d, w, held(step.reports(role(d, w, home))))
+    (joining,) = d.state.inflight.op.targets
+    ack(d, joining, held(Holding.RELEASED), ok=False)
+    while (fl := d.state.inflight) is not None:  # the undo ops, answered as the resize table says
+        for w in fl.op.targets:
+            ack(d, w, held(HOLDING_AFTER[fl.op.kind][0]))
+    assert isinstance(d.log[-1], f.ResizeRolledBack)
+    row = LOAN_STEPS[PlanKind.RETURN if failed is PlanKind.LOAN else PlanKind.LOAN][-1]  # home, or landed
+    for w in (engine(3), trainer(3)):
+        worker = d.state.workers[w]
+        assert worker.actual.holding is d.state.desired(worker) is row.reports(role(d, w, home)), w
+    assert reconciles_at_the_next_tick(d) == []

@@ -2,9 +2,11 @@
 whose identity is `<worker_id>#<process>`, MessagePack maps in and out, and nothing imported
 from dynaresized. It registers with a `process` and a `secret` of its own, heartbeats, keeps a
 record of every op it ran and answers a re-sent op from that record with the current token, and
-says hello again when the docs say to. Tests steer it: `withhold` op kinds whose first answer is
-kept back (as if lost on the way), `pause()` it (its connection stays; it reads and sends
-nothing)."""
+says hello again when the docs say to. Given a `holding` it reports what it holds (`actual`) in
+its hello, in every answer and when asked, after each op as the docs' tables say (`after`: a test
+may make it say otherwise). Tests steer it: `withhold` op kinds whose first answer is kept back
+(as if lost on the way), `pause()` it (its connection stays; it reads and sends nothing), and
+`report()` steps, mini-batches and empty queues."""
 
 from __future__ import annotations
 
@@ -19,10 +21,19 @@ import zmq
 
 _REHELLO = {"stale_token", "missing_token", "not_registered", "unknown_worker"}
 
+AFTER = {"drain": "drained", "release": "released", "join": "serving", "restore": "serving", "commit": "serving",
+         "resume": "serving", "reclaim": "drained", "evict": "released"}
+"""The holding after each op, from docs/protocol.md: the first of the resize table's, which the
+loan tables repeat (a loan's and a return's `join`: `serving`)."""
+
 
 class LiteralWorker:
-    def __init__(self, endpoint: str, worker_id: str, kind: str, devices: list[str]) -> None:
+    def __init__(self, endpoint: str, worker_id: str, kind: str, devices: list[str], *, holding: str = "",
+                 after: dict[str, str] | None = None) -> None:
         self.worker_id, self.kind, self.devices = worker_id, kind, devices
+        self.holding = holding  # "": it does not say what it holds (never reconciled)
+        self.after = {**AFTER, **(after or {})}
+        self.last_op = ""
         self.process = uuid.uuid4().hex  # unique to this process run
         self.secret = secrets.token_hex(16)  # chosen here, sent only in hello, never shown
         self.token = ""
@@ -71,10 +82,18 @@ class LiteralWorker:
         self.sock.close(0)
         self.ctx.term()
 
+    def report(self, kind: str, **fields: Any) -> None:
+        """Send a report of type `kind` (`step_report`, `mini_batch_done`, `queue_empty`, ...)."""
+        self._send({"type": kind, "worker_id": self.worker_id, "token": self.token, "sent_at": time.time(), **fields})
+
     # -- the protocol ----------------------------------------------------------------
+    def _actual(self) -> dict[str, Any]:
+        return {"actual": {"holding": self.holding, "last_op": self.last_op}} if self.holding else {}
+
     def _hello(self) -> dict[str, Any]:
         return {"type": "hello", "protocol": 2, "worker_id": self.worker_id, "kind": self.kind,
-                "devices": self.devices, "process": self.process, "secret": self.secret, "sent_at": time.time()}
+                "devices": self.devices, "process": self.process, "secret": self.secret, "sent_at": time.time(),
+                **self._actual()}
 
     def _send(self, msg: dict[str, Any]) -> None:
         with self._lock:
@@ -117,6 +136,9 @@ class LiteralWorker:
         elif kind == "op":
             self.ops.append(msg)
             self._op(msg)
+        elif kind == "state_query" and self.holding:
+            self._send({"type": "state_report", "worker_id": self.worker_id, "token": self.token,
+                        "sent_at": time.time(), **self._actual()})
         elif kind == "error":
             self.errors.append(msg)
             if msg.get("reason") in _REHELLO and msg.get("token", "") in ("", self.token):
@@ -124,11 +146,13 @@ class LiteralWorker:
 
     def _op(self, op: dict[str, Any]) -> None:
         record = self.records.get(op["op_id"])
-        if record is not None:  # a repeat: answer from the record, with the current token
-            self._send({**record, "token": self.token})
+        if record is not None:  # a repeat: answer from the record, with the current token and holding
+            self._send({**record, "token": self.token, **self._actual()})
             return
+        if self.holding:
+            self.holding, self.last_op = self.after[op["kind"]], op["op_id"]
         record = {"type": "op_result", "worker_id": self.worker_id, "op_id": op["op_id"], "ok": True,
-                  "detail": f"{op['kind']} done", "token": self.token}
+                  "detail": f"{op['kind']} done", "token": self.token, **self._actual()}
         self.records[op["op_id"]] = record
         if op["kind"] in self.withhold:
             self.withhold.discard(op["kind"])  # this answer is lost on the way

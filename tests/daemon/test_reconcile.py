@@ -6,6 +6,7 @@ message after hello carries its registration's token."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import msgspec
@@ -18,7 +19,8 @@ from dynaresized.client import DaemonRejected, OpRequest, WorkerClient
 from dynaresized.core import facts as f
 from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, WorkerKind
 
-from .conftest import DEVICES, read_facts, until
+from .conftest import DEVICES, read_facts, until, wait_for
+from .literal_worker import LiteralWorker
 
 
 
@@ -245,3 +247,84 @@ async def test_hellos_delivered_together_leave_the_client_on_its_one_registratio
         assert len(facts_of(daemon, f.WorkerRegistered)) == 1
     finally:
         await client.close()
+
+
+# -- a loan and its return, with workers written from docs/protocol.md alone ----------------
+
+
+def literal_workers(daemon: Any, after: dict[str, str] | None = None) -> dict[str, LiteralWorker]:
+    """An engine and a trainer on every device, each reporting what it holds as the docs' tables
+    say (`after`: otherwise), started."""
+    workers = {}
+    for i, d in enumerate(DEVICES):
+        pool = Pool.TRAINING if i < 2 else Pool.ROLLOUT
+        for kind in WorkerKind:
+            name = worker_name(kind, d)
+            workers[name] = LiteralWorker(daemon.worker_endpoint, name, kind.value, [d], after=after,
+                                          holding="serving" if kind.pool is pool else "released")
+    for w in workers.values():
+        w.start()
+    return workers
+
+
+def lend_and_send_home(daemon: Any, workers: dict[str, LiteralWorker], to_pool: Pool) -> list[str]:
+    """Lend devices to `to_pool` (an idle engine to training; trainers with nothing to train
+    to the rollout), then send them home at the step boundary; the lent devices."""
+    tr0, eng3 = workers[worker_name(WorkerKind.TRAINER_RANK, DEVICES[0])], workers[worker_name(
+        WorkerKind.ROLLOUT_ENGINE, DEVICES[3])]
+    if to_pool is Pool.TRAINING:
+        for done in (1, 2):
+            tr0.report("mini_batch_done", step=0, done=done, total=8)
+            time.sleep(0.2)
+        eng3.report("queue_empty", step=1, running=0)
+    else:
+        tr0.report("mini_batch_done", step=0, done=0, total=0)
+    lent = wait_for(lambda: (s := daemon.status())["phase"] == "steady" and s["lent"], what="the loan landed")
+    time.sleep(1.0)  # ticks, and an audit: time for a reconcile to start if the reports disagreed
+    if to_pool is Pool.TRAINING:
+        tr0.report("step_report", timing={"step": 0, "rollout_s": 10.0, "train_s": 10.0, "rollout_devices": 2,
+                                          "train_devices": 2})
+    else:
+        tr0.report("mini_batch_done", step=0, done=0, total=8)
+    wait_for(lambda: facts_of(daemon, f.LoanReturned), what="the loan home")
+    time.sleep(1.0)
+    wait_for(lambda: daemon.status()["phase"] == "steady", what="steady")
+    return sorted(lent)
+
+
+@pytest.mark.parametrize("to_pool", [Pool.TRAINING, Pool.ROLLOUT])
+def test_workers_that_report_what_the_loan_tables_say_are_not_reconciled(make_daemon, to_pool: Pool) -> None:
+    daemon = make_daemon(policy={"name": "hysteresis"}, core={"audit_interval_s": 0.5},
+                         loan_costs={"to_training_s": 0.0, "return_s": 0.0, "lead_s": 0.0})
+    workers = literal_workers(daemon)
+    try:
+        lent = lend_and_send_home(daemon, workers, to_pool)
+    finally:
+        for w in workers.values():
+            w.close()
+    assert lent == (list(DEVICES[3:]) if to_pool is Pool.TRAINING else list(DEVICES[:2]))
+    facts = read_facts(daemon.state_dir)
+    assert [type(x) for x in facts if isinstance(x, (f.LoanLanded, f.LoanReturned))] == [f.LoanLanded, f.LoanReturned]
+    assert not [x for x in facts if isinstance(x, f.ReconcileStarted)]
+    joined = {op["kind"] for w in workers.values() for op in w.ops if op["plan"] in ("loan", "return")}
+    assert joined == {"drain", "release", "join"}  # no restore, no commit
+    reported = [x for x in facts if isinstance(x, (f.OpAcked, f.WorkerReported)) and x.actual is not None]
+    assert {x.actual.holding for x in reported} >= {Holding.DRAINED, Holding.RELEASED, Holding.SERVING}
+
+
+def test_a_literal_worker_that_stays_drained_after_a_loans_join_is_reconciled_with_a_resume(make_daemon) -> None:
+    daemon = make_daemon(policy={"name": "hysteresis"},
+                         loan_costs={"to_training_s": 0.0, "return_s": 0.0, "lead_s": 0.0})
+    workers = literal_workers(daemon, after={"join": "drained"})  # waits for a commit that never comes
+    try:
+        lend_and_send_home(daemon, workers, Pool.TRAINING)
+    finally:
+        for w in workers.values():
+            w.close()
+    started = [(x.worker_id, x.desired, x.actual, [op.kind for op in x.plan.ops])
+               for x in read_facts(daemon.state_dir) if isinstance(x, f.ReconcileStarted)]
+    # the trainer lent the engine's device after the loan, the engine back home after the return
+    assert started == [(worker_name(WorkerKind.TRAINER_RANK, DEVICES[3]), Holding.SERVING, Holding.DRAINED,
+                        [OpKind.RESUME]),
+                       (worker_name(WorkerKind.ROLLOUT_ENGINE, DEVICES[3]), Holding.SERVING, Holding.DRAINED,
+                        [OpKind.RESUME])]
