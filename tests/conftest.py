@@ -8,6 +8,9 @@ fixed seed, so a run there is repeatable; elsewhere each run explores new ones."
 from __future__ import annotations
 
 import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -33,3 +36,24 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             for line in _skips[:20]:
                 reporter.write_line(f"  {line}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """`small_tmpfs("2m")` mounts a tmpfs of that size in tmp_path and returns it (unmounted after
+    the test): a disk a test can fill. Skipped with the reason where mounting is not permitted."""
+    mounts: list[Path] = []
+
+    def mount(size: str) -> Path:
+        path = tmp_path / f"disk{len(mounts)}"
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here (needs root and mount permission): {done.stderr.strip()}")
+        mounts.append(path)
+        return path
+
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", "-l", str(path)], check=False)

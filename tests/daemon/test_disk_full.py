@@ -9,7 +9,6 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,18 +24,9 @@ from .test_bad_input import metric
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """An 8 MiB tmpfs for the daemon's state directory (skipped where mounting is not permitted)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root and mount permission): {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+def small_disk(small_tmpfs) -> Path:  # type: ignore[no-untyped-def]
+    """An 8 MiB tmpfs for the daemon's state directory (tests/conftest.py)."""
+    return small_tmpfs("8m")
 
 
 async def test_a_full_disk_stops_transitions_keeps_heartbeats_and_resumes_by_itself(make_daemon, small_disk) -> None:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,18 +18,9 @@ from dynaresized.store import DiskFull, FactLog, SQLiteRecorder
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MiB tmpfs mounted for the test (skipped where mounting is not permitted)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root and mount permission): {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+def small_disk(small_tmpfs) -> Path:  # type: ignore[no-untyped-def]
+    """A 2 MiB tmpfs mounted for the test (tests/conftest.py)."""
+    return small_tmpfs("2m")
 
 
 def fill_up(path: Path) -> None:
