@@ -1,0 +1,170 @@
+"""Regroups in the dynamic mode: the engines of several devices the core learns (at the start,
+and where a resize brings devices to the rollout), the layout advisor's regroups between steps,
+and a step's tail regrouped into one wider engine (`TailTimeline`, one window's rollout)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dynaresized.core import Phase
+from dynaresized.core import events as ev
+from dynaresized.core import facts as f
+from dynaresized.domain import Pool
+from dynaresized.sim.stages import busy_s, contexts
+from dynaresized.sim.workers import SimWorkers
+
+if TYPE_CHECKING:
+    from dynaresized.sim.lending import Lending
+    from dynaresized.sim.pipeline import Layout
+
+
+class TailTimeline:
+    """One window's rollout request by request, for tail regroups. When an engine runs dry, every
+    engine still decoding first says how many requests it runs and how many tokens the longest
+    has left (the router knows every engine's requests); when the core then starts a tail
+    regroup (`propose_tail`), the busy engine's running requests decode from then on one wider
+    engine of its devices and the idle engines', after the switch, and the window's rollout
+    ends when the slowest engine does. Before any engine runs dry nothing is reported, as
+    without tail regroups, so that a run where none pays is the run without them."""
+
+    def __init__(self, pipe: Lending, w: int, start: float, finish: np.ndarray,
+                 groups: dict[int, list[str]], late: np.ndarray, idle_at: list[tuple[float, int]]) -> None:
+        self.pipe, self.w, self.start, self.finish, self.groups = pipe, w, start, finish, groups
+        self.idle_at = idle_at  # the window's engines by when they run dry (shared with it)
+        model = pipe.model
+        self.penalty = pipe._penalty[Pool.ROLLOUT]
+        self.schedule, self.start_s, self.pace, self.queue_empty_s = model.pull_timeline(w, len(groups), late)
+        self.lengths = model.trace.steps[w].response_tokens.astype(np.float64)
+        self.prompts = model.trace.steps[w].prompt_tokens.astype(np.float64)
+        self.wide: set[int] = set()  # engines a tail regroup made: their requests are priced apart
+        self.lent: tuple[int, float] = (0, 0.0)  # (devices, seconds into the window) lent into the tail's engine
+
+    def _running(self, e: int, at: float) -> np.ndarray:
+        """Requests engine e runs at `at` (seconds into the window, before the penalty)."""
+        s = self.schedule
+        return (s.placement == e) & (self.start_s <= at) & (s.done_s > at)
+
+    def refresh(self, at: float) -> None:
+        """Every engine still decoding at `at` (seconds into the window) reports it."""
+        pipe = self.pipe
+        now = at - self.penalty
+        if now < self.queue_empty_s:
+            return  # requests are still queued: no engine says its queue is empty
+        for e in sorted(self.groups):
+            if e in self.wide or self.finish[e] <= at:
+                continue
+            run = self._running(e, now)
+            if not run.any():
+                continue
+            left = int(math.ceil(float(((self.schedule.done_s[run] - now) / self.pace[e]).max())))
+            pipe._queue_empty(self.start + at, self.groups[e], self.w, int(run.sum()), left)
+
+    def apply(self, at: float) -> None:
+        """If the core just started a tail regroup: price the rest of the busy engine's requests
+        on the wider engine (its ops are answered at once; the switch is charged here)."""
+        pipe = self.pipe
+        if not pipe._tail_pending:
+            return
+        plan, undo = pipe._tail_pending.pop(0)
+        leader = {g[0]: e for e, g in self.groups.items()}
+        if undo[0][0] not in leader:
+            return
+        b = leader[undo[0][0]]
+        merged = [leader[g[0]] for g in undo[1:] if g[0] in leader]  # the rest: trainers lent for the tail
+        pipe._ack_until(self.start + at)  # the regroup commits: the core knows the wide engine
+        profile = pipe.model.profile
+        now = at - self.penalty
+        run = self._running(b, now)
+        if run.any():
+            r = (self.schedule.done_s[run] - now) / self.pace[b]  # tokens left, each running request
+            g = self.lengths[run] - r
+            p = self.prompts[run] + g
+            wide = profile.rollout.at_tp(len(plan.devices))
+            tail = profile.resize.tail
+            prefill = 0.0 if tail.kv_moved else float(p.sum())
+            seconds = float(busy_s(wide, np.array(float(r.max())), np.array(float(r.sum())),
+                                   np.array(float(contexts(p, r).sum())), np.array(prefill)))
+            new = at + tail.switch_s + seconds
+            pipe.tail_regroups.append((self.w, float(self.finish[b]) - new))
+            self.finish[b] = new
+        self.groups[b] = sorted(plan.devices, key=pipe.index.__getitem__)
+        for e in merged:
+            del self.groups[e]
+        self.idle_at[:] = sorted([(t, e) for t, e in self.idle_at if e != b] + [(float(self.finish[b]), b)])
+        self.wide.add(b)
+
+    def rollout_s(self) -> float:
+        return float(max(self.finish[e] for e in self.groups))
+
+    def served(self, rollout_s: float, home_devices: int) -> float:
+        """Device-seconds that served the rollout: the home pool's, and the trainers lent into
+        the tail's engine from when they landed."""
+        devices, landed = self.lent
+        return rollout_s * home_devices + devices * max(rollout_s - landed, 0.0)
+
+
+class Regroups(SimWorkers):
+    """The regroups of a run (`pipeline.DynamicPipeline`, whose `__init__` sets the state below)."""
+
+    layout: Layout | None
+
+    def _initial_engines(self) -> None:
+        """Engines of several devices from the start: the core learns them as the daemon would
+        from a regroup before the first step (at no cost: the job's engines start that way), so
+        that it moves each whole and lends each whole, as the daemon does."""
+        gpe = self.model.profile.rollout.gpus_per_engine
+        rollout = sorted(self.state.pool_devices(Pool.ROLLOUT), key=self.index.__getitem__)
+        self._form_engines(tuple(rollout[:len(rollout) // gpe * gpe]), 0.0, "the job's engines as they start")
+
+    def _form_engines(self, devices: tuple[str, ...], at: float, why: str) -> None:
+        """`devices` serve as engines of the profile's size from `at` on: the core learns them
+        through a regroup answered at once (what it costs is charged by whoever made them: the
+        job's start, or the resize whose restore started them)."""
+        gpe = self.model.profile.rollout.gpus_per_engine
+        if gpe == 1 or not devices:
+            return
+        self._feed(ev.RegroupRequested(at=at, devices=devices, tp=gpe, requested_by="profile", reason=why))
+        while self.state.inflight is not None:
+            acks, self._acks = self._acks, []
+            if not acks:
+                rid = self.state.inflight.plan.resize_id
+                raise RuntimeError(f"regroup {rid} of {devices} waits for an op nobody runs")
+            self._feed_answers([ev.OpReported(at=at, worker_id=a.worker_id, op_id=a.op_id, ok=True) for a in acks])
+
+    def _form_arrived_engines(self, at: float) -> None:
+        """Devices a resize brought to the rollout pool start engines of the profile's size (the
+        resize's restore starts them so): the core learns them once nothing is in flight."""
+        if self._arrived and self.state.inflight is None:
+            arrived, self._arrived = self._arrived, []
+            for devices in arrived:
+                self._form_engines(devices, at, "engines started on devices a resize brought to the rollout")
+
+    def _regroup(self, w: int, now: float) -> None:
+        """At the boundary after rollout `w`, ask the layout advisor; when it names another
+        engine size, request the regroup of the rollout pool from the core (as `dynaresized
+        regroup` does) and, once the core has started it, price the rollout on the new engines
+        from the next window on, which starts late by the regroup's ops and first step (the
+        pool serves nothing meanwhile; training goes on)."""
+        s = self.state
+        if self.layout is None or s.inflight is not None or s.phase is not Phase.STEADY or s.paused:
+            return
+        tp = self.model.profile.rollout.gpus_per_engine
+        advice = self.layout(w, tp)
+        if advice is None or advice[0] == tp:
+            return
+        target, why = advice
+        # at home in the rollout pool: neither lent (a home elsewhere) nor moving (no pool)
+        home = sorted((d for d, p in s.devices.items() if p.pool is Pool.ROLLOUT and p.home is None),
+                      key=self.index.__getitem__)
+        devices = tuple(home[:len(home) // target * target])
+        if not devices:
+            return
+        before = len(self.facts)
+        self._feed(ev.RegroupRequested(at=now, devices=devices, tp=target, requested_by="planner", reason=why))
+        if any(isinstance(x, f.RegroupStarted) for x in self.facts[before:]):
+            self.model = self.model.at_tp(target)
+            self._penalty[Pool.ROLLOUT] += self.model.profile.resize.regroup.ready_s()
+
