@@ -13,9 +13,14 @@ from dynaresized.sim.stages import StageModel
 
 def static_windows(model: StageModel, split: Split) -> np.ndarray:
     """Durations of the K+1 windows of a fixed split."""
+    return _windows(model, model.rollout_table(split.rollout), model.train_table(split.train))
+
+
+def _windows(model: StageModel, rollout: np.ndarray, train: np.ndarray) -> np.ndarray:
+    """The K+1 windows of the one-step-off pipeline from per-step rollout and training seconds:
+    the first rollout alone, then each rollout beside the previous step's training, then the
+    last training, each after the first with a weight sync."""
     k = model.steps
-    rollout = model.rollout_table(split.rollout)
-    train = model.train_table(split.train)
     sync = model.weight_sync_s
     out = np.empty(k + 1)
     out[0] = rollout[0]
@@ -73,16 +78,7 @@ def static_floor_windows(model: StageModel, split: Split) -> np.ndarray:
     """Per window, a time no run of `split` on `model`'s engines beats: `static_windows` with
     each step's rollout at its floor (its work over the devices, and at least its longest
     request decoded alone); training is exact already."""
-    k = model.steps
-    rollout = _own_floor(model, split.rollout)
-    train = model.train_table(split.train)
-    sync = model.weight_sync_s
-    out = np.empty(k + 1)
-    out[0] = rollout[0]
-    if k > 1:
-        out[1:k] = np.maximum(rollout[1:], train[:-1]) + sync
-    out[k] = train[k - 1] + sync
-    return out
+    return _windows(model, _own_floor(model, split.rollout), model.train_table(split.train))
 
 
 def static_floor(model: StageModel, split: Split) -> float:
