@@ -28,35 +28,42 @@ _SRCFD = int(zmq.SRCFD)  # the descriptor of the connection a message came in on
 _LOG_EVERY_S = 10.0
 
 
+def _connection(fd: int) -> socket.socket | None:
+    """A socket object over a duplicate of `fd` (closing it closes the duplicate only), or None
+    where `fd` is not open any more."""
+    try:
+        return socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+
+
 def _peer_of(fd: int) -> object:
     """The peer address of the connection on descriptor `fd`, or None where it is not a socket
     (any more): checked again before a cut, so a descriptor number that libzmq closed and reused
     for another connection meanwhile is never cut."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
+    s = _connection(fd)
+    if s is None:
         return None
-    try:
-        with socket.socket(fileno=dup) as s:  # closes the duplicate only
+    with s:
+        try:
             return s.getpeername()
-    except OSError:
-        return None
+        except OSError:
+            return None
 
 
 def _shut(fd: int, peer: object) -> bool:
     """Shut the connection on `fd` down if it is still the one whose peer was `peer`."""
-    if peer is None or _peer_of(fd) != peer:
+    s = _connection(fd) if peer is not None else None
+    if s is None:
         return False
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return False
-    try:
-        with socket.socket(fileno=dup) as s:
+    with s:
+        try:
+            if s.getpeername() != peer:
+                return False
             s.shutdown(socket.SHUT_RDWR)  # the connection, not the descriptor: libzmq sees it end
-        return True
-    except OSError:
-        return False
+        except OSError:
+            return False
+    return True
 
 
 class Intake:
