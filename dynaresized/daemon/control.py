@@ -86,15 +86,13 @@ class Control:
                outbox: Outbox) -> None:
         msg = item.msg
         step_quiet = self.cluster.step_quiet
-        if self.cluster.disk_full and type(msg) not in (wire.StatusRequest, wire.DrainRequest):
-            reply = wire.ControlReply(ok=False, message=f"refused: the disk under the event log is full, so nothing "
-                                                        f"that would be recorded is accepted ({self.cluster.disk_full})")
-            msg = None
         match msg:
-            case None:
-                pass
             case wire.StatusRequest():
                 reply = wire.ControlReply(ok=True, message="status", data=self.status())
+            case _ if self.cluster.disk_full and type(msg) is not wire.DrainRequest:
+                reply = wire.ControlReply(ok=False, message=f"refused: the disk under the event log is full, so "
+                                                            f"nothing that would be recorded is accepted "
+                                                            f"({self.cluster.disk_full})")
             case wire.PauseRequest():
                 step_quiet(ev.PauseRequested(at=now, requested_by="operator", reason=msg.reason), facts, commands)
                 reply = wire.ControlReply(ok=True, message="resizing paused")
