@@ -305,6 +305,8 @@ class RolloutEngine:
 
     # -- serving --------------------------------------------------------------------------
     def _require_running(self) -> Any:
+        if self._llm is None and self.state is EngineState.RUNNING:
+            raise EngineFailure(self.engine_id, "shutting down (a stop is in progress)")
         if self.state is not EngineState.RUNNING or self._llm is None:
             raise EngineFailure(self.engine_id, f"not running (state {self.state.value})")
         return self._llm

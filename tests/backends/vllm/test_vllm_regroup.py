@@ -34,14 +34,14 @@ def greedy_step(step: int):
 
 async def step(router, number: int, version: int):
     """One rollout step of `greedy_step(number)`; a hang fails the test instead of the suite."""
-    return await asyncio.wait_for(router.run_step(number, version, greedy_step(number)), timeout=180)
+    return await asyncio.wait_for(router.run_step(number, version, greedy_step(number)), timeout=360)
 
 
 async def regroup(daemon, tp: int, committed: int) -> dict:
     reply = daemon.control(wire.RegroupRequest(devices=PAIR, tp=tp, reason="test"))
     assert reply.ok, reply.message
     return await until(lambda: (s := daemon.status())["phase"] == "steady"
-                       and s["regroups"]["committed"] == committed and s, timeout=120, what=f"regroup to TP-{tp}")
+                       and s["regroups"]["committed"] == committed and s, timeout=420, what=f"regroup to TP-{tp}")
 
 
 async def test_two_engines_regroup_into_one_tp2_engine_and_back_on_a_running_rollout(rollout: Rollout,
@@ -106,15 +106,15 @@ async def test_a_tp2_engine_that_runs_dry_is_lent_whole_and_comes_home(rollout: 
         wide = await step(router, 61, version)
         assert_exactly_once(wide, greedy_step(61), version)
         status = await until(lambda: (s := daemon.status())["phase"] == "steady"
-                             and s["devices"]["node0:cpu0"] == "training" and s, timeout=90, what="TP-2 engine lent")
+                             and s["devices"]["node0:cpu0"] == "training" and s, timeout=180, what="TP-2 engine lent")
         assert status["devices"]["node0:cpu1"] == "training" and status["engines"] == [list(PAIR)]
         assert e0.state is EngineState.PAUSED and e0.config.tensor_parallel_size == 2 and "e0" not in router.admitted
         await trainer.report_mini_batch(step=60, done=8, total=8)
         await rollout.workers["e0"].report_step(wide, train_s=wide.rollout_s)
         await until(lambda: "e0" in router.admitted and daemon.status()["phase"] == "steady"
-                    and daemon.status()["devices"]["node0:cpu0"] == "rollout", timeout=90, what="TP-2 engine home")
+                    and daemon.status()["devices"]["node0:cpu0"] == "rollout", timeout=180, what="TP-2 engine home")
         assert e0.state is EngineState.RUNNING and e0.core_pids == pids, "home without a restart"
-        again = await asyncio.wait_for(router.run_step(62, version, greedy_step(60)), timeout=180)
+        again = await asyncio.wait_for(router.run_step(62, version, greedy_step(60)), timeout=360)
         assert {s.sample_id: s.token_ids for s in again.samples} == {s.sample_id: s.token_ids for s in before.samples}
         await regroup(daemon, 1, 2)  # the session's engines are one-device engines again
 

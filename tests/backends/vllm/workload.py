@@ -25,6 +25,13 @@ async def ready(rollout: Rollout) -> None:
     """Every engine running, at the router's version and admitted: the state tests start from."""
     for engine_id, worker in rollout.workers.items():
         engine = rollout.engines[engine_id]
+        if worker.runs or engine.config.tensor_parallel_size != 1:
+            # a test that failed inside a regroup left a wide engine: one device, one rank again
+            import msgspec
+
+            await engine.stop()
+            engine.reconfigure(msgspec.structs.replace(engine.config, tensor_parallel_size=1, cpu_cores=()))
+            worker.runs = ()
         if engine.state.value != "running" or worker.lost_reason is not None:
             await worker.recover()
         elif engine_id not in rollout.router.admitted:
