@@ -18,27 +18,13 @@ import msgspec
 
 from dynaresized import __version__, wire
 from dynaresized.control import control_request, ensure_listening, read_control_secret
+from dynaresized.daemon.config import CONFIG_ENV, DEFAULT_CONFIG, config_path
 
 if TYPE_CHECKING:
     from dynaresized.store import LogStart
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NOT_CONFIGURED = 0, 1, 2, 3, 6
-DEFAULT_CONFIG = "/etc/dynaresized/config.toml"
-CONFIG_ENV = "DYNARESIZED_CONFIG"
 ELSEWHERE = f"point the CLI at another daemon with --config FILE or {CONFIG_ENV}=FILE"
-
-
-def config_path(named: str | None) -> tuple[str | None, str]:
-    """The config file a command reads, and where it came from in words: `--config`, else
-    $DYNARESIZED_CONFIG, else the default file if it exists; None when there is none of these
-    (a client command then uses the built-in defaults)."""
-    if named:
-        return named, f"--config {named}"
-    if env := os.environ.get(CONFIG_ENV):
-        return env, f"{CONFIG_ENV}={env}"
-    if Path(DEFAULT_CONFIG).exists():
-        return DEFAULT_CONFIG, f"the default {DEFAULT_CONFIG}"
-    return None, f"the built-in defaults (no --config, {CONFIG_ENV} unset, no {DEFAULT_CONFIG})"
 
 
 def _load(path: str, found: str):  # type: ignore[no-untyped-def]
@@ -201,15 +187,43 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _simple(request_of) -> Any:  # type: ignore[no-untyped-def]
+def _simple(request_of, counter: str = "") -> Any:  # type: ignore[no-untyped-def]
+    """A command that sends one request and prints the answer; with `--wait` (resize, regroup:
+    `counter` names the status count a commit raises), it then waits until the sequence it
+    started has committed or rolled back, and says which."""
     def run(args: argparse.Namespace) -> int:
+        before = _control(args, wire.StatusRequest()) if getattr(args, "wait", False) else None
+        if isinstance(before, int):
+            return before
         reply = _control(args, request_of(args))
         if isinstance(reply, int):
             return reply
         print(reply.message)
-        return EXIT_OK if reply.ok else EXIT_FAIL
+        if not reply.ok or before is None:
+            return EXIT_OK if reply.ok else EXIT_FAIL
+        return _wait_for_commit(args, counter, before.data[counter]["committed"])
 
     return run
+
+
+def _wait_for_commit(args: argparse.Namespace, counter: str, committed_before: int) -> int:
+    while True:
+        time.sleep(0.2)
+        status = _control(args, wire.StatusRequest())
+        if isinstance(status, int):
+            return status
+        data = status.data
+        if data["in_flight"] is None:
+            break
+    split = f"split train {data['split']['train']} : rollout {data['split']['rollout']}"
+    if counter == "regroups":
+        split += "; engines " + ("; ".join(f"TP-{len(g)} [{', '.join(g)}]" for g in data["engines"]) or
+                                 "one device each")
+    if data[counter]["committed"] > committed_before:
+        print(f"committed: {split}")
+        return EXIT_OK
+    print(f"not committed (rolled back or degraded: `dynaresized status`): {split}")
+    return EXIT_FAIL
 
 
 def _cmd_events(args: argparse.Namespace) -> int:
@@ -399,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     client_args(p)
     p.add_argument("split", help="train:rollout")
     p.add_argument("--reason", default="")
+    p.add_argument("--wait", action="store_true", help="return once the resize has committed or rolled back")
 
     def resize_request(a: argparse.Namespace) -> wire.ResizeRequest:
         from dynaresized.domain import Split
@@ -406,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
         split = Split.parse(a.split)
         return wire.ResizeRequest(train=split.train, rollout=split.rollout, reason=a.reason)
 
-    p.set_defaults(run=_simple(resize_request))
+    p.set_defaults(run=_simple(resize_request, "resizes"))
 
     p = sub.add_parser("regroup", help="make rollout devices serve as engines of TP devices each, e.g. "
                                        "`dynaresized regroup node0:gpu2,node0:gpu3 --tp 2` (and back with --tp 1)")
@@ -414,8 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("devices", help="comma-separated device ids, all in the rollout pool")
     p.add_argument("--tp", type=int, required=True, help="devices per engine (1 splits wide engines)")
     p.add_argument("--reason", default="")
+    p.add_argument("--wait", action="store_true", help="return once the regroup has committed or rolled back")
     p.set_defaults(run=_simple(lambda a: wire.RegroupRequest(
-        devices=tuple(d for d in a.devices.split(",") if d), tp=a.tp, reason=a.reason)))
+        devices=tuple(d for d in a.devices.split(",") if d), tp=a.tp, reason=a.reason), "regroups"))
 
     p = sub.add_parser("drain", help="stop the daemon gracefully, like SIGTERM")
     client_args(p)
@@ -432,12 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=".", help="output directory (default .)")
     p.set_defaults(run=_cmd_keygen)
 
-    try:
-        from dynaresized.demo import add_parser as add_demo
+    from dynaresized.demo import add_parser as add_demo
+    from dynaresized.toy import add_parser as add_toy
 
-        add_demo(sub)
-    except ImportError:  # pragma: no cover - part of the package
-        pass
+    add_demo(sub)
+    add_toy(sub)
     from dynaresized.sim.cli import add_parsers as add_sim
     from dynaresized.sim.cli import run_cli as run_sim
 

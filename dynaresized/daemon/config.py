@@ -10,6 +10,7 @@ from __future__ import annotations
 import grp
 import ipaddress
 import math
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -147,6 +148,23 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """The worker connections the inventory implies: an engine and a trainer per device
         (what the daemon's I/O threads and open files are sized for)."""
         return 2 * len(self.cluster.devices)
+
+
+DEFAULT_CONFIG = "/etc/dynaresized/config.toml"
+CONFIG_ENV = "DYNARESIZED_CONFIG"
+
+
+def config_path(named: str | None) -> tuple[str | None, str]:
+    """The config file a command reads, and where it came from in words: `--config`, else
+    $DYNARESIZED_CONFIG, else the default file if it exists; None when there is none of these
+    (a client command then uses the built-in defaults)."""
+    if named:
+        return named, f"--config {named}"
+    if env := os.environ.get(CONFIG_ENV):
+        return env, f"{CONFIG_ENV}={env}"
+    if Path(DEFAULT_CONFIG).exists():
+        return DEFAULT_CONFIG, f"the default {DEFAULT_CONFIG}"
+    return None, f"the built-in defaults (no --config, {CONFIG_ENV} unset, no {DEFAULT_CONFIG})"
 
 
 CONTROL_SOCKET = "control.sock"
