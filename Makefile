@@ -15,7 +15,7 @@ TORCH  := torch==2.13.0
 # verl integration tests, which the main venv's pytest runs as subprocesses.
 VERL_VENV ?= .venv-verl
 
-.PHONY: demo example test test-quick setup setup-quick setup-example setup-test bench docs clean
+.PHONY: demo example test test-quick setup setup-quick setup-example setup-test bench docs figures clean
 
 $(VENV)/.base: pyproject.toml
 	@echo "setup: $(VENV) with dynaresized (pip install -e .)"
@@ -92,6 +92,18 @@ test-quick: $(VENV)/.quick
 
 bench: $(VENV)/.test
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# The README's two images, from files in the repository: the diagram's source is docs/diagram.py,
+# the plot is one simulated run's pools and stage times (`simulate --plot`). Both need matplotlib.
+$(VENV)/.plot: $(VENV)/.base
+	@echo "setup: the plot extra (matplotlib)"
+	@$(PIP) install -e '.[plot]'
+	@touch $@
+
+FIGURE_RUN := simulate --scenario longtail-drift --layout profile
+figures: $(VENV)/.plot
+	$(PY) docs/diagram.py docs/diagram.png
+	$(VENV)/bin/dynaresized $(FIGURE_RUN) --plot docs/run.png > /dev/null
 
 docs: $(VENV)/.base
 	$(PY) -m dynaresized.protocol_doc > docs/protocol.md
