@@ -169,3 +169,12 @@ def test_an_unknown_key_far_from_every_real_one_gets_no_guess() -> None:
     with pytest.raises(ConfigError) as info:
         config_from_dict({"daemon": {"zzzzqqq": 1}}, "test.toml")
     assert "unknown field `zzzzqqq`" in str(info.value) and "did you mean" not in str(info.value)
+
+
+def test_the_documented_built_in_policies_are_the_installed_ones() -> None:
+    """docs/configuration.md listed four built-in policies while six were installed (issue 45)."""
+    from dynaresized.core.policy import available_policies
+
+    row = next(x for x in DOC.splitlines() if x.startswith("| `name` | `\"hysteresis\"`"))
+    listed = re.findall(r"`([a-z0-9-]+)`", row.split("built in are", 1)[1])
+    assert sorted(set(listed)) == sorted(available_policies())
