@@ -207,3 +207,33 @@ def test_the_tutorials_templates_call_what_the_code_defines() -> None:
             ours = {c for c in calls if c not in {"MyJob", "append", "range", "max"} and not c.startswith("_")}
             missing = sorted(c for c in ours if c not in defined)
             assert missing == [], f"{section}: the tutorial calls {missing}, which nothing defines"
+
+
+def test_the_readme_answers_the_first_minute_on_its_first_screen() -> None:
+    """issue 45's targets: at most 160 lines; the status, the two commands and the wins-and-losses
+    table in the first 60; the diagram and the plot rendered from files in the repository."""
+    text = README.read_text()
+    lines = text.split("\n")
+    assert len(lines) - 1 <= 160
+    first = "\n".join(lines[:60])
+    for must in ("**Status", "make demo ", "make test ", "| Where we lose |", "<!-- results: end -->"):
+        assert must in first, must
+    for image in re.findall(r"!\[[^]]*\]\(([^)]+)\)", text):
+        assert (ROOT / image).is_file(), image
+    makefile = (ROOT / "Makefile").read_text()
+    assert "$(PY) docs/diagram.py docs/diagram.png" in makefile and "--plot docs/run.png" in makefile
+    assert "dynaresized simulate --scenario longtail-drift --layout profile --plot docs/run.png" in text
+    assert "FIGURE_RUN := simulate --scenario longtail-drift --layout profile" in makefile
+
+
+@pytest.mark.slow  # draws with matplotlib (the plot extra)
+def test_the_diagram_is_what_its_source_draws(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra")
+    out = tmp_path / "diagram.png"
+    subprocess.run([sys.executable, str(ROOT / "docs" / "diagram.py"), str(out)], check=True, timeout=120)
+
+    def size(path: Path) -> tuple[int, int]:
+        head = path.read_bytes()[:24]  # PNG: width and height in the IHDR chunk
+        return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+    assert size(out) == size(ROOT / "docs" / "diagram.png")
