@@ -218,6 +218,10 @@ def test_the_readme_answers_the_first_minute_on_its_first_screen() -> None:
     first = "\n".join(lines[:60])
     for must in ("**Status", "make demo ", "make test ", "| Where we lose |", "<!-- results: end -->"):
         assert must in first, must
+    table = text.split("<!-- results: end -->")[0].split("`python -m tests.readme_results --write` -->")[1]
+    rows = [x for x in table.strip().split("\n")[2:]]
+    assert 0 < len(rows) <= 8 and all(x.count("`") >= 2 for x in rows)  # short, each with its command
+    assert any("below 1" in x for x in rows)  # losses too
     for image in re.findall(r"!\[[^]]*\]\(([^)]+)\)", text):
         assert (ROOT / image).is_file(), image
     makefile = (ROOT / "Makefile").read_text()
@@ -237,3 +241,21 @@ def test_the_diagram_is_what_its_source_draws(tmp_path: Path) -> None:
         return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
 
     assert size(out) == size(ROOT / "docs" / "diagram.png")
+
+
+def test_the_readmes_numbers_about_its_commands_are_the_codes() -> None:
+    """The counts the README states next to its commands come from the code: the demo's devices and
+    steps, the toy cluster's devices and speedup (the tables and the demo sample have generators of
+    their own, tests/readme_results.py and tests/readme_demo.py)."""
+    from dynaresized.cli import build_parser
+    from dynaresized.sim.cluster import VirtualCluster
+
+    text = README.read_text()
+    parser = build_parser()
+    demo = parser.parse_args(["demo"])
+    devices = len(VirtualCluster.builtin(demo.scenario, demo.profile, steps=1).devices)
+    assert f"make demo         # the real daemon, {devices} simulated GPUs, {demo.steps} steps:" in text
+    toy = parser.parse_args(["toy-cluster"])
+    toy_devices = len(VirtualCluster.builtin("longtail-drift", toy.profile, steps=1).devices)
+    assert f"# a config for {toy_devices} simulated GPUs" in text and f"attach the {toy_devices} GPUs" in text
+    assert f"in cost-model time, {toy.speedup:g}× faster" in text
