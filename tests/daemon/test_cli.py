@@ -268,3 +268,21 @@ def test_events_and_the_store_commands_say_where_a_compacted_log_starts(tmp_path
     assert out.err.rstrip().endswith(f"the history here starts at position {first}")
     assert main(["events", "--state-dir", str(tmp_path), "--since", str(first)]) == 0  # after the start: no word
     assert capsys.readouterr().err == ""
+
+
+def test_the_toy_cluster_says_what_it_needs(tmp_path: Path) -> None:
+    """Without a config it names both ways to give one; with no daemon running, how to start it;
+    with a config for other devices, the command that writes one for its own (the whole recipe
+    runs in tests/test_docs.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "DYNARESIZED_CONFIG"}
+    none = subprocess.run([sys.executable, "-m", "dynaresized.cli", "toy-cluster"], capture_output=True, text=True,
+                          timeout=60, env=env, cwd=tmp_path)
+    if not Path("/etc/dynaresized/config.toml").exists():
+        assert none.returncode == 6 and "--config FILE or DYNARESIZED_CONFIG=FILE" in none.stderr
+    wrote = cli("toy-cluster", "--write-config", str(tmp_path / "toy"))
+    assert wrote.returncode == 0 and f"export DYNARESIZED_CONFIG={tmp_path / 'toy' / 'config.toml'}" in wrote.stdout
+    down = cli("toy-cluster", "--config", str(tmp_path / "toy" / "config.toml"), "--timeout", "0.5")
+    assert down.returncode == 3 and "start it first: `dynaresized serve &`" in down.stderr
+    other = write_config(tmp_path / "other.toml", {"cluster": {"devices": ["a:gpu0", "a:gpu1"]}})
+    mine = cli("toy-cluster", "--config", str(other))
+    assert mine.returncode == 6 and "`dynaresized toy-cluster --write-config DIR` writes a config" in mine.stderr
