@@ -259,3 +259,15 @@ def test_the_readmes_numbers_about_its_commands_are_the_codes() -> None:
     toy_devices = len(VirtualCluster.builtin("longtail-drift", toy.profile, steps=1).devices)
     assert f"# a config for {toy_devices} simulated GPUs" in text and f"attach the {toy_devices} GPUs" in text
     assert f"in cost-model time, {toy.speedup:g}× faster" in text
+
+
+def test_the_readmes_links_reach_files_and_headings_that_exist() -> None:
+    def slug(heading: str) -> str:  # GitHub's anchor of a heading
+        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+    for target in re.findall(r"\]\(([^)]+)\)", README.read_text()):
+        path, _, anchor = target.partition("#")
+        assert (ROOT / path).is_file(), target
+        if anchor:
+            headings = [slug(x.lstrip("#")) for x in (ROOT / path).read_text().splitlines() if x.startswith("#")]
+            assert anchor in headings, target
