@@ -19,6 +19,12 @@ the new membership), at the next step boundary.
     python -m dynaresized.backends.sim --endpoint tcp://127.0.0.1:5555 --device node0:gpu3 \
         --scenario longtail-drift --profile qwen3-8b-h20x8 --speedup 3600 \
         --clock-endpoint tcp://127.0.0.1:5557 [--leader --control-endpoint tcp://127.0.0.1:5556]
+
+Several devices in one process, with no RL loop, only serving ops (what `dynaresized
+toy-cluster` runs: devices to try the operator's commands on):
+
+    python -m dynaresized.backends.sim --endpoint tcp://127.0.0.1:5555 --device node0:gpu0,node0:gpu1 \
+        --speedup 100 --leave-with ipc:///tmp/toy/state/control.sock
 """
 
 from __future__ import annotations
@@ -253,10 +259,41 @@ class SimDevice:
                 control.close()
 
 
+async def host(devices: list[SimDevice], leave_with: str = "", poll_s: float = 1.0) -> int:
+    """Several simulated devices in one process (`dynaresized toy-cluster`): each serves its ops
+    until killed or, with `leave_with` (the daemon's control endpoint), until nothing has listened
+    there for three polls in a row: the daemon was drained or stopped."""
+    runs = [asyncio.create_task(d.run()) for d in devices]
+    try:
+        if not leave_with:
+            await asyncio.gather(*runs)
+            return 0
+        from dynaresized.control import ensure_listening
+
+        gone = 0
+        while gone < 3 and not all(r.done() for r in runs):
+            await asyncio.sleep(poll_s)
+            try:
+                ensure_listening(leave_with, poll_s)
+                gone = 0
+            except ConnectionRefusedError:
+                gone += 1
+        for d in devices:  # nobody to say goodbye to
+            await d.engine.close(say_bye=False)
+            await d.trainer.close(say_bye=False)
+        return 0
+    finally:
+        for r in runs:
+            r.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="one simulated device: its engine and trainer workers")
+    parser = argparse.ArgumentParser(description="simulated devices: each one's engine and trainer workers")
     parser.add_argument("--endpoint", required=True)
-    parser.add_argument("--device", required=True)
+    parser.add_argument("--device", required=True, help="a device id, or several separated by commas")
+    parser.add_argument("--leave-with", default="", metavar="CONTROL_ENDPOINT",
+                        help="exit once the daemon's control endpoint stops listening (it was drained)")
     parser.add_argument("--scenario", default="longtail-drift")
     parser.add_argument("--profile", default="qwen3-8b-h20x8")
     parser.add_argument("--seed", type=int, default=0)
@@ -267,14 +304,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control-endpoint", default="", help="the daemon's control endpoint (leader: loans)")
     args = parser.parse_args(argv)
     cluster = VirtualCluster.builtin(args.scenario, args.profile, seed=args.seed, steps=args.steps)
-    if args.device not in cluster.devices:
-        parser.error(f"--device {args.device} is not one of {', '.join(cluster.devices)}")
-    sim = SimDevice(cluster, args.endpoint, args.device, args.speedup, leader=args.leader, steps=args.steps,
-                    clock_endpoint=args.clock_endpoint, control_endpoint=args.control_endpoint)
+    names = [d for d in args.device.split(",") if d]
+    if unknown := [d for d in names if d not in cluster.devices]:
+        parser.error(f"--device {', '.join(unknown)}: not one of {', '.join(cluster.devices)}")
+    if args.leader and len(names) > 1:
+        parser.error("--leader drives the RL loop from one device: name one --device")
+    sims = [SimDevice(cluster, args.endpoint, d, args.speedup, leader=args.leader, steps=args.steps,
+                      clock_endpoint=args.clock_endpoint, control_endpoint=args.control_endpoint) for d in names]
     try:
         import uvloop
 
-        return uvloop.run(sim.run())
+        return uvloop.run(sims[0].run() if len(sims) == 1 and not args.leave_with else host(sims, args.leave_with))
     except KeyboardInterrupt:
         return 0
 

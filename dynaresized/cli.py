@@ -18,39 +18,57 @@ import msgspec
 
 from dynaresized import __version__, wire
 from dynaresized.control import control_request, ensure_listening, read_control_secret
+from dynaresized.daemon.config import CONFIG_ENV, DEFAULT_CONFIG, config_path
 
 if TYPE_CHECKING:
     from dynaresized.store import LogStart
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NOT_CONFIGURED = 0, 1, 2, 3, 6
-DEFAULT_CONFIG = "/etc/dynaresized/config.toml"
+ELSEWHERE = f"point the CLI at another daemon with --config FILE or {CONFIG_ENV}=FILE"
 
 
-def _config_for_client(path: str | None):  # type: ignore[no-untyped-def]
-    """The config a client command reads endpoints from: the named file, else the default file
-    if it exists, else built-in defaults."""
-    from dynaresized.daemon.config import Config, load_config
+def _load(path: str, found: str):  # type: ignore[no-untyped-def]
+    """load_config, with where the path came from in its error when no --config named it."""
+    from dynaresized.daemon.config import ConfigError, load_config
 
-    if path:
+    try:
         return load_config(path)
-    if Path(DEFAULT_CONFIG).exists():
-        return load_config(DEFAULT_CONFIG)
-    return Config()
+    except ConfigError as exc:
+        if found.startswith(CONFIG_ENV):
+            raise ConfigError(f"{exc} (named by {CONFIG_ENV})") from None
+        if found.startswith("the built-in"):  # nothing named, the default missing: say how to name one
+            raise ConfigError(f"{exc} (no --config given and {CONFIG_ENV} unset: name the file with either)") \
+                from None
+        raise
+
+
+def _config_for_daemon(named: str | None):  # type: ignore[no-untyped-def]
+    """The config `serve` and `check-config` load (ConfigError when there is none), and its path."""
+    path, found = config_path(named)
+    return _load(path or DEFAULT_CONFIG, found), path or DEFAULT_CONFIG
+
+
+def _config_for_client(named: str | None):  # type: ignore[no-untyped-def]
+    """The config a client command reads endpoints from (see config_path), and where it came from."""
+    from dynaresized.daemon.config import Config
+
+    path, found = config_path(named)
+    return (_load(path, found) if path else Config()), found
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from dynaresized.daemon.config import ConfigError, load_config
+    from dynaresized.daemon.config import ConfigError
     from dynaresized.daemon.logs import configure_logging
     from dynaresized.daemon.service import StartupError, run_daemon
 
     try:
-        config = load_config(args.config)
+        config, path = _config_for_daemon(args.config)
     except ConfigError as exc:
         print(f"dynaresized: {exc}", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
     configure_logging(config.daemon.log_format, config.daemon.log_level)
     try:
-        return run_daemon(config, args.config)
+        return run_daemon(config, path)
     except StartupError as exc:
         print(f"dynaresized: cannot start: {exc}", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
@@ -60,16 +78,19 @@ def _control(args: argparse.Namespace, request: msgspec.Struct) -> wire.ControlR
     from dynaresized.daemon.config import ConfigError, control_endpoint_of
 
     try:
-        daemon = _config_for_client(args.config).daemon
+        config, found = _config_for_client(args.config)
     except ConfigError as exc:
         print(f"dynaresized: {exc}", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
+    daemon = config.daemon
     endpoint = args.control or control_endpoint_of(daemon)
     try:
         ensure_listening(endpoint, args.timeout)
         return control_request(endpoint, request, args.timeout, secret=read_control_secret(daemon.state_dir))
     except (TimeoutError, ConnectionRefusedError) as exc:
-        print(f"dynaresized: {exc}", file=sys.stderr)
+        where = "--control" if args.control else found
+        print(f"dynaresized: {exc}\n  the endpoint is from {where}; {ELSEWHERE} (or --control ENDPOINT)",
+              file=sys.stderr)
         return EXIT_NOT_RUNNING
     except RuntimeError as exc:
         print(f"dynaresized: {exc}", file=sys.stderr)
@@ -166,15 +187,43 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _simple(request_of) -> Any:  # type: ignore[no-untyped-def]
+def _simple(request_of, counter: str = "") -> Any:  # type: ignore[no-untyped-def]
+    """A command that sends one request and prints the answer; with `--wait` (resize, regroup:
+    `counter` names the status count a commit raises), it then waits until the sequence it
+    started has committed or rolled back, and says which."""
     def run(args: argparse.Namespace) -> int:
+        before = _control(args, wire.StatusRequest()) if getattr(args, "wait", False) else None
+        if isinstance(before, int):
+            return before
         reply = _control(args, request_of(args))
         if isinstance(reply, int):
             return reply
         print(reply.message)
-        return EXIT_OK if reply.ok else EXIT_FAIL
+        if not reply.ok or before is None:
+            return EXIT_OK if reply.ok else EXIT_FAIL
+        return _wait_for_commit(args, counter, before.data[counter]["committed"])
 
     return run
+
+
+def _wait_for_commit(args: argparse.Namespace, counter: str, committed_before: int) -> int:
+    while True:
+        time.sleep(0.2)
+        status = _control(args, wire.StatusRequest())
+        if isinstance(status, int):
+            return status
+        data = status.data
+        if data["in_flight"] is None:
+            break
+    split = f"split train {data['split']['train']} : rollout {data['split']['rollout']}"
+    if counter == "regroups":
+        split += "; engines " + ("; ".join(f"TP-{len(g)} [{', '.join(g)}]" for g in data["engines"]) or
+                                 "one device each")
+    if data[counter]["committed"] > committed_before:
+        print(f"committed: {split}")
+        return EXIT_OK
+    print(f"not committed (rolled back or degraded: `dynaresized status`): {split}")
+    return EXIT_FAIL
 
 
 def _cmd_events(args: argparse.Namespace) -> int:
@@ -189,10 +238,11 @@ def _cmd_events(args: argparse.Namespace) -> int:
     from dynaresized.store import CompactedError, CorruptLogError, open_recorder
 
     try:
-        state_dir = args.state_dir or _config_for_client(args.config).daemon.state_dir
+        config, found = _config_for_client(None if args.state_dir else args.config)
     except ConfigError as exc:
         print(f"dynaresized: {exc}", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
+    state_dir, found = (args.state_dir, "--state-dir") if args.state_dir else (config.daemon.state_dir, found)
     types = set(args.type) if args.type else None
     if unknown := sorted((types or set()) - set(FACT_TAGS)):
         print(f"dynaresized: unknown event type(s) {', '.join(map(repr, unknown))}; the log records: "
@@ -200,7 +250,8 @@ def _cmd_events(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     path = Path(state_dir) / EVENTS_FILE
     if not path.exists():
-        print(f"dynaresized: no event log at {path} (has the daemon run with this state_dir?)", file=sys.stderr)
+        print(f"dynaresized: no event log at {path} (has the daemon run with this state_dir?); the state_dir is "
+              f"from {found}; {ELSEWHERE} (or --state-dir DIR)", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
     as_json = args.json or not sys.stdout.isatty()
     try:
@@ -281,11 +332,11 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
     """What `serve` checks before it binds or writes, with the words `serve` would print."""
-    from dynaresized.daemon.config import ConfigError, config_warnings, load_config
+    from dynaresized.daemon.config import ConfigError, config_warnings
     from dynaresized.daemon.preflight import StartupError, check_startup, held_by
 
     try:
-        config = load_config(args.config)
+        config, path = _config_for_daemon(args.config)
     except ConfigError as exc:
         print(f"dynaresized: {exc}", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
@@ -293,14 +344,14 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         check_startup(config, read_log=True)
     except StartupError as exc:
         # The reason is serve's own words; only the lead differs: nothing tried to start here.
-        print(f"dynaresized: {args.config}: serve would refuse to start: {exc}", file=sys.stderr)
+        print(f"dynaresized: {path}: serve would refuse to start: {exc}", file=sys.stderr)
         return EXIT_NOT_CONFIGURED
     for key, why in config_warnings(config):
-        print(f"dynaresized: warning: {args.config}: {key}: {why}", file=sys.stderr)
+        print(f"dynaresized: warning: {path}: {key}: {why}", file=sys.stderr)
     if held := held_by(config):
-        print(f"dynaresized: note: {args.config}: a daemon runs on this state_dir, so `serve` would be refused "
+        print(f"dynaresized: note: {path}: a daemon runs on this state_dir, so `serve` would be refused "
               f"until it stops: {held}", file=sys.stderr)
-    print(f"{args.config}: ok")
+    print(f"{path}: ok")
     return EXIT_OK
 
 
@@ -313,16 +364,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dynaresized {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
+    where = f"default ${CONFIG_ENV}, else {DEFAULT_CONFIG}"
     p = sub.add_parser("serve", help="run the daemon (what systemd starts)")
-    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"TOML configuration (default {DEFAULT_CONFIG})")
+    p.add_argument("--config", help=f"TOML configuration ({where})")
     p.set_defaults(run=_cmd_serve)
 
     p = sub.add_parser("check-config", help="run every check `serve` makes before it starts, then exit")
-    p.add_argument("--config", default=DEFAULT_CONFIG)
+    p.add_argument("--config", help=f"TOML configuration ({where})")
     p.set_defaults(run=_cmd_check_config)
 
     def client_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--config", help=f"read endpoints from this config (default {DEFAULT_CONFIG} if present)")
+        p.add_argument("--config", help=f"read endpoints from this config ({where} if present)")
         p.add_argument("--control", help="the daemon's control endpoint (default: from the config, "
                                          "ipc://<state_dir>/control.sock unless set)")
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default 5)")
@@ -333,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_status)
 
     p = sub.add_parser("events", help="print the event log (JSON lines when piped, text on a terminal)")
-    p.add_argument("--config", help="read state_dir from this config")
+    p.add_argument("--config", help=f"read state_dir from this config ({where} if present)")
     p.add_argument("--state-dir", help="directory holding events.sqlite")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     p.add_argument("--json", action="store_true", help="JSON lines even on a terminal")
@@ -361,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     client_args(p)
     p.add_argument("split", help="train:rollout")
     p.add_argument("--reason", default="")
+    p.add_argument("--wait", action="store_true", help="return once the resize has committed or rolled back")
 
     def resize_request(a: argparse.Namespace) -> wire.ResizeRequest:
         from dynaresized.domain import Split
@@ -368,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
         split = Split.parse(a.split)
         return wire.ResizeRequest(train=split.train, rollout=split.rollout, reason=a.reason)
 
-    p.set_defaults(run=_simple(resize_request))
+    p.set_defaults(run=_simple(resize_request, "resizes"))
 
     p = sub.add_parser("regroup", help="make rollout devices serve as engines of TP devices each, e.g. "
                                        "`dynaresized regroup node0:gpu2,node0:gpu3 --tp 2` (and back with --tp 1)")
@@ -376,8 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("devices", help="comma-separated device ids, all in the rollout pool")
     p.add_argument("--tp", type=int, required=True, help="devices per engine (1 splits wide engines)")
     p.add_argument("--reason", default="")
+    p.add_argument("--wait", action="store_true", help="return once the regroup has committed or rolled back")
     p.set_defaults(run=_simple(lambda a: wire.RegroupRequest(
-        devices=tuple(d for d in a.devices.split(",") if d), tp=a.tp, reason=a.reason)))
+        devices=tuple(d for d in a.devices.split(",") if d), tp=a.tp, reason=a.reason), "regroups"))
 
     p = sub.add_parser("drain", help="stop the daemon gracefully, like SIGTERM")
     client_args(p)
@@ -394,12 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=".", help="output directory (default .)")
     p.set_defaults(run=_cmd_keygen)
 
-    try:
-        from dynaresized.demo import add_parser as add_demo
+    from dynaresized.demo import add_parser as add_demo
+    from dynaresized.toy import add_parser as add_toy
 
-        add_demo(sub)
-    except ImportError:  # pragma: no cover - part of the package
-        pass
+    add_demo(sub)
+    add_toy(sub)
     from dynaresized.sim.cli import add_parsers as add_sim
     from dynaresized.sim.cli import run_cli as run_sim
 

@@ -1,4 +1,4 @@
-"""`dynaresized demo`: the whole system on one machine, in under a minute.
+"""`dynaresized demo`: the whole system on one machine, in about a minute.
 
 It starts the real daemon on loopback with a temporary state directory, one process per
 simulated device (each hosting that device's engine and trainer workers, attached through the
@@ -33,7 +33,7 @@ from dynaresized.explain import explain
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("demo", help="run the daemon with simulated workers on a long-tail RL workload (<1 min)",
+    p = sub.add_parser("demo", help="run the daemon with simulated workers on a long-tail RL workload (~1 min)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", default="longtail-drift", help="built-in scenario or a trace .jsonl")
     p.add_argument("--profile", default="qwen3-8b-h20x8", help="built-in cluster profile or a .toml")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dynaresized.core import facts as f
 from dynaresized.core.idle import idle_ratio, percent
-from dynaresized.domain import Pool
+from dynaresized.domain import PlanKind, Pool
 
 
 def explain(fact: f.Fact) -> str:
@@ -35,11 +35,13 @@ def explain(fact: f.Fact) -> str:
                     f"training {percent(idle_ratio(t, Pool.TRAINING))}")
         case f.ProgressObserved():
             return f"{fact.worker_id} step {fact.step}: {fact.done}/{fact.total} samples, {fact.tokens} tokens"
-        case f.ProposalRejected() if fact.guard.startswith("loan"):
-            return f"no loan (from {fact.source}), guard {fact.guard}: {fact.reason}"
         case f.ProposalRejected():
+            # Logs from before `proposal` was recorded say "resize" for every refusal: a loan
+            # guard's name still tells a loan's refusal there.
+            old_loan = fact.proposal is PlanKind.RESIZE and fact.guard.startswith("loan")
+            what = PlanKind.LOAN if old_loan else fact.proposal
             target = f" to {fact.target}" if fact.target else ""
-            return f"no resize{target} (from {fact.source}), guard {fact.guard}: {fact.reason}"
+            return f"no {what.value}{target} (from {fact.source}), guard {fact.guard}: {fact.reason}"
         case f.PolicyHeld():
             return f"step {fact.step}: {fact.source} holds {fact.split}: {fact.reason}"
         case f.ResizeStarted():

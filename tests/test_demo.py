@@ -19,6 +19,7 @@ from dynaresized.domain import StepTiming
 from dynaresized.store import open_recorder
 from dynaresized.store.factlog import FactLog
 
+from tests.readme_demo import excerpt
 from tests.test_readme import unmatched_demo_lines
 
 
@@ -67,8 +68,14 @@ def test_demo_moves_devices_to_the_slow_stage_and_beats_the_static_split() -> No
         home = [d for x in facts if isinstance(x, f.LoanReturnStarted) for d in x.plan.devices]
         assert set(lent) == set(home) and len(home) >= len(lent) - len(set(lent))
         assert any(isinstance(x, f.MiniBatchObserved) for x in facts)
-        # every line has a shape the README's sample is held to (tests/test_readme.py)
-        assert unmatched_demo_lines(result.stderr.rstrip("\n").split("\n")) == []
+        # every line has a shape the README's sample is held to (tests/test_readme.py), and the
+        # README's cut of a run (tests/readme_demo.py) finds its parts in this one
+        lines = result.stderr.rstrip("\n").split("\n")
+        assert unmatched_demo_lines(lines) == []
+        sample = excerpt(lines)
+        assert sample[0].startswith("dynaresized demo: ") and sample[1].startswith("step    0  ")
+        assert " resize r1 started: " in sample[3] and " resize r1 committed " in sample[4]
+        assert sample[6].startswith("done: 30 steps") and "best static configuration" in sample[-1]
     finally:
         shutil.rmtree(state.parent, ignore_errors=True)
 

@@ -26,3 +26,17 @@ def test_the_wheel_builds_without_warnings_and_carries_the_profiles(tmp_path: Pa
     assert profiles and all(f"dynaresized/sim/profiles/{p}" in names for p in profiles)
     assert "dynaresized/policies/hysteresis.py" in names and "dynaresized/backends/sim.py" in names
     assert not any(n.startswith(("policies/", "backends/", "tests/")) for n in names)
+
+
+def test_every_install_the_makefile_runs_is_quiet() -> None:
+    """`make demo` and `make test-quick` on a fresh clone printed pip's and setuptools' editable-
+    install banners (issue 45): every pip run is -q and filters setuptools' "Editable installation"
+    warning, which its build backend prints on each `pip install -e`."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert 'QUIET  := PYTHONWARNINGS="ignore:Editable installation"' in makefile
+    assert "PIP    := $(QUIET) $(PY) -m pip --disable-pip-version-check -q" in makefile
+    recipes = [x.strip().lstrip("@") for x in makefile.splitlines() if x.startswith("\t")]
+    installs = [x for x in recipes if " install " in x and "pip" in x and not x.startswith("echo")]
+    assert installs and all(x.startswith("$(PIP) ") or (x.startswith("$(QUIET) ") and " -q " in x)
+                            for x in installs), installs
+

@@ -1,5 +1,5 @@
-"""The README says what a run prints and gives: its demo sample has the shape the demo prints
-now, its demo numbers are the sample's, and its table of simulated results (and
+"""The README says what a run prints and gives: its demo sample is a cut of a run with lines the
+demo prints now, and its table of simulated results (and
 docs/results.md's) is what the simulator gives now (`python -m tests.readme_results --write`
 regenerates them)."""
 
@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from tests import readme_demo
 from tests import readme_results as results
 
 README = (results.ROOT / "README.md").read_text()
@@ -42,25 +43,17 @@ def unmatched_demo_lines(lines: list[str]) -> list[str]:
 
 
 def demo_sample() -> list[str]:
-    start = README.index("```\ndynaresized demo:") + 4
-    return README[start:README.index("```", start)].rstrip("\n").split("\n")
+    return readme_demo.block_of(README)
 
 
-def test_the_readme_demo_sample_has_the_shape_the_demo_prints() -> None:
-    sample = [x for x in demo_sample() if x.strip() != "..."]  # "..." marks lines left out
-    assert len(sample) > 20
-    assert unmatched_demo_lines(sample) == []
-    assert any(" lent to training " in x for x in sample) and any("; to rollout " in x for x in sample)
-
-
-def test_the_readme_demo_numbers_are_the_samples() -> None:
-    sample = "\n".join(demo_sample())
-    vs_static = re.search(r"dynamic is ([\d.]+)x faster", sample).group(1)
-    best_split, vs_best = re.search(r"best static split (\d+:\d+) .*\(([\d.]+)x\)", sample).groups()
-    config, vs_config = re.search(r"best static configuration (\S+) .*\(([\d.]+)x", sample).groups()
-    row = next(x for x in README.splitlines() if x.startswith("| `make demo` above"))
-    assert f"{vs_best}× the best static split {best_split}; {vs_static}× the 6:2 start" in row
-    assert f"{vs_config}× the best static configuration {config}" in row
+def test_the_readme_demo_sample_is_a_cut_of_a_run_with_lines_the_demo_prints() -> None:
+    """Cut by `python -m tests.readme_demo` (its first line and step, its first resize, its
+    summary); tests/test_demo.py cuts a real run the same way."""
+    sample = demo_sample()
+    lines = [x for x in sample if x != readme_demo.GAP]
+    assert unmatched_demo_lines(lines) == []
+    assert readme_demo.excerpt(lines) == sample
+    assert len(sample) <= 14  # short: the whole run is `make demo`
 
 
 @pytest.mark.slow  # 18 simulator runs

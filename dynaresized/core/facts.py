@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from dynaresized.domain import ActualState, DeviceId, Holding, OpSpec, Pool, ResizePlan, Split, StepTiming, Worker, WorkerId
+from dynaresized.domain import ActualState, DeviceId, Holding, OpSpec, PlanKind, Pool, ResizePlan, Split, StepTiming, Worker, WorkerId
 
 
 class Fact(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -93,13 +93,15 @@ class ProgressObserved(Fact, frozen=True, tag="progress_observed"):
 
 
 class ProposalRejected(Fact, frozen=True, tag="proposal_rejected"):
-    """A proposal that did not become a resize, and why (the operator's 'why nothing happened')."""
+    """A proposal that did not go ahead, and why (the operator's 'why nothing happened'):
+    `proposal` says what was refused, a resize, a loan or a regroup."""
 
     source: str  # policy name or "operator"
     target: Split | None
     guard: str  # the guard that refused, e.g. threshold, signal_run, cooldown, payback, capacity, in_flight
     reason: str
     step: int = -1
+    proposal: PlanKind = PlanKind.RESIZE  # what was refused (logs written before it had this: resize)
 
 
 class PolicyHeld(Fact, frozen=True, tag="policy_held"):

@@ -85,7 +85,8 @@ def tail_open(s: ClusterState) -> bool:
 
 
 def proposed(core: CoreLike, tx: Tx, at: float, propose: Callable[[LoanView], _P | None] | None,
-             check: Callable[[LoanView, _P, guards.GuardConfig], guards.Rejection | None]) -> _P | None:
+             check: Callable[[LoanView, _P, guards.GuardConfig], guards.Rejection | None],
+             kind: PlanKind) -> _P | None:
     """What the lending policy's `propose` (its `propose_loan` or `propose_tail`; None: it has
     none) proposes on what it sees now, where a loan or tail regroup may start and the proposal
     passes its guard `check`; None otherwise (a proposal the guard refuses is recorded so)."""
@@ -97,7 +98,7 @@ def proposed(core: CoreLike, tx: Tx, at: float, propose: Callable[[LoanView], _P
         return None
     rejection = check(view, proposal, core.config.guards)
     if rejection is not None:
-        reject(tx, at, core.policy.name, None, rejection.guard, rejection.reason)
+        reject(tx, at, core.policy.name, None, rejection.guard, rejection.reason, kind)
         return None
     return proposal
 
@@ -105,12 +106,12 @@ def proposed(core: CoreLike, tx: Tx, at: float, propose: Callable[[LoanView], _P
 def consider_loan(core: CoreLike, tx: Tx, at: float) -> None:
     """Ask the lending policy whether to lend idle devices to the other stage for the rest of the
     step (`propose_loan`), and start the loan when its guard lets it."""
-    proposal = proposed(core, tx, at, getattr(core.policy, "propose_loan", None), guards.check_loan)
+    proposal = proposed(core, tx, at, getattr(core.policy, "propose_loan", None), guards.check_loan, PlanKind.LOAN)
     if proposal is None:
         return
     plan = plan_loan(tx.state, proposal.devices, Pool(proposal.to_pool), PlanKind.LOAN)
     if isinstance(plan, str):
-        reject(tx, at, core.policy.name, None, "capacity", plan)
+        reject(tx, at, core.policy.name, None, "capacity", plan, PlanKind.LOAN)
         return
     tx.emit(f.LoanStarted(at=at, plan=plan, source=core.policy.name, reason=proposal.reason,
                           op_deadline=at + core.config.op_timeout_s, saves_s=proposal.saves_s,

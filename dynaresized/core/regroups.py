@@ -18,11 +18,11 @@ def on_regroup_requested_steady(core: CoreLike, tx: Tx, e: ev.RegroupRequested) 
     s = tx.state
     if s.stopping or s.paused:
         why = "the daemon is shutting down" if s.stopping else "resizing is paused; run `dynaresized resume` first"
-        reject(tx, e.at, e.requested_by, None, "stopping" if s.stopping else "paused", why)
+        reject(tx, e.at, e.requested_by, None, "stopping" if s.stopping else "paused", why, PlanKind.REGROUP)
         return
     plan = plan_regroup(s, e.devices, e.tp)
     if isinstance(plan, str):
-        reject(tx, e.at, e.requested_by, None, "regroup", plan)
+        reject(tx, e.at, e.requested_by, None, "regroup", plan, PlanKind.REGROUP)
         return
     shape = " + ".join("TP-%d engine [%s]" % (len(g), ", ".join(g)) for g in plan.engines)
     tx.emit(f.RegroupStarted(at=e.at, plan=plan, source=e.requested_by,
@@ -96,14 +96,15 @@ def consider_tail(core: CoreLike, tx: Tx, at: float) -> None:
     regroup when the guard lets it (its saving over its cost, as a loan's)."""
     if core.config.tail_costs is None or tail_open(tx.state):
         return
-    proposal = proposed(core, tx, at, getattr(core.policy, "propose_tail", None), guards.check_tail)
+    proposal = proposed(core, tx, at, getattr(core.policy, "propose_tail", None), guards.check_tail,
+                        PlanKind.REGROUP)
     if proposal is None:
         return
     s = tx.state
     undo = tuple(dict.fromkeys(s.engine_of(d) for d in proposal.devices))
     plan = plan_regroup(s, proposal.devices, len(proposal.devices), lent_ok=True)
     if isinstance(plan, str):
-        reject(tx, at, core.policy.name, None, "regroup", plan)
+        reject(tx, at, core.policy.name, None, "regroup", plan, PlanKind.REGROUP)
         return
     tx.emit(f.RegroupStarted(at=at, plan=plan, source=core.policy.name, reason=proposal.reason,
                              op_deadline=at + core.config.op_timeout_s, undo=undo))
@@ -122,7 +123,8 @@ def tail_back(core: CoreLike, tx: Tx, at: float) -> None:
     devices = tuple(d for group in undo for d in group)
     plan = plan_regroup(s, devices, len(undo[0]), lent_ok=True, engines=undo)
     if isinstance(plan, str):
-        reject(tx, at, "tail", None, "regroup", f"the tail's engine cannot be regrouped back yet: {plan}")
+        reject(tx, at, "tail", None, "regroup", f"the tail's engine cannot be regrouped back yet: {plan}",
+               PlanKind.REGROUP)
         return
     sizes = " + ".join(str(len(g)) for g in undo)
     tx.emit(f.RegroupStarted(at=at, plan=plan, source="tail", op_deadline=at + core.config.op_timeout_s,

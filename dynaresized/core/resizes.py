@@ -34,15 +34,16 @@ def on_resize_requested_steady(core: CoreLike, tx: Tx, e: ev.ResizeRequested) ->
 def on_resize_requested_busy(core: CoreLike, tx: Tx, e: ev.ResizeRequested | ev.RegroupRequested) -> None:
     s = tx.state
     target = e.target if isinstance(e, ev.ResizeRequested) else None
+    kind = PlanKind.RESIZE if isinstance(e, ev.ResizeRequested) else PlanKind.REGROUP
     if s.phase is Phase.DEGRADED:
         why = f"resizing is suspended ({s.degraded_reason}); run `dynaresized resume` first"
-        reject(tx, e.at, e.requested_by, target, "degraded", why)
+        reject(tx, e.at, e.requested_by, target, "degraded", why, kind)
         return
     fl = s.inflight
     assert fl is not None
     what = f"reconcile {fl.plan.resize_id} of {fl.reconciling}" if fl.reconciling else f"resize {fl.plan.resize_id}"
     reject(tx, e.at, e.requested_by, target, "in_flight",
-           f"{what} is in flight (phase {s.phase.value}); one operation sequence at a time")
+           f"{what} is in flight (phase {s.phase.value}); one operation sequence at a time", kind)
 
 
 def on_op_reported(core: CoreLike, tx: Tx, e: ev.OpReported) -> None:

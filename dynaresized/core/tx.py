@@ -100,7 +100,9 @@ def require_worker(state: ClusterState, worker_id: str) -> Worker:
     return w
 
 
-def reject(tx: Tx, at: float, source: str, target: Split | None, guard: str, reason: str) -> None:
-    """Record that `source`'s proposal did not go ahead, and why (`guard` names the check)."""
+def reject(tx: Tx, at: float, source: str, target: Split | None, guard: str, reason: str,
+           proposal: PlanKind = PlanKind.RESIZE) -> None:
+    """Record that `source`'s `proposal` (a resize, a loan, a regroup) did not go ahead, and why
+    (`guard` names the check)."""
     tx.emit(f.ProposalRejected(at=at, source=source, target=target, guard=guard, reason=reason,
-                               step=tx.state.last_step))
+                               step=tx.state.last_step, proposal=proposal))

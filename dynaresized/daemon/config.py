@@ -10,6 +10,8 @@ from __future__ import annotations
 import grp
 import ipaddress
 import math
+import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from dynaresized.core.guards import GuardConfig
 from dynaresized.core.machine import CoreConfig
 from dynaresized.core.policy import LoanCosts, ResizeCosts
 from dynaresized.domain import Pool, Split
+from dynaresized.spelling import did_you_mean
 from dynaresized.store import DEFAULT_RETENTION_BYTES, DEFAULT_RETENTION_S, MIN_RETENTION_BYTES, Retention
 
 
@@ -145,6 +148,23 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """The worker connections the inventory implies: an engine and a trainer per device
         (what the daemon's I/O threads and open files are sized for)."""
         return 2 * len(self.cluster.devices)
+
+
+DEFAULT_CONFIG = "/etc/dynaresized/config.toml"
+CONFIG_ENV = "DYNARESIZED_CONFIG"
+
+
+def config_path(named: str | None) -> tuple[str | None, str]:
+    """The config file a command reads, and where it came from in words: `--config`, else
+    $DYNARESIZED_CONFIG, else the default file if it exists; None when there is none of these
+    (a client command then uses the built-in defaults)."""
+    if named:
+        return named, f"--config {named}"
+    if env := os.environ.get(CONFIG_ENV):
+        return env, f"{CONFIG_ENV}={env}"
+    if Path(DEFAULT_CONFIG).exists():
+        return DEFAULT_CONFIG, f"the default {DEFAULT_CONFIG}"
+    return None, f"the built-in defaults (no --config, {CONFIG_ENV} unset, no {DEFAULT_CONFIG})"
 
 
 CONTROL_SOCKET = "control.sock"
@@ -299,13 +319,30 @@ def load_config(path: str | Path) -> Config:
     return config_from_dict(raw, source=str(path))
 
 
+_UNKNOWN_KEY = re.compile(r"unknown field `([^`]*)`(?: - at `\$((?:\.\w+)*)`)?")
+
+
+def _nearest_key(error: str) -> str:
+    """"; did you mean 'state_dir'?" for msgspec's "unknown field `stat_dir` - at `$.daemon`"."""
+    match = _UNKNOWN_KEY.search(error)
+    if match is None:
+        return ""
+    section: Any = Config
+    for name in (match.group(2) or "").split(".")[1:]:
+        fields = {f.name: f.type for f in msgspec.structs.fields(section)}
+        section = fields.get(name)
+        if not (isinstance(section, type) and issubclass(section, msgspec.Struct)):
+            return ""
+    return did_you_mean(match.group(1), [f.name for f in msgspec.structs.fields(section)])
+
+
 def config_from_dict(raw: dict[str, Any], source: str = "<config>") -> Config:
     try:
         cfg = msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
         # msgspec names the key as `$.section.key`; say it in the TOML's terms.
         text = str(exc).replace("`$.", "`").replace("`$`", "the top level")
-        raise ConfigError(f"{source}: {text}") from None
+        raise ConfigError(f"{source}: {text}{_nearest_key(str(exc))}") from None
     problems = _check(cfg)
     if problems:
         lines = "\n".join(f"  {key}: {why}" for key, why in problems)

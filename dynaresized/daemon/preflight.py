@@ -13,11 +13,12 @@ from pathlib import Path
 
 import msgspec
 
-from dynaresized.core.policy import Policy, UnknownPolicyError, load_policy
+from dynaresized.core.policy import Policy, UnknownPolicyError, available_policies, load_policy
 from dynaresized.core.state import ClusterState
 from dynaresized.daemon.config import Config, is_loopback_endpoint
 from dynaresized.daemon.security import SecurityError, load_server_keys
 from dynaresized.store import CorruptLogError, FactLog, StoreLockedError, open_recorder, writer_lock_problem
+from dynaresized.spelling import did_you_mean
 
 EVENTS_FILE = "events.sqlite"
 
@@ -31,7 +32,8 @@ def configured_policy(config: Config) -> Policy:
     try:
         policy = load_policy(config.policy.name, config.policy.options)
     except UnknownPolicyError as exc:
-        raise StartupError(f"policy.name: {exc.args[0]}") from None
+        raise StartupError(f"policy.name: {exc.args[0]}{did_you_mean(config.policy.name, available_policies())}") \
+            from None
     except (ValueError, TypeError) as exc:
         raise StartupError(f"policy.options: {exc}") from None
     if getattr(policy, "regroups_tails", False):

@@ -39,6 +39,7 @@ from dynaresized.sim.workload import (
     load_trace,
     scenario_trace,
 )
+from dynaresized.spelling import did_you_mean
 
 DEFAULT_PROFILE = "qwen3-8b-h20x8"
 
@@ -189,7 +190,8 @@ def _require_policies(names: list[str]) -> None:
     installed = available_policies()
     for name in names:
         if name not in installed:
-            raise UnknownPolicyError(f"unknown policy {name!r}; installed policies: {', '.join(installed)}")
+            raise UnknownPolicyError(f"unknown policy {name!r}; installed policies: {', '.join(installed)}"
+                                     f"{did_you_mean(name, installed)}")
 
 
 def _positive(value: int | None, flag: str) -> None:

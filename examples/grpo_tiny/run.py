@@ -53,6 +53,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from dynaresized import wire  # noqa: E402
 from dynaresized.control import control_request, read_control_secret  # noqa: E402
 from examples.grpo_tiny import task  # noqa: E402
+from examples.grpo_tiny.compare import static_comparison  # noqa: E402
 from examples.grpo_tiny.job import StepSamples, TrainSample, advantages, write_step  # noqa: E402
 from examples.grpo_tiny.ledger import done_path, wait_trained  # noqa: E402
 
@@ -956,6 +957,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                     "steps_detail")}
     if args.compare_static:
         result["static"] = compare_static(cfg, summary, work, keep=bool(args.work))
+    else:
+        print(f"  {static_comparison(summary, f'{cfg.initial_train}:{cfg.devices - cfg.initial_train}')}", flush=True)
     if args.json:
         print(json.dumps(result))
     if not summary["ledger_ok"]:

@@ -93,6 +93,22 @@ def test_a_regroup_that_is_impossible_says_why_and_changes_nothing() -> None:
     assert rejected(facts).guard == "in_flight"
 
 
+def test_a_refused_regroup_is_named_a_regroup_not_a_resize() -> None:
+    """issue 45: the operator's refused regroup read "no resize (from operator), guard regroup"."""
+    from dynaresized.explain import explain
+
+    d = boot(make_core(), 2, 4)
+    facts, _ = regroup(d, (device(0), device(1)), 2)
+    refusal = rejected(facts)
+    assert refusal.proposal is PlanKind.REGROUP
+    assert explain(refusal).startswith("no regroup (from operator), guard regroup: ")
+    facts, _ = d.send(ev.ResizeRequested(at=d.at(), target=Split(train=2, rollout=4)))
+    assert explain(rejected(facts)).startswith("no resize to 2:4 (from operator), guard candidates: ")
+    # a log written before refusals named what they refused: a loan guard still reads as a loan
+    old = f.ProposalRejected(at=0.0, source="hysteresis", target=None, guard="loan_payback", reason="r")
+    assert explain(old) == "no loan (from hysteresis), guard loan_payback: r"
+
+
 def test_a_worker_of_several_devices_is_not_regrouped() -> None:
     d = Driver(make_core())
     d.send(ev.Configure(at=0, devices=PAIR, pools=(Pool.ROLLOUT, Pool.ROLLOUT)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -119,9 +120,41 @@ def test_status_fails_at_once_when_nothing_listens(tmp_path: Path) -> None:
     down = cli("status", "--control", f"tcp://127.0.0.1:{port}", "--timeout", "3600", timeout=60)
     assert down.returncode == 3
     assert down.stderr == (f"dynaresized: nothing listens on the daemon's control endpoint tcp://127.0.0.1:{port} "
-                           "(is it running? `systemctl status dynaresized`)\n")
+                           "(is it running? `systemctl status dynaresized`)\n  the endpoint is from --control; "
+                           "point the CLI at another daemon with --config FILE or DYNARESIZED_CONFIG=FILE "
+                           "(or --control ENDPOINT)\n")
     ipc = cli("status", "--control", f"ipc://{tmp_path / 'control.sock'}", "--timeout", "3600", timeout=60)
     assert ipc.returncode == 3 and "nothing listens" in ipc.stderr
+
+
+def test_the_config_is_found_through_DYNARESIZED_CONFIG_and_errors_say_where_the_cli_looked(
+        make_daemon, tmp_path: Path) -> None:
+    """Off systemd (issue 45): no --config on every command, and a miss says what was read."""
+    daemon = make_daemon()
+    env = {**os.environ, "DYNARESIZED_CONFIG": str(daemon.config_path)}
+
+    def run(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "dynaresized.cli", *args], capture_output=True, text=True,
+                              timeout=60, env={**env, **extra})
+
+    status = run("status")
+    assert status.returncode == 0 and "phase       steady" in status.stdout, status.stderr
+    assert run("pause").returncode == 0 and run("resume").returncode == 0  # the secret from its state_dir
+    assert run("check-config").returncode == 0  # serve's own checks read it too
+    assert json.loads(run("events").stdout.splitlines()[0])["type"] == "cluster_configured"
+    # --config wins over the variable
+    other = write_config(tmp_path / "other.toml", {"daemon": {"state_dir": str(tmp_path / "none")},
+                                                   "cluster": {"devices": ["a:gpu0", "a:gpu1"]}})
+    down = run("status", "--config", str(other), "--timeout", "0.5")
+    assert down.returncode == 3
+    assert f"nothing listens on the daemon's control endpoint ipc://{tmp_path / 'none' / 'control.sock'}" in down.stderr
+    assert f"the endpoint is from --config {other}; point the CLI at another daemon with --config FILE or " \
+           "DYNARESIZED_CONFIG=FILE" in down.stderr
+    missing = run("status", DYNARESIZED_CONFIG=str(tmp_path / "gone.toml"))
+    assert missing.returncode == 6 and missing.stderr == \
+        f"dynaresized: {tmp_path / 'gone.toml'}: no such file (named by DYNARESIZED_CONFIG)\n"
+    no_log = run("events", DYNARESIZED_CONFIG=str(other))
+    assert no_log.returncode == 6 and f"the state_dir is from DYNARESIZED_CONFIG={other}" in no_log.stderr
 
 
 def test_a_directory_as_config_is_one_line_of_error(tmp_path: Path) -> None:
@@ -235,3 +268,21 @@ def test_events_and_the_store_commands_say_where_a_compacted_log_starts(tmp_path
     assert out.err.rstrip().endswith(f"the history here starts at position {first}")
     assert main(["events", "--state-dir", str(tmp_path), "--since", str(first)]) == 0  # after the start: no word
     assert capsys.readouterr().err == ""
+
+
+def test_the_toy_cluster_says_what_it_needs(tmp_path: Path) -> None:
+    """Without a config it names both ways to give one; with no daemon running, how to start it;
+    with a config for other devices, the command that writes one for its own (the whole recipe
+    runs in tests/test_docs.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "DYNARESIZED_CONFIG"}
+    none = subprocess.run([sys.executable, "-m", "dynaresized.cli", "toy-cluster"], capture_output=True, text=True,
+                          timeout=60, env=env, cwd=tmp_path)
+    if not Path("/etc/dynaresized/config.toml").exists():
+        assert none.returncode == 6 and "--config FILE or DYNARESIZED_CONFIG=FILE" in none.stderr
+    wrote = cli("toy-cluster", "--write-config", str(tmp_path / "toy"))
+    assert wrote.returncode == 0 and f"export DYNARESIZED_CONFIG={tmp_path / 'toy' / 'config.toml'}" in wrote.stdout
+    down = cli("toy-cluster", "--config", str(tmp_path / "toy" / "config.toml"), "--timeout", "0.5")
+    assert down.returncode == 3 and "start it first: `dynaresized serve &`" in down.stderr
+    other = write_config(tmp_path / "other.toml", {"cluster": {"devices": ["a:gpu0", "a:gpu1"]}})
+    mine = cli("toy-cluster", "--config", str(other))
+    assert mine.returncode == 6 and "`dynaresized toy-cluster --write-config DIR` writes a config" in mine.stderr

@@ -62,6 +62,10 @@ def test_example_config_is_valid() -> None:
     ({"cluster": {"devices": ["a", "b"]}, "store": {"retention_bytes": 1 << 20}},
      "store.retention_bytes: must be 0 (no size bound) or at least 67108864"),
     ({"cluster": {"devices": ["a", "b"]}, "store": {"retention": 1}}, "Object contains unknown field `retention`"),
+    # a misspelt key or section gets the nearest real one (issue 45)
+    ({"daemon": {"stat_dir": "/tmp/x"}}, "unknown field `stat_dir` - at `daemon`; did you mean 'state_dir'?"),
+    ({"guards": {"signalrun": 3}}, "unknown field `signalrun` - at `guards`; did you mean 'signal_run'?"),
+    ({"polcy": {"name": "static"}}, "unknown field `polcy`; did you mean 'policy'?"),
 ])
 def test_bad_values_name_the_key(raw: dict, expected: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(expected)):
@@ -159,3 +163,18 @@ def test_the_worker_endpoints_keepalives_stay_within_linuxs_limits(timeout_s: fl
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, o[zmq.TCP_KEEPALIVE_INTVL])
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, o[zmq.TCP_KEEPALIVE_CNT])
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, o[zmq.TCP_MAXRT])
+
+
+def test_an_unknown_key_far_from_every_real_one_gets_no_guess() -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"daemon": {"zzzzqqq": 1}}, "test.toml")
+    assert "unknown field `zzzzqqq`" in str(info.value) and "did you mean" not in str(info.value)
+
+
+def test_the_documented_built_in_policies_are_the_installed_ones() -> None:
+    """docs/configuration.md listed four built-in policies while six were installed (issue 45)."""
+    from dynaresized.core.policy import available_policies
+
+    row = next(x for x in DOC.splitlines() if x.startswith("| `name` | `\"hysteresis\"`"))
+    listed = re.findall(r"`([a-z0-9-]+)`", row.split("built in are", 1)[1])
+    assert sorted(set(listed)) == sorted(available_policies())

@@ -37,6 +37,7 @@ def refused_by_both(config: Path) -> str:
 TRAPS: dict[str, tuple[dict[str, dict[str, Any]], str]] = {
     "unknown policy": ({"policy": {"name": "hysterisis"}},
                        "cannot start: policy.name: unknown policy 'hysterisis'; installed policies: "),
+    "misspelt policy": ({"policy": {"name": "hysterisis"}}, "; did you mean 'hysteresis'?"),
     "unknown policy option": ({"policy": {"name": "hysteresis", "options": {"bogus": 1}}},
                               "cannot start: policy.options: bad options for policy 'hysteresis'"),
     "tail regroups, simulated only": ({"policy": {"name": "hysteresis", "options": {"tail_regroup": True}}},

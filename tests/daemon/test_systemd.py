@@ -22,6 +22,11 @@ UNIT = Path(__file__).parents[2] / "systemd" / "dynaresized.service"
 README = (Path(__file__).parents[2] / "README.md").read_text()
 
 
+def _service_section() -> str:
+    start = README.index("## Run it as a service")
+    return README[start:README.index("\n## ", start + 1)]
+
+
 def _systemd_analyze() -> str:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
@@ -60,7 +65,7 @@ def test_unit_as_shipped_passes_systemd_analyze_verify(tmp_path: Path) -> None:
 def test_readme_installs_where_the_unit_looks() -> None:
     exec_start = _exec_start()
     venv = str(Path(exec_start).parents[1])
-    steps = README[README.index("## Run it as a service"):README.index("## Operate it")]
+    steps = _service_section()
     block = steps[steps.index("```sh"):steps.index("```", steps.index("```sh") + 5)]
     lines = [x.split("#")[0].strip() for x in block.splitlines()[1:]]
     assert f"python3 -m venv {venv}" in lines and f"{venv}/bin/pip install ." in lines
@@ -74,7 +79,7 @@ def test_the_units_documentation_is_a_file_the_readme_installs() -> None:
     """Documentation= named /usr/share/doc/dynaresized/README.md, which nothing installed."""
     docs = [x.removeprefix("Documentation=") for x in UNIT.read_text().splitlines() if x.startswith("Documentation=")]
     assert docs, "the unit names its documentation"
-    steps = README[README.index("## Run it as a service"):README.index("## Operate it")]
+    steps = _service_section()
     for uri in docs:
         assert uri.startswith("file://"), uri
         path = uri.removeprefix("file://")

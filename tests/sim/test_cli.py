@@ -97,6 +97,7 @@ def test_a_bad_trace_line_is_an_error_naming_the_line(tmp_path, capsys):
     [
         (("simulate", "--scenario", "nope"), "unknown scenario"),
         (("simulate", "--scenario", "noisy", "--policy", "nope"), "unknown policy"),
+        (("simulate", "--scenario", "noisy", "--policy", "hysterisis"), "; did you mean 'hysteresis'?"),
         (("simulate", "--scenario", "noisy", "--profile", "nope"), "no profile"),
         (("simulate", "--scenario", "noisy", "--steps", "0"), "--steps must be >= 1"),
         (("simulate", "--scenario", "noisy", "--guard", "cooldown_steps"), "KEY=VALUE"),
