@@ -172,7 +172,7 @@ def test_simulate_from_the_planned_layout_keeps_the_profiles_baselines():
     assert (plain["layout"], plain["planned_start"]) == ("profile", "")
     assert planned["layout"] == "plan"
     assert planned["planned_start"] == f"{planned['initial_split']}/TP-{planned['tp']}"
-    for key in ("best_static", "best_static_tp1", "oracle_total_time_s", "fluid_bound_s"):
+    for key in ("best_static", "best_static_tp1", "best_split_per_step_tp1_total_time_s", "fluid_bound_s"):
         assert planned[key] == plain[key], key
     _, manual = cli(*argv, "--tp", "2", "--initial-split", "4:4")
     assert json.loads(manual)["layout"] == "manual"
