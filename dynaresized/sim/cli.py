@@ -16,7 +16,7 @@ import msgspec
 
 from dynaresized.core.idle import percent
 from dynaresized.core.policy import UnknownPolicyError, available_policies, load_policy
-from dynaresized.sim.plan import PILOT_STEPS, Plan, Replanner, plan, plan_start
+from dynaresized.sim.plan import PILOT_STEPS, Plan, Replanner, plan, plan_start, start_plan
 from dynaresized.sim.plot import PlotUnavailable
 from dynaresized.sim.profile import Profile, ProfileError, builtin_profiles, load_profile, parse_split
 from dynaresized.sim.stages import ROUTERS, StageModel
@@ -136,11 +136,14 @@ def add_parsers(subparsers: Any) -> None:
 
     pl = subparsers.add_parser(
         "plan",
-        help="search the fastest static configuration (split x engine size) per phase of a trace",
+        help="where `simulate` starts a policy, and the fastest static configuration per phase of a trace",
         description=(
-            "ReaL's plan search on the simulator's cost model: cut the trace into phases of alike response "
-            "lengths, search each phase's configuration on its first --pilot-steps steps, and check the "
-            "prediction against the phase simulated whole."
+            "ReaL's plan search on the simulator's cost model. First the start `simulate` uses: the fastest "
+            "static configurations of the first --pilot-steps steps, each run with the policy, the fastest "
+            "kept, with the predicted totals of the policy from there and of the best static configuration. "
+            "Then the static plan: cut the trace into phases of alike response lengths, search each phase's "
+            "configuration on its first --pilot-steps steps, and check the prediction against the phase "
+            "simulated whole."
         ),
     )
     plan_source = pl.add_mutually_exclusive_group(required=True)
@@ -154,6 +157,10 @@ def add_parsers(subparsers: Any) -> None:
     pl.add_argument("--router", choices=ROUTERS, default="pull")
     pl.add_argument("--pilot-steps", type=int, default=PILOT_STEPS, metavar="K",
                     help=f"steps of each phase the search sees (default {PILOT_STEPS})")
+    pl.add_argument("--policy", default="hysteresis", metavar="NAME",
+                    help="the policy whose start to plan, as `simulate --policy` runs it (default hysteresis)")
+    pl.add_argument("--policy-option", action="append", metavar="KEY=VALUE", help="option for the policy")
+    pl.add_argument("--guard", action="append", metavar="KEY=VALUE", help="override a hysteresis guard")
     pl.add_argument("--method", choices=("exhaustive", "bound", "mcmc"),
                     help="search method (default: exhaustive for small spaces, the exact bound up to 256 "
                          "configurations, MCMC above)")
@@ -278,7 +285,13 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
 def _plan(args: argparse.Namespace, out: TextIO) -> int:
     _positive(args.pilot_steps, "--pilot-steps")
     profile, trace, _ = _workload(args)
+    _require_policies([args.policy])
+    options = _key_values(args.policy_option, "--policy-option")
+    guards = guards_for(profile, _key_values(args.guard, "--guard"))
     result = plan(profile, trace, router=args.router, pilot_steps=args.pilot_steps, method=args.method)
+    start = start_plan(profile, trace, lambda: load_policy(args.policy, options), guards, router=args.router,
+                       pilot_steps=args.pilot_steps, policy=args.policy)
+    result = msgspec.structs.replace(result, start=start)
     if args.json:
         out.write(msgspec.json.encode(result).decode() + "\n")
     else:
@@ -287,9 +300,27 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def plan_summary(p: Plan) -> str:
-    lines = [
-        f"plan of {p.workload} on {p.profile} ({p.gpus} devices), each phase searched on its first "
-        f"{p.pilot_steps} steps",
+    lines = []
+    if p.start is not None:
+        st = p.start
+        lines += [
+            f"start of policy {st.policy} on {p.workload} ({p.profile}, {p.gpus} devices), from its first "
+            f"{st.pilot_steps} steps:",
+            f"  planned_start              {st.planned_start:>12}   where `simulate` starts the policy: of the "
+            f"{len(st.candidates)} fastest static configurations, the one it runs fastest from",
+            f"  predicted_dynamic_total_s  {st.predicted_dynamic_total_s:12.1f}   the policy from planned_start over "
+            f"{st.steps} steps (its pilot's windows, extrapolated)",
+            f"  best_static                {st.best_static:>12}   held still: best_static_predicted_total_s "
+            f"{st.best_static_predicted_total_s:.1f} over {st.steps} steps",
+            f"  {'candidates':<26} {'static_pilot_s':>14} {'dynamic_pilot_s':>16}",
+        ]
+        for c in st.candidates:
+            mark = "   <- planned_start" if c.config == st.planned_start else ""
+            lines.append(f"  {c.config:<26} {c.static_pilot_s:>14.1f} {c.dynamic_pilot_s:>16.1f}{mark}")
+        lines.append("")
+    lines += [
+        f"static plan of {p.workload} on {p.profile} ({p.gpus} devices), each phase searched on its first "
+        f"{p.pilot_steps} steps (the fastest configuration held still, no policy)",
         f"  {'steps':>9}  {'configuration':<16} {'predicted s':>12} {'simulated s':>12} {'error':>7}  search",
     ]
     for ph in p.phases:
