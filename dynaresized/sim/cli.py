@@ -217,10 +217,30 @@ def _workload(args: argparse.Namespace) -> tuple[Profile, Trace, int | None]:
         trace = load_trace(args.trace)
         if args.steps is not None:
             trace = trace.head(args.steps)
+        warning = lengths_warning(trace, profile)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
         return profile, trace, None
     if args.samples is not None:
         profile = profile.with_samples(args.samples)
     return profile, scenario_trace(args.scenario, scenario_shape(profile), seed=args.seed, steps=args.steps), args.seed
+
+
+def lengths_warning(trace: Trace, profile: Profile) -> str:
+    """What to say when `trace` has responses longer than the profile's `max_response_tokens`
+    (an engine with that `max_tokens` would have cut them): "" when it has none."""
+    limit = profile.workload.max_response_tokens
+    over = [int((b.response_tokens > limit).sum()) for b in trace.steps]
+    n = sum(over)
+    if not n:
+        return ""
+    total = sum(len(b.response_tokens) for b in trace.steps)
+    longest = max(int(b.response_tokens.max()) for b in trace.steps if len(b.response_tokens))
+    steps = sum(k > 0 for k in over)
+    return (f"{trace.name}: {n} of {total} responses ({steps} of {len(trace)} steps) are longer than profile "
+            f"{profile.name}'s max_response_tokens = {limit} (the longest: {longest}); they are simulated at their "
+            f"traced length, which an engine with that max_tokens would have cut. Give a profile whose "
+            f"[workload] max_response_tokens is the run's max_tokens")
 
 
 def _simulate(args: argparse.Namespace, out: TextIO) -> int:
