@@ -15,7 +15,7 @@ TORCH  := torch==2.13.0
 # verl integration tests, which the main venv's pytest runs as subprocesses.
 VERL_VENV ?= .venv-verl
 
-.PHONY: demo example test test-quick setup setup-quick setup-example setup-test bench docs figures clean
+.PHONY: demo example test test-quick setup setup-quick setup-example setup-test bench docs figures results clean
 
 $(VENV)/.base: pyproject.toml
 	@echo "setup: $(VENV) with dynaresized (pip install -e .)"
@@ -108,6 +108,12 @@ figures: $(VENV)/.plot
 docs: $(VENV)/.base
 	$(PY) -m dynaresized.protocol_doc > docs/protocol.md
 	$(PY) -m dynaresized.fact_doc > docs/facts.md
+
+# The README's results table and docs/results.md's tables, regenerated from simulator runs
+# (about 40 runs; tests/test_readme.py fails when they are stale). JOBS=4 runs four at a time.
+JOBS ?= 1
+results: $(VENV)/.base
+	$(PY) -m tests.readme_results --write --jobs $(JOBS)
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) build *.egg-info .pytest_cache .hypothesis

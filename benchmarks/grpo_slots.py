@@ -15,11 +15,13 @@ trains, so a move back to rollout costs a resume and a weight reload, not an eng
 
 * `speedup_vs_initial_split` = static run on the initial split / the run with the policy;
 * `speedup_vs_best_static` = the fastest static run (hindsight-best) / the run with the policy;
-* `speedup_vs_verl_dynamic` = the run with verl's own rule (`verl-default`: it lends the trainers
-  to the rollout between training steps, as verl's hybrid replicas) / the run with the policy,
-  both from the initial split; the policy's moves and loans and verl's loans are listed;
-  `speedup_vs_verl_dynamic_seeded`: the same against verl's rule with its starting switch-cost
-  estimate (10 s, more than any saving on these seconds-long steps) set to this machine's;
+* `speedup_vs_verl_dynamic_median` = the run with verl's own rule (`verl-default`: it lends the
+  trainers to the rollout between training steps, as verl's hybrid replicas) / the run with the
+  policy, both from the initial split, per repeat (every one in `speedup_vs_verl_dynamic_runs`);
+  the policy's moves and loans and verl's loans are listed per run;
+  `speedup_vs_verl_dynamic_seeded_median`: the same against verl's rule with its starting
+  switch-cost estimate (10 s, more than any saving on these seconds-long steps) set to this
+  machine's;
 * `per_phase_best_split`: per phase of the workload, which static run's steps were fastest and
   by how much (mean step period), i.e. how far the best split per phase is from the best static;
 * `sim_vs_measured_total_time_error`: the simulator (`dynaresized simulate`, the same core and
@@ -27,12 +29,22 @@ trains, so a move back to rollout costs a resume and a weight reload, not an eng
   fitted from the STATIC runs' step times (`fit`, one per phase: `simulate_by_phase`), with the
   resize costs the daemon measured; (predicted − measured) / measured total loop time.
 
+Repeats (issue 43, item 6): the policy run and verl's two runs are made `--repeat` times (3 by
+default), each repeat the three back to back (policy, verl as shipped, verl seeded), so that a
+repeat's three runs see alike load on shared cores; the static runs once each. Every speedup
+against verl is per repeat (verl's run over the policy run of the same repeat), reported as
+`speedup_vs_verl_dynamic_median` / `speedup_vs_verl_dynamic_seeded_median` with every run in
+`..._runs`; the speedups against static runs use the policy runs' median loop time, and
+`sim_vs_measured_total_time_error` is the median over the policy runs (each run replayed on
+its own measured costs), every run in `..._runs`.
+
 Usage: python benchmarks/grpo_slots.py [--steps 24] [--prompts 64] [--slots 0.5] [--weight N]
-                                       [--initial-train 2] [--mini-batches M] [--work DIR] [--quick]
+                                       [--initial-train 2] [--mini-batches M] [--repeat 3]
+                                       [--work DIR] [--quick]
        python benchmarks/grpo_slots.py --work DIR --resimulate RESULT.json   # the sim side again
-Needs root (or a delegated cgroup), the torch and vllm extras. Runs the policy run, verl's rule
-twice (as shipped, and seeded) and one static run per split (6 runs for 3 devices), each
-1.5-2 minutes at 24-32 steps on 2 cores.
+Needs root (or a delegated cgroup), the torch and vllm extras. Runs the policy run and verl's
+rule twice (as shipped, and seeded) `--repeat` times, and one static run per split (11 runs
+for 3 devices at --repeat 3), each 1.5-2 minutes at 24-32 steps on 2 cores.
 """
 
 from __future__ import annotations
@@ -126,6 +138,10 @@ def fit(static_runs: list[dict[str, Any]], phase_of: Any) -> dict[str, Any]:
                 # the trained answer is at most the answer's room (len(prompt) tokens)
                 tokens[phase] = tokens.get(phase, 0.0) + sum(
                     p + min(r, p) for p, r in zip(d["prompt_tokens"], d["response_tokens"], strict=True))
+    missing = sorted({phase_of(d["step"]) for run in static_runs for d in run["_detail"]} - set(device_s))
+    if missing:
+        raise ValueError(f"no training step of phase(s) {missing} measured in the static runs (steps 2 on, the "
+                         "last step's training unreported): too few --steps to fit the simulator's profile")
     (base, per_seq), *_ = np.linalg.lstsq(np.array(rows, float), np.array(ys, float), rcond=None)
     return {"iter_base_s": max(float(base), 1e-6), "iter_per_seq_s": max(float(per_seq), 1e-9),
             "train_s_per_token": {ph: device_s[ph] / tokens[ph] for ph in sorted(device_s)}}
@@ -292,24 +308,52 @@ def detail_from_log(work: Path, tokens: list[dict[str, Any]]) -> list[dict[str, 
             for k, t in ((t["step"], t) for t in tokens)]
 
 
+def policy_runs(result: dict[str, Any]) -> list[str]:
+    """The names of a result's runs with the policy: "policy-1", "policy-2"... ("policy" in a
+    result from before --repeat)."""
+    return [r["name"] for r in result["runs"] if r["name"] == "policy" or re.fullmatch(r"policy-\d+", r["name"])]
+
+
 def resimulate(base: Path, result: dict[str, Any]) -> dict[str, Any]:
-    """The simulator's side again, on the runs a benchmark left in `base` (its JSON in `result`)."""
+    """The simulator's side again, on the runs a benchmark left in `base` (its JSON in `result`):
+    each policy run replayed (`resimulate_run`), its error against its measured loop time; the
+    median error and every run's."""
     tokens = [json.loads(line) for line in (base / "policy-trace.jsonl").read_text().splitlines()]
     runs = {r["name"]: r for r in result["runs"]}
     statics = [{"_detail": detail_from_log(base / name, tokens)} for name in runs if name.startswith("static")]
     wl = task.ShiftingWorkload(steps=result["steps"])
     params = fit(statics, wl.phase)
-    policy = runs["policy"]
-    sim = simulate_by_phase(detail_from_log(base / "policy", tokens), params, wl.switch_step, result["devices"],
+    sims = {name: resimulate_run(base, result, runs[name], tokens, params, wl) for name in policy_runs(result)}
+    errors = [sim["error"] for sim in sims.values()]
+    first = next(iter(sims.values()))
+    return {"sim_vs_measured_total_time_error": round(statistics.median(errors), 3),
+            "sim_vs_measured_total_time_error_runs": errors,
+            "sim": {**first["sim"], "fit": params},
+            "sim_runs": {name: sim["sim"] for name, sim in sims.items()}}
+
+
+def resimulate_run(base: Path, result: dict[str, Any], policy: dict[str, Any], tokens: list[dict[str, Any]],
+                   params: dict[str, Any], wl: Any) -> dict[str, Any]:
+    """One policy run through the simulator: its trace on the fitted profiles, with the resize
+    and loan costs its daemon measured; (predicted - measured) / measured loop time."""
+    work = base / policy["name"]
+    sim = simulate_by_phase(detail_from_log(work, tokens), params, wl.switch_step, result["devices"],
                             int(policy["initial_split"].split(":")[0]), result["prompts"] * 8,
-                            resize_seconds(policy["events"]), base, result.get("mini_batches", 1),
+                            resize_seconds(policy["events"]), work, result.get("mini_batches", 1),
                             loan_seconds(policy["events"]))
     measured = policy["loop_s"]
     per = policy["step_periods_s"]
     for ph, m in zip(sim["phases"], (sum(per[:wl.switch_step]), sum(per[wl.switch_step:])), strict=True):
         ph["measured_s"] = round(m, 2)
-    return {"sim_vs_measured_total_time_error": round((sim["total_time_s"] - measured) / measured, 3),
-            "sim": {**sim, "fit": params, "measured_total_s": measured}}
+    return {"error": round((sim["total_time_s"] - measured) / measured, 3),
+            "sim": {**sim, "measured_total_s": measured}}
+
+
+def paired(name: str, against: list[dict[str, Any]], policy: list[dict[str, Any]]) -> dict[str, Any]:
+    """`speedup_vs_<name>`: per repeat, the other run's loop time over the policy run's of the
+    same repeat (run back to back, so under alike load), the median and every run."""
+    runs = [round(a["loop_s"] / p["loop_s"], 3) for a, p in zip(against, policy, strict=True)]
+    return {f"speedup_vs_{name}_median": round(statistics.median(runs), 3), f"speedup_vs_{name}_runs": runs}
 
 
 def main() -> int:
@@ -329,6 +373,8 @@ def main() -> int:
                    help="micro-batches per RL step (default 4, or 4 per mini-batch with --mini-batches)")
     p.add_argument("--work", help="keep every run's work directory here")
     p.add_argument("--quick", action="store_true", help="12 steps")
+    p.add_argument("--repeat", type=int, default=3, metavar="N",
+                   help="runs of the policy, of verl's rule as shipped and of verl's rule seeded, each (default 3)")
     p.add_argument("--resimulate", metavar="JSON",
                    help="only redo the simulator's side on the runs a benchmark with --work DIR left there "
                         "(JSON: the object it printed); prints the object with the new sim fields")
@@ -341,6 +387,8 @@ def main() -> int:
         print(json.dumps(result))
         return 0
     steps = 12 if args.quick else args.steps
+    if args.repeat < 1:
+        p.error(f"--repeat must be >= 1, got {args.repeat}")
     base = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="grpo-slots-bench-"))
     base.mkdir(parents=True, exist_ok=True)
     out_fd = os.dup(1)
@@ -355,20 +403,22 @@ def main() -> int:
     common = dict(steps=steps, devices=args.devices, prompts=args.prompts, deterministic=True, workload="shift",
                   slots=args.slots, slot_weight=args.weight, guards=GUARDS, micro_batches=micro,
                   mini_batches=args.mini_batches)
-    runs = [one_run(base, "policy", {**common, "policy": "hysteresis", "initial_train": args.initial_train}, shared)]
-    verl = one_run(base, "verl-default", {**common, "policy": "verl-default", "initial_train": args.initial_train},
-                   shared)
     # verl's rule assumes a switch costs 10 s until it has measured one; on steps of seconds no
     # saving exceeds that, so as shipped it never lends here. Seeded with what a switch costs on
     # these slots (the daemon's loan costs), it does: a variant, reported apart.
     seed_s = RunConfig().loan_costs["to_rollout_s"] + RunConfig().loan_costs["return_s"]
-    verl_seeded = one_run(base, "verl-default-seeded", {**common, "policy": "verl-default",
-                                                        "initial_train": args.initial_train,
-                                                        "policy_options": {"switch_cost_s": seed_s}}, shared)
+    dynamic = {"policy": {"policy": "hysteresis"}, "verl-default": {"policy": "verl-default"},
+               "verl-default-seeded": {"policy": "verl-default", "policy_options": {"switch_cost_s": seed_s}}}
+    repeats: dict[str, list[dict[str, Any]]] = {kind: [] for kind in dynamic}
+    for i in range(1, args.repeat + 1):  # each repeat's three runs back to back, under alike load
+        for kind, cfg in dynamic.items():
+            repeats[kind].append(one_run(base, f"{kind}-{i}", {**common, **cfg, "initial_train": args.initial_train},
+                                         shared))
     splits = [args.initial_train] + [t for t in range(1, args.devices) if t != args.initial_train]
-    for t in splits:
-        runs.append(one_run(base, f"static-{t}", {**common, "policy": "static", "initial_train": t}, shared))
-    policy, statics = runs[0], runs[1:]
+    statics = [one_run(base, f"static-{t}", {**common, "policy": "static", "initial_train": t}, shared)
+               for t in splits]
+    policies, verls, seeded = repeats["policy"], repeats["verl-default"], repeats["verl-default-seeded"]
+    policy_s = statistics.median(r["loop_s"] for r in policies)
     initial = statics[0]
     best = min(statics, key=lambda r: r["loop_s"])
     wl = task.ShiftingWorkload(steps=steps)
@@ -379,31 +429,37 @@ def main() -> int:
         split = min(means, key=means.__getitem__)
         phases[str(phase)] = {"steps": [idx[0], idx[-1]], "mean_step_s": {k: round(v, 3) for k, v in means.items()},
                               "best_split": split}
+
+    def started(run: dict[str, Any], what: str) -> list[str]:
+        return [e for e in run["events"] if e.startswith(what)]
+
     result: dict[str, Any] = {
         "benchmark": "grpo_slots", "steps": steps, "prompts": args.prompts, "devices": args.devices,
-        "slots_cores": args.slots, "slot_weight": args.weight, "cpu_count": os.cpu_count(),
-        "speedup_vs_initial_split": round(initial["loop_s"] / policy["loop_s"], 3),
-        "speedup_vs_best_static": round(best["loop_s"] / policy["loop_s"], 3),
+        "slots_cores": args.slots, "slot_weight": args.weight, "cpu_count": os.cpu_count(), "repeat": args.repeat,
+        **paired("verl_dynamic", verls, policies),
+        **paired("verl_dynamic_seeded", seeded, policies),
+        "speedup_vs_initial_split": round(initial["loop_s"] / policy_s, 3),
+        "speedup_vs_best_static": round(best["loop_s"] / policy_s, 3),
+        "speedup_vs_best_static_runs": [round(best["loop_s"] / r["loop_s"], 3) for r in policies],
         "best_static_split": best["initial_split"], "initial_split": initial["initial_split"],
         "engines_kept_loaded": True, "per_phase_best_split": phases,
         "mini_batches": args.mini_batches, "micro_batches": micro,
-        "loans": sum(e.startswith("LoanStarted") for e in policy["events"]),
-        # verl's own rule (`verl-default`: its hybrid replicas are our trainers lent to the
-        # rollout) on the same slots, workload, seeds and initial split
-        "speedup_vs_verl_dynamic": round(verl["loop_s"] / policy["loop_s"], 3),
-        "verl_dynamic_loop_s": verl["loop_s"], "policy_loop_s": policy["loop_s"],
-        "policy_moves": [e for e in policy["events"] if e.startswith("ResizeStarted")],
-        "policy_loans": [e for e in policy["events"] if e.startswith("LoanStarted")],
-        "verl_dynamic_loans": [e for e in verl["events"] if e.startswith("LoanStarted")],
-        "speedup_vs_verl_dynamic_seeded": round(verl_seeded["loop_s"] / policy["loop_s"], 3),
-        "verl_dynamic_seeded_loop_s": verl_seeded["loop_s"],
+        "policy_loop_s_median": round(policy_s, 3),
+        "policy_loop_s_runs": [r["loop_s"] for r in policies],
+        "verl_dynamic_loop_s_runs": [r["loop_s"] for r in verls],
+        "verl_dynamic_seeded_loop_s_runs": [r["loop_s"] for r in seeded],
         "verl_dynamic_seeded_switch_cost_s": seed_s,
-        "verl_dynamic_seeded_loans": [e for e in verl_seeded["events"] if e.startswith("LoanStarted")],
-        "verl_runs_ledger_ok": verl["ledger_ok"] and verl_seeded["ledger_ok"],
-        "verl_runs_same_params": verl["params_sha_last"] == verl_seeded["params_sha_last"] == policy["params_sha_last"],
+        "loans_runs": [len(started(r, "LoanStarted")) for r in policies],
+        "policy_moves_runs": [started(r, "ResizeStarted") for r in policies],
+        "policy_loans_runs": [started(r, "LoanStarted") for r in policies],
+        "verl_dynamic_loans_runs": [started(r, "LoanStarted") for r in verls],
+        "verl_dynamic_seeded_loans_runs": [started(r, "LoanStarted") for r in seeded],
+        "verl_runs_ledger_ok": all(r["ledger_ok"] for r in verls + seeded),
+        "policy_runs_ledger_ok": all(r["ledger_ok"] for r in policies),
+        "all_runs_same_params": len({r["params_sha_last"] for r in policies + verls + seeded}) == 1,
     }
-    runs[1:1] = [verl, verl_seeded]
-    write_trace(policy["_detail"], base / "policy-trace.jsonl")
+    runs = [r for i in range(args.repeat) for r in (policies[i], verls[i], seeded[i])] + statics
+    write_trace(policies[0]["_detail"], base / "policy-trace.jsonl")
     result["runs"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs]
     try:
         result.update(resimulate(base, result))

@@ -56,9 +56,19 @@ def test_the_readme_demo_sample_is_a_cut_of_a_run_with_lines_the_demo_prints() -
     assert len(sample) <= 14  # short: the whole run is `make demo`
 
 
-@pytest.mark.slow  # 18 simulator runs
+@pytest.mark.slow  # 39 simulator runs
 def test_the_tables_of_simulated_results_are_what_the_simulator_gives() -> None:
     r = results.runs()
-    for path, make in results.DOCS.items():
-        assert results.block_of(path.read_text()) == make(r), \
-            f"{path.name}'s table is stale: run `python -m tests.readme_results --write`"
+    for path, blocks in results.DOCS.items():
+        for name, make in blocks.items():
+            assert results.block_of(path.read_text(), name) == make(r), \
+                f"{path.name}'s table {name or 'main'} is stale: run `make results`"
+
+
+def test_the_generator_replaces_each_block_and_refuses_a_missing_one() -> None:
+    text = "a\n" + "\n".join(results.marker("")) + "\nb\n" + "\nold\n".join(results.marker("scale")) + "\nc\n"
+    text = results.replace_block(results.replace_block(text, "T1"), "T2", "scale")
+    assert results.block_of(text) == "T1" and results.block_of(text, "scale") == "T2"
+    assert text.startswith("a\n") and text.endswith("\nc\n") and "old" not in text
+    with pytest.raises(ValueError, match="no block"):
+        results.replace_block(text, "T3", "targets")

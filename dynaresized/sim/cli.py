@@ -16,7 +16,7 @@ import msgspec
 
 from dynaresized.core.idle import percent
 from dynaresized.core.policy import UnknownPolicyError, available_policies, load_policy
-from dynaresized.sim.plan import PILOT_STEPS, Plan, Replanner, plan, plan_start
+from dynaresized.sim.plan import PILOT_STEPS, Plan, Replanner, plan, plan_start, start_plan
 from dynaresized.sim.plot import PlotUnavailable
 from dynaresized.sim.profile import Profile, ProfileError, builtin_profiles, load_profile, parse_split
 from dynaresized.sim.stages import ROUTERS, StageModel
@@ -137,11 +137,14 @@ def add_parsers(subparsers: Any) -> None:
 
     pl = subparsers.add_parser(
         "plan",
-        help="search the fastest static configuration (split x engine size) per phase of a trace",
+        help="where `simulate` starts a policy, and the fastest static configuration per phase of a trace",
         description=(
-            "ReaL's plan search on the simulator's cost model: cut the trace into phases of alike response "
-            "lengths, search each phase's configuration on its first --pilot-steps steps, and check the "
-            "prediction against the phase simulated whole."
+            "ReaL's plan search on the simulator's cost model. First the start `simulate` uses: the fastest "
+            "static configurations of the first --pilot-steps steps, each run with the policy, the fastest "
+            "kept, with the predicted totals of the policy from there and of the best static configuration. "
+            "Then the static plan: cut the trace into phases of alike response lengths, search each phase's "
+            "configuration on its first --pilot-steps steps, and check the prediction against the phase "
+            "simulated whole."
         ),
     )
     plan_source = pl.add_mutually_exclusive_group(required=True)
@@ -155,6 +158,10 @@ def add_parsers(subparsers: Any) -> None:
     pl.add_argument("--router", choices=ROUTERS, default="pull")
     pl.add_argument("--pilot-steps", type=int, default=PILOT_STEPS, metavar="K",
                     help=f"steps of each phase the search sees (default {PILOT_STEPS})")
+    pl.add_argument("--policy", default="hysteresis", metavar="NAME",
+                    help="the policy whose start to plan, as `simulate --policy` runs it (default hysteresis)")
+    pl.add_argument("--policy-option", action="append", metavar="KEY=VALUE", help="option for the policy")
+    pl.add_argument("--guard", action="append", metavar="KEY=VALUE", help="override a hysteresis guard")
     pl.add_argument("--method", choices=("exhaustive", "bound", "mcmc"),
                     help="search method (default: exhaustive for small spaces, the exact bound up to 256 "
                          "configurations, MCMC above)")
@@ -212,10 +219,30 @@ def _workload(args: argparse.Namespace) -> tuple[Profile, Trace, int | None]:
         trace = load_trace(args.trace)
         if args.steps is not None:
             trace = trace.head(args.steps)
+        warning = lengths_warning(trace, profile)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
         return profile, trace, None
     if args.samples is not None:
         profile = profile.with_samples(args.samples)
     return profile, scenario_trace(args.scenario, scenario_shape(profile), seed=args.seed, steps=args.steps), args.seed
+
+
+def lengths_warning(trace: Trace, profile: Profile) -> str:
+    """What to say when `trace` has responses longer than the profile's `max_response_tokens`
+    (an engine with that `max_tokens` would have cut them): "" when it has none."""
+    limit = profile.workload.max_response_tokens
+    over = [int((b.response_tokens > limit).sum()) for b in trace.steps]
+    n = sum(over)
+    if not n:
+        return ""
+    total = sum(len(b.response_tokens) for b in trace.steps)
+    longest = max(int(b.response_tokens.max()) for b in trace.steps if len(b.response_tokens))
+    steps = sum(k > 0 for k in over)
+    return (f"{trace.name}: {n} of {total} responses ({steps} of {len(trace)} steps) are longer than profile "
+            f"{profile.name}'s max_response_tokens = {limit} (the longest: {longest}); they are simulated at their "
+            f"traced length, which an engine with that max_tokens would have cut. Give a profile whose "
+            f"[workload] max_response_tokens is the run's max_tokens")
 
 
 def _simulate(args: argparse.Namespace, out: TextIO) -> int:
@@ -238,7 +265,7 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
     # split), whatever layout the run itself starts from; without a layout, simulate() computes
     # them on the run's own model (sharing its caches).
     base = None
-    layout, planned = args.layout, ""
+    layout, planned, origin = args.layout, "", profile
     if args.layout == "plan" or manual:
         base = baselines(StageModel(profile, trace, router=args.router))
     if args.layout == "plan":
@@ -260,6 +287,8 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
         model=StageModel(profile, trace, router=args.router),
         progress=ProgressBar(f"simulate {trace.name}/{args.policy}"),
         jobs=args.jobs,
+        origin=origin,
+        pilot_steps=args.pilot_steps,
         layout=Replanner(profile, trace, router=args.router, pilot_steps=args.pilot_steps, every=args.replan_every,
                          confirm=2) if args.replan_every else None,
     )
@@ -278,7 +307,13 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
 def _plan(args: argparse.Namespace, out: TextIO) -> int:
     _positive(args.pilot_steps, "--pilot-steps")
     profile, trace, _ = _workload(args)
+    _require_policies([args.policy])
+    options = _key_values(args.policy_option, "--policy-option")
+    guards = guards_for(profile, _key_values(args.guard, "--guard"))
     result = plan(profile, trace, router=args.router, pilot_steps=args.pilot_steps, method=args.method)
+    start = start_plan(profile, trace, lambda: load_policy(args.policy, options), guards, router=args.router,
+                       pilot_steps=args.pilot_steps, policy=args.policy)
+    result = msgspec.structs.replace(result, start=start)
     if args.json:
         out.write(msgspec.json.encode(result).decode() + "\n")
     else:
@@ -287,9 +322,27 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def plan_summary(p: Plan) -> str:
-    lines = [
-        f"plan of {p.workload} on {p.profile} ({p.gpus} devices), each phase searched on its first "
-        f"{p.pilot_steps} steps",
+    lines = []
+    if p.start is not None:
+        st = p.start
+        lines += [
+            f"start of policy {st.policy} on {p.workload} ({p.profile}, {p.gpus} devices), from its first "
+            f"{st.pilot_steps} steps:",
+            f"  planned_start              {st.planned_start:>12}   where `simulate` starts the policy: of the "
+            f"{len(st.candidates)} fastest static configurations, the one it runs fastest from",
+            f"  predicted_dynamic_total_s  {st.predicted_dynamic_total_s:12.1f}   the policy from planned_start over "
+            f"{st.steps} steps (its pilot's windows, extrapolated)",
+            f"  best_static                {st.best_static:>12}   held still: best_static_predicted_total_s "
+            f"{st.best_static_predicted_total_s:.1f} over {st.steps} steps",
+            f"  {'candidates':<26} {'static_pilot_s':>14} {'dynamic_pilot_s':>16}",
+        ]
+        for c in st.candidates:
+            mark = "   <- planned_start" if c.config == st.planned_start else ""
+            lines.append(f"  {c.config:<26} {c.static_pilot_s:>14.1f} {c.dynamic_pilot_s:>16.1f}{mark}")
+        lines.append("")
+    lines += [
+        f"static plan of {p.workload} on {p.profile} ({p.gpus} devices), each phase searched on its first "
+        f"{p.pilot_steps} steps (the fastest configuration held still, no policy)",
         f"  {'steps':>9}  {'configuration':<16} {'predicted s':>12} {'simulated s':>12} {'error':>7}  search",
     ]
     for ph in p.phases:
@@ -304,47 +357,96 @@ def plan_summary(p: Plan) -> str:
 
 
 def summary(r: SimReport) -> str:
+    """The run in text, each figure labelled with its `--json` key (a total's row is named
+    after its `..._total_time_s` key, or the struct that holds it, and its speedup's key is
+    printed beside it)."""
     b = r.best_static
     t1 = r.best_static_tp1 or b
     rr = r.best_static_round_robin or b
+    if r.layout == "plan":
+        where = (f"planned_start (the plan search's pick from the first steps; "
+                 f"profile_initial_split {r.profile_initial_split})")
+    elif r.layout == "manual":
+        where = f"--tp/--initial-split (profile_initial_split {r.profile_initial_split})"
+    else:
+        where = "the profile's engines and initial split"
     lines = [
         f"{r.workload} on {r.profile} ({r.gpus} devices, {r.steps} steps, {r.samples_per_step:g} samples/step), "
-        f"policy {r.policy}, {r.cost_mode} resize costs"
-        + (f", started where the plan search chose: {r.planned_start}" if r.planned_start else ""),
-        f"  total time           {r.total_time_s:12.1f} s   ({r.mean_step_s:.1f} s/step)",
-        f"  resizes              {r.resizes:12d}     {r.initial_split} -> {r.final_split}"
+        f"policy {r.policy}, {r.cost_mode} resize costs",
+        f"  start                    {r.start or r.initial_split:>12}     {where}",
+        f"  total_time_s             {r.total_time_s:12.1f} s   mean_step_s {r.mean_step_s:.1f}",
+        f"  resizes                  {r.resizes:12d}     initial_split {r.initial_split} -> final_split {r.final_split}"
         + (f"; regroups {r.regroups}" if r.regroups else ""),
-        f"  best static config   {b.total_time_s:12.1f} s   at {b.train}:{b.rollout}, TP-{b.tp} engines   "
-        f"speedup {r.speedup_vs_best_static:.3f}x",
-        f"  best static, TP-{t1.tp:<3}  {t1.total_time_s:12.1f} s   at {t1.train}:{t1.rollout}   "
-        f"speedup {r.speedup_vs_best_static_tp1:.3f}x   (the profile's own engines; this run's: TP-{r.tp})",
-        f"  initial split        {r.initial_split_total_time_s:12.1f} s   at {r.initial_split}   "
-        f"speedup {r.speedup_vs_initial_split:.3f}x",
-        f"  colocated            {r.colocated_total_time_s:12.1f} s   speedup {r.speedup_vs_colocated:.3f}x",
-        f"  per-step oracle      {r.oracle_total_time_s:12.1f} s   (best split every step, free resizes, TP-{t1.tp})",
-        f"  best static, verl    {rr.total_time_s:12.1f} s   at {rr.train}:{rr.rollout}   "
-        f"speedup {r.speedup_vs_best_static_round_robin:.3f}x   (verl's placement: chunks at submission)",
-        f"  loans                {r.loans:12d}     {r.devices_lent} device-steps lent, {r.loans_refused} refused",
-        f"  lower bound          {r.lower_bound_s:12.1f} s   gap {r.gap_to_lower_bound:.1%}   (moves at step boundaries only)",
-        f"  fluid bound          {r.fluid_bound_s:12.1f} s   gap {r.gap_to_fluid_bound:.1%}   (any schedule, loans included)",
-        f"  verl's own rule      {r.verl_dynamic_total_time_s:12.1f} s   speedup {r.speedup_vs_verl_dynamic:.3f}x   "
-        f"(verl-default: its trainers lent to the rollout, from the same split)",
-        f"  verl v1 switch       {r.verl_v1_switch_total_time_s:12.1f} s   speedup {r.speedup_vs_verl_v1_switch:.3f}x",
-        f"  headroom over best static: {r.headroom_vs_best_static:.3f}x with free resizes (over the TP-{t1.tp} split), "
-        f"{r.bound_vs_best_static:.3f}x for any step-boundary schedule",
+        f"  loans                    {r.loans:12d}     devices_lent {r.devices_lent} device-steps, "
+        f"loans_refused {r.loans_refused}",
+        f"  {'compared with':<24} {'total s':>12}     {'configuration':<14} speedup (this run's)",
+    ]
+
+    def row(key: str, total: float, config: str, speedup: str, value: float, note: str = "") -> None:
+        text = f"  {key:<24} {total:12.1f}     {config:<14} {speedup} {value:.3f}x"
+        lines.append(text + (f"   ({note})" if note else ""))
+
+    row("best_static", b.total_time_s, f"{b.train}:{b.rollout}/TP-{b.tp}", "speedup_vs_best_static",
+        r.speedup_vs_best_static, "hindsight: split x engine size")
+    row("best_static_tp1", t1.total_time_s, f"{t1.train}:{t1.rollout}/TP-{t1.tp}", "speedup_vs_best_static_tp1",
+        r.speedup_vs_best_static_tp1, "hindsight, the profile's own engines")
+    row("initial_split", r.initial_split_total_time_s, f"{r.initial_split}/TP-{r.tp}", "speedup_vs_initial_split",
+        r.speedup_vs_initial_split, "standing still at this run's start")
+    row("colocated", r.colocated_total_time_s, "all devices", "speedup_vs_colocated", r.speedup_vs_colocated)
+    row("best_static_round_robin", rr.total_time_s, f"{rr.train}:{rr.rollout}/TP-{t1.tp}",
+        "speedup_vs_best_static_round_robin", r.speedup_vs_best_static_round_robin,
+        "verl's placement: chunks at submission")
+    if r.verl_dynamic_own_start:
+        row("verl_dynamic_same_start", r.verl_dynamic_same_start_total_time_s, r.start or r.initial_split,
+            "speedup_vs_verl_dynamic_same_start", r.speedup_vs_verl_dynamic_same_start,
+            "verl-default from this run's start")
+        row("verl_dynamic_own_start", r.verl_dynamic_own_start_total_time_s, r.verl_dynamic_own_start,
+            "speedup_vs_verl_dynamic_own_start", r.speedup_vs_verl_dynamic_own_start,
+            "verl-default from its own planned start")
+        row("verl_v1_switch", r.verl_v1_switch_total_time_s, r.start or r.initial_split, "speedup_vs_verl_v1_switch",
+            r.speedup_vs_verl_v1_switch, "from this run's start")
+    lines += [
+        f"  {'best_split_per_step_tp1':<24} {r.best_split_per_step_tp1_total_time_s:12.1f}     {'':<14} "
+        f"(the best TP-{t1.tp} split chosen afresh every step, free resizes, no loans: not a bound)",
+        f"  {'lower_bound_s':<24} {r.lower_bound_s:12.1f}     {'':<14} gap_to_lower_bound {r.gap_to_lower_bound:.1%}"
+        "   (moves at step boundaries only)",
+        f"  {'fluid_bound_s':<24} {r.fluid_bound_s:12.1f}     {'':<14} gap_to_fluid_bound {r.gap_to_fluid_bound:.1%}"
+        "   (any schedule, loans included)",
+        f"  headroom_vs_best_static {r.headroom_vs_best_static:.3f}x with free resizes of TP-{t1.tp} engines "
+        f"(best_static_tp1 / best_split_per_step_tp1), bound_vs_best_static {r.bound_vs_best_static:.3f}x "
+        "for any step-boundary schedule",
     ]
     for e in r.resize_events:
         lines.append(f"  resize {e.resize_id} after step {e.step}: {e.before} -> {e.after} ({e.outcome}): {e.reason}")
-    if r.rejections:
-        lines.append("  proposals held back by guards: " + ", ".join(f"{k} {v}" for k, v in r.rejections.items()))
+    lines += why_held(r)
     if r.idle_ratio:
-        lines.append("  idle (docs/idle.md)  " + ", ".join(f"{pool} {percent(v)}" for pool, v in r.idle_ratio.items()))
+        lines.append("  idle_ratio (docs/idle.md) "
+                     + ", ".join(f"{pool} {percent(v)}" for pool, v in r.idle_ratio.items()))
     if r.prediction_errors:
-        lines.append("  prediction error     " + ", ".join(f"{e:+.0%}" for e in r.prediction_errors)
+        lines.append("  prediction_errors        " + ", ".join(f"{e:+.0%}" for e in r.prediction_errors)
                      + " (measured vs predicted step time after each resize)")
     if r.verdicts:
-        lines.append("  resize verdicts      " + ", ".join(f"{k} {v}" for k, v in r.verdicts.items()))
+        lines.append("  verdicts                 " + ", ".join(f"{k} {v}" for k, v in r.verdicts.items()))
     return "\n".join(lines) + "\n"
+
+
+def why_held(r: SimReport) -> list[str]:
+    """What held the run where it was: the policy's own reason for the steps it proposed
+    nothing, and each core guard that refused a proposal or a loan, with its last reason (the
+    threshold and what it measured)."""
+    lines = []
+    if r.resizes == 0:
+        what = "no resize and no loan" if r.loans == 0 else "no resize"
+        lines.append(f"  why it held: {what}; the policy's own reason and the guards that refused, below"
+                     if r.policy_holds or r.rejections else f"  why it held: {what}, and no proposal was made")
+    if r.policy_holds:
+        lines.append(f"  policy_holds             {r.policy_holds:12d}     steps the policy proposed no resize; "
+                     f"last_hold_reason: {r.last_hold_reason}")
+    for guard, n in r.rejections.items():
+        reason = r.rejection_reasons.get(guard, "")
+        lines.append(f"  rejections[{guard}]{'':<{max(12 - len(guard), 0)}} {n:12d}     refused by the core's guard "
+                     f"{guard}" + (f"; last: {reason}" if reason else ""))
+    return lines
 
 
 def _bench(args: argparse.Namespace, out: TextIO) -> int:
@@ -364,7 +466,7 @@ def _bench(args: argparse.Namespace, out: TextIO) -> int:
         return 0
     header = f"{'workload':<20} {'policy':<14} {'total_s':>11} {'resizes':>7} {'best':>9} {'vs best':>8} " \
              f"{'vs TP1':>7} {'vs init':>8} {'gap LB':>7} {'headroom':>8} {'loans':>6} {'vs RR':>6} {'gap FB':>7} " \
-             f"{'vs verl':>7} {'vs v1':>6}"
+             f"{'vs verl':>7} {'verl own':>8} {'vs v1':>6}"
     out.write(header + "\n" + "-" * len(header) + "\n")
     for r in rows:
         b = r.best_static
@@ -373,7 +475,8 @@ def _bench(args: argparse.Namespace, out: TextIO) -> int:
                   f"{r.speedup_vs_best_static:>8.3f} {r.speedup_vs_best_static_tp1:>7.3f} "
                   f"{r.speedup_vs_initial_split:>8.3f} {r.gap_to_lower_bound:>7.1%} "
                   f"{r.headroom_vs_best_static:>8.3f} {r.loans:>6d} {r.speedup_vs_best_static_round_robin:>6.3f} "
-                  f"{r.gap_to_fluid_bound:>7.1%} {r.speedup_vs_verl_dynamic:>7.3f} {r.speedup_vs_verl_v1_switch:>6.3f}\n")
+                  f"{r.gap_to_fluid_bound:>7.1%} {r.speedup_vs_verl_dynamic_same_start:>7.3f} "
+                  f"{r.speedup_vs_verl_dynamic_own_start:>8.3f} {r.speedup_vs_verl_v1_switch:>6.3f}\n")
     return 0
 
 

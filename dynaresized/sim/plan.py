@@ -19,8 +19,10 @@ above that, "mcmc" is ReaL's search, a Metropolis chain over configurations that
 most `MCMC_BUDGET` of them. Exhaustive and bound return the same plan (a test checks it); MCMC
 is not exact, and `benchmarks/plan_search.py` measures how often it finds the bound's best.
 
-`plan_start` picks where a dynamic run starts: the static search's best few configurations,
-each run with the policy over the pilot, the fastest kept.
+`start_plan` (and `plan_start`) picks where a dynamic run starts: the static search's best few
+configurations, each run with the policy over the pilot, the fastest kept. The static plan's
+first configuration and that start can differ (5:3/TP-1 the fastest held still, 4:4/TP-4 the
+fastest with loans): `dynaresized plan` prints both, and `simulate` starts from the second.
 """
 
 from __future__ import annotations
@@ -121,6 +123,38 @@ class PhasePlan(msgspec.Struct, frozen=True):
     search_s: float
 
 
+class StartCandidate(msgspec.Struct, frozen=True):
+    config: str
+    static_pilot_s: float
+    """The configuration held still over the pilot (the static search's figure)."""
+    dynamic_pilot_s: float
+    """The policy run from it over the pilot."""
+
+
+class StartPlan(msgspec.Struct, frozen=True):
+    """Where `simulate` starts a policy (`start_plan`), and what the pilot predicts for it."""
+
+    policy: str
+    planned_start: str
+    """The configuration `simulate --layout plan` (the default) starts the policy from: of the
+    `candidates` (the static search's fastest few on the pilot), the one the policy ran fastest
+    from over the pilot."""
+    pilot_steps: int
+    planned_start_pilot_s: float
+    """The policy from `planned_start` over the pilot."""
+    predicted_dynamic_total_s: float
+    """The policy from `planned_start` over the whole trace, predicted from its pilot run's
+    windows (`extrapolate`), as the static plan's phases are predicted from theirs."""
+    best_static: str
+    """The fastest static configuration of the pilot (the static plan's first configuration,
+    where the first phase is at least a pilot long)."""
+    best_static_predicted_total_s: float
+    """`best_static` held still over the whole trace, predicted from its pilot windows."""
+    candidates: list[StartCandidate]
+    steps: int
+    """Steps of the trace the totals are predicted for."""
+
+
 class Plan(msgspec.Struct, frozen=True):
     profile: str
     workload: str
@@ -137,6 +171,8 @@ class Plan(msgspec.Struct, frozen=True):
     """Phase boundaries where the configuration changes."""
     change_s: float = 0.0
     """Seconds charged for those changes (`change_seconds`), in both totals."""
+    start: StartPlan | None = None
+    """Where `simulate` starts a policy on this trace (`dynaresized plan` fills it in)."""
 
 
 def change_seconds(profile: Profile, a: Config, b: Config) -> float:
@@ -326,23 +362,40 @@ def plan(profile: Profile, trace: Trace, *, router: str = "pull", pilot_steps: i
                 changes=sum(a != b for a, b in zip(configs, configs[1:], strict=False)), change_s=round(change_s, 3))
 
 
-def plan_start(profile: Profile, trace: Trace, make_policy: Callable[[], Policy], guards: GuardConfig, *,
-               router: str = "pull", pilot_steps: int = PILOT_STEPS, top: int = 4) -> tuple[Config, float]:
+def start_plan(profile: Profile, trace: Trace, make_policy: Callable[[], Policy], guards: GuardConfig, *,
+               router: str = "pull", pilot_steps: int = PILOT_STEPS, top: int = 4, policy: str = "") -> StartPlan:
     """Where a dynamic run starts: the `top` fastest static configurations of the first
     `pilot_steps` steps, each run with the policy (`make_policy()` gives a fresh one) from that
-    configuration over those steps; the fastest, with its pilot seconds."""
+    configuration over those steps; the fastest (ties: the smaller configuration), with the
+    pilot's prediction for the whole trace beside the best static configuration's. `policy`
+    names the policy in the result."""
     pilot_trace = trace.head(pilot_steps)
-    found = search(StageModel(profile, pilot_trace, router=router), profile.cluster.gpus,
-                   candidates=profile.candidate_splits())
-    best: tuple[float, Config] | None = None
-    for _, c in found.ranked[:top]:
+    pilot = StageModel(profile, pilot_trace, router=router)
+    found = search(pilot, profile.cluster.gpus, candidates=profile.candidate_splits())
+    best: tuple[float, Config, np.ndarray] | None = None
+    candidates = []
+    for static_s, c in found.ranked[:top]:
         p = profile.with_layout(c.tp, c.split)
         g = msgspec.structs.replace(guards, min_rollout=max(guards.min_rollout, c.tp))
-        total = DynamicPipeline(StageModel(p, pilot_trace, router=router), make_policy(), guards=g).run().total_time_s
-        if best is None or (total, c) < best:
-            best = (total, c)
+        run = DynamicPipeline(StageModel(p, pilot_trace, router=router), make_policy(), guards=g).run()
+        candidates.append(StartCandidate(str(c), round(static_s, 3), round(run.total_time_s, 3)))
+        if best is None or (run.total_time_s, c) < best[:2]:
+            best = (run.total_time_s, c, np.array([w.end_s - w.start_s for w in run.windows]))
     assert best is not None
-    return best[1], best[0]
+    steps = len(trace)
+    first = found.best
+    static = static_windows(pilot.at_tp(first.tp), first.split)
+    return StartPlan(policy=policy, planned_start=str(best[1]), pilot_steps=len(pilot_trace),
+                     planned_start_pilot_s=best[0], predicted_dynamic_total_s=round(extrapolate(best[2], steps), 3),
+                     best_static=str(first), best_static_predicted_total_s=round(extrapolate(static, steps), 3),
+                     candidates=candidates, steps=steps)
+
+
+def plan_start(profile: Profile, trace: Trace, make_policy: Callable[[], Policy], guards: GuardConfig, *,
+               router: str = "pull", pilot_steps: int = PILOT_STEPS, top: int = 4) -> tuple[Config, float]:
+    """`start_plan`'s start and its pilot seconds."""
+    found = start_plan(profile, trace, make_policy, guards, router=router, pilot_steps=pilot_steps, top=top)
+    return Config.parse(found.planned_start), found.planned_start_pilot_s
 
 
 class Replanner:

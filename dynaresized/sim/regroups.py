@@ -4,7 +4,6 @@ and a step's tail regrouped into one wider engine (`TailTimeline`, one window's 
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,10 +20,46 @@ if TYPE_CHECKING:
     from dynaresized.sim.pipeline import Layout
 
 
+MEASURED_STEPS = 10
+"""A tail's estimate of a running request's tokens left reads the response lengths of this many
+steps before the one in progress (`remaining_tokens`)."""
+
+
+GRID_POINTS = 256
+"""Points of the grid of tokens left on which `remaining_tokens` integrates."""
+
+
+def remaining_tokens(generated: np.ndarray, measured: np.ndarray, max_tokens: int) -> int:
+    """What an engine can say of how many tokens its longest running request has left, from
+    what it knows: each running request's tokens so far (`generated`), `max_tokens`, and the
+    response lengths measured on recent steps (`measured`, any order); never the lengths still
+    to come. A request of g tokens so far ends at a length drawn from the measured lengths above
+    g (where none is above g: anywhere up to `max_tokens`, uniformly), never past `max_tokens`;
+    the requests independent, the answer is the expected tokens left of the last to finish
+    (the integral of P(max > x) over a grid of `GRID_POINTS`), at least one."""
+    g = np.asarray(generated, dtype=np.float64)
+    if g.size == 0:
+        return 0
+    room = np.maximum(float(max_tokens) - g, 1.0)
+    lengths = np.sort(np.asarray(measured, dtype=np.float64))
+    x = np.linspace(0.0, float(room.max()), GRID_POINTS + 1)
+    below = np.searchsorted(lengths, g, side="right")  # measured lengths the request has passed
+    above = len(lengths) - below
+    reached = np.searchsorted(lengths, g[:, None] + x[None, :], side="right")
+    cdf = np.where(above[:, None] > 0, (reached - below[:, None]) / np.maximum(above, 1)[:, None],
+                   x[None, :] / room[:, None])
+    cdf = np.where(x[None, :] >= room[:, None], 1.0, np.minimum(cdf, 1.0))  # max_tokens cuts it there
+    tail = 1.0 - cdf.prod(axis=0)  # P(the last request has more than x tokens left)
+    expected = float(np.sum((tail[1:] + tail[:-1]) / 2.0 * np.diff(x)))
+    return max(int(np.ceil(expected)), 1)
+
+
 class TailTimeline:
     """One window's rollout request by request, for tail regroups. When an engine runs dry, every
     engine still decoding first says how many requests it runs and how many tokens the longest
-    has left (the router knows every engine's requests); when the core then starts a tail
+    has left, as far as it can know (`remaining_tokens`: its requests' tokens so far,
+    `max_tokens` and the recent steps' lengths, never the lengths still to come; the router knows
+    every engine's requests); when the core then starts a tail
     regroup (`propose_tail`), the busy engine's running requests decode from then on one wider
     engine of its devices and the idle engines', after the switch, and the window's rollout
     ends when the slowest engine does. Before any engine runs dry nothing is reported, as
@@ -39,6 +74,11 @@ class TailTimeline:
         self.schedule, self.start_s, self.pace, self.queue_empty_s = model.pull_timeline(w, len(groups), late)
         self.lengths = model.trace.steps[w].response_tokens.astype(np.float64)
         self.prompts = model.trace.steps[w].prompt_tokens.astype(np.float64)
+        # what the engines have measured: the lengths of the steps generated before this one
+        recent = model.trace.steps[max(w - MEASURED_STEPS, 0):w]
+        self.measured = (np.concatenate([b.response_tokens for b in recent]).astype(np.float64) if recent
+                         else np.zeros(0))
+        self.max_tokens = model.profile.workload.max_response_tokens
         self.wide: set[int] = set()  # engines a tail regroup made: their requests are priced apart
         self.lent: tuple[int, float] = (0, 0.0)  # (devices, seconds into the window) lent into the tail's engine
 
@@ -59,7 +99,9 @@ class TailTimeline:
             run = self._running(e, now)
             if not run.any():
                 continue
-            left = int(math.ceil(float(((self.schedule.done_s[run] - now) / self.pace[e]).max())))
+            # tokens each running request has made so far (the present, which the engine knows)
+            generated = self.lengths[run] - (self.schedule.done_s[run] - now) / self.pace[e]
+            left = remaining_tokens(generated, self.measured, self.max_tokens)
             pipe._queue_empty(self.start + at, self.groups[e], self.w, int(run.sum()), left)
 
     def apply(self, at: float) -> None:

@@ -2,7 +2,7 @@
 
 A run's `SimReport` is what `dynaresized simulate --json` prints: plain numbers from a
 deterministic computation, so the same inputs give the same JSON bit for bit. Baselines that
-do not depend on the policy (best static split, colocated, oracle, lower bound) are computed
+do not depend on the policy (best static split, colocated, the best split per step, lower bound) are computed
 once per (trace, profile) and shared by every policy `bench` runs.
 """
 
@@ -36,6 +36,7 @@ from dynaresized.sim.pipeline import (
     oracle_total,
     static_total,
 )
+from dynaresized.sim.plan import PILOT_STEPS, Config, plan_start
 from dynaresized.sim.profile import Profile
 from dynaresized.sim.stages import StageModel
 from dynaresized.sim.workload import DYNAMIC_SCENARIOS, Shape, Trace, scenario_trace
@@ -72,6 +73,8 @@ class SimReport(msgspec.Struct, frozen=True):
     steps: int
     samples_per_step: float
     initial_split: str
+    """The split this run started from (with `layout` "plan": the planned start's split; the
+    profile's own `[cluster] initial_split` is `profile_initial_split`)."""
     final_split: str
     total_time_s: float
     mean_step_s: float
@@ -80,17 +83,20 @@ class SimReport(msgspec.Struct, frozen=True):
     best_static: BestStatic
     """The best static configuration with hindsight: split x devices per rollout engine."""
     initial_split_total_time_s: float
+    """Standing still where the run started: `initial_split` on the run's engines (`tp`) for the
+    whole run; `speedup_vs_initial_split` is `it / total_time_s`."""
     colocated_total_time_s: float
-    oracle_total_time_s: float
-    """Best split chosen afresh for every step, resizes free and instant: what resizing could
-    buy at most (not a lower bound: the rollout still runs the simulator's placement)."""
+    best_split_per_step_tp1_total_time_s: float
+    """The best split of the profile's own engines (TP-1 in both 8B profiles) chosen afresh for
+    every step, resizes free and instant, no loans: what resizing those engines between steps
+    could buy at most. Not a bound on this run: loans and wider engines beat it."""
     lower_bound_s: float
     speedup_vs_best_static: float
     speedup_vs_initial_split: float
     speedup_vs_colocated: float
     gap_to_lower_bound: float
     headroom_vs_best_static: float
-    """`best_static_tp1 / oracle`: the most resizing can gain over the best static split of the
+    """`best_static_tp1 / best_split_per_step_tp1`: the most resizing can gain over the best static split of the
     profile's own engines on this workload, with free, instant resizes (no step-boundary
     policy's `speedup_vs_best_static_tp1` exceeds it)."""
     bound_vs_best_static: float
@@ -100,6 +106,8 @@ class SimReport(msgspec.Struct, frozen=True):
     min_steps_between_resizes: int | None
     rejections: dict[str, int]
     """Proposals the core's guards held back, by guard."""
+    rejection_reasons: dict[str, str]
+    """The last reason each guard in `rejections` gave (its threshold and what it measured)."""
     policy_holds: int
     """Steps where the policy was asked and proposed nothing (reason: `last_hold_reason`)."""
     last_hold_reason: str
@@ -128,13 +136,22 @@ class SimReport(msgspec.Struct, frozen=True):
     fluid_gap_training_bound_s: float = 0.0
     """...and in windows training ended last (loan costs, mini-batch granularity, and lending
     decided from progress so far rather than from the lengths still to come)."""
-    verl_dynamic_total_time_s: float = 0.0
-    """The same trace, profile, devices and initial split run with `verl-default`: verl's
-    own dynamic-scheduling rule lending the trainers to the rollout (docs/simulator.md, "verl's
-    own rules"); `speedup_vs_verl_dynamic` is `its total / total_time_s`."""
-    speedup_vs_verl_dynamic: float = 0.0
+    verl_dynamic_same_start_total_time_s: float = 0.0
+    """The same trace, profile, devices, engines and start as this run (`start`), run with
+    `verl-default`: verl's own dynamic-scheduling rule lending the trainers to the rollout
+    (docs/simulator.md, "verl's own rules"); `speedup_vs_verl_dynamic_same_start` is `its total /
+    total_time_s`."""
+    speedup_vs_verl_dynamic_same_start: float = 0.0
+    verl_dynamic_own_start: str = ""
+    """Where verl's rule starts when the plan search is run with verl's rule (`plan_start` with
+    `verl-default`, the same pilot steps): "T:R/TP-K"."""
+    verl_dynamic_own_start_total_time_s: float = 0.0
+    """`verl-default` from `verl_dynamic_own_start` (the fair comparison: each rule from its own
+    planned start); `speedup_vs_verl_dynamic_own_start` is `its total / total_time_s`."""
+    speedup_vs_verl_dynamic_own_start: float = 0.0
     verl_v1_switch_total_time_s: float = 0.0
-    """...and with `verl-v1-switch`, verl v1's step switching; `speedup_vs_verl_v1_switch`."""
+    """...and with `verl-v1-switch`, verl v1's step switching, from this run's start;
+    `speedup_vs_verl_v1_switch`."""
     speedup_vs_verl_v1_switch: float = 0.0
     best_static_tp1: BestStatic | None = None
     """The best fixed split on the profile's own engine size (`rollout.gpus_per_engine`, TP-1
@@ -147,6 +164,11 @@ class SimReport(msgspec.Struct, frozen=True):
     (`--tp` / `--initial-split`) or "plan" (`--layout plan`: the plan search's start)."""
     planned_start: str = ""
     """With `layout` "plan": the configuration the search started the run from, "T:R/TP-K"."""
+    start: str = ""
+    """Where this run started, "T:R/TP-K", whatever the layout (`initial_split` on `tp` engines)."""
+    profile_initial_split: str = ""
+    """The profile's own `[cluster] initial_split` (scaled with `--gpus`), whether or not the run
+    started there."""
     regroups: int = 0
     """Regroups of the rollout pool into engines of another size during the run (`simulate
     --replan-every`), committed."""
@@ -180,14 +202,21 @@ VERL_RULES: tuple[str, ...] = ("verl-default", "verl-v1-switch")
 @dataclass(frozen=True)
 class VerlRuns:
     """verl's rules on one (trace, profile, cost mode): its runs, by policy name, or only their
-    totals for those run in another process (`simulate(jobs=...)`)."""
+    totals for those run in another process (`simulate(jobs=...)`), from the run's start; and
+    `verl-default` from its own planned start (`own_start`, `verl_own_start`), whose total is
+    `own_start_total_s` (None: that start is the run's, and the total is the same run's)."""
 
     runs: Mapping[str, DynamicRun]
     guards: GuardConfig
     totals: Mapping[str, float] = field(default_factory=dict)
+    own_start: str = ""
+    own_start_total_s: float | None = None
 
     def total_s(self, name: str) -> float:
         return self.runs[name].total_time_s if name in self.runs else self.totals[name]
+
+    def own_total_s(self) -> float:
+        return self.total_s("verl-default") if self.own_start_total_s is None else self.own_start_total_s
 
 
 AUTO_JOBS_FROM_GPUS = 128
@@ -201,6 +230,29 @@ def _run_forked(i: int) -> float:
     return _FORKED[i]()
 
 
+def start_of(profile: Profile) -> Config:
+    """Where a run on `profile` starts: its initial split on its engines."""
+    s = profile.initial_split
+    return Config(s.train, s.rollout, profile.rollout.gpus_per_engine)
+
+
+def verl_own_start(origin: Profile, trace: Trace, *, router: str = "pull", pilot_steps: int = PILOT_STEPS) -> Config:
+    """verl's rule's own planned start: the plan search (`plan_start`) run with `verl-default`
+    and its guards, from `origin` (the profile before any layout), on the first `pilot_steps`
+    steps, as `simulate` plans ours."""
+    start, _ = plan_start(origin, trace, lambda: load_policy("verl-default"), verl_guards(origin), router=router,
+                          pilot_steps=pilot_steps)
+    return start
+
+
+def _own_start_model(origin: Profile, model: StageModel, own: Config) -> StageModel | None:
+    """The model verl's rule runs on from its own start, or None where that is the run's start
+    (the same-start run is then the same run)."""
+    if own == start_of(model.profile):
+        return None
+    return StageModel(origin.with_layout(own.tp, own.split), model.trace, router=model.router)
+
+
 def _verl_run(model: StageModel, name: str, naive: bool) -> DynamicRun:
     """verl's rule `name` with its own defaults on `model`, from the profile's initial split."""
     return DynamicPipeline(model, load_policy(name), guards=verl_guards(model.profile), naive=naive).run()
@@ -211,15 +263,16 @@ def _verl_total(model: StageModel, name: str, naive: bool) -> float:
 
 
 @contextlib.contextmanager
-def _forked_verl(model: StageModel, names: list[str], naive: bool, processes: int) -> Iterator[Callable[[], list[float]]]:
-    """Start verl's rules `names` on `model` in `processes` forked processes (they inherit the
-    model: nothing is pickled but the totals coming back); yields what waits for their totals,
-    and stops the processes on the way out, whatever happened meanwhile. The runs are the ones
-    `verl_baselines` makes: the same code on the same model."""
-    _FORKED[:] = [functools.partial(_verl_total, model, name, naive) for name in names]
+def _forked_verl(runs: list[tuple[StageModel, str]], naive: bool,
+                 processes: int) -> Iterator[Callable[[], list[float]]]:
+    """Start verl's rules, each (model, name) of `runs`, in `processes` forked processes (they
+    inherit the models: nothing is pickled but the totals coming back); yields what waits for
+    their totals, and stops the processes on the way out, whatever happened meanwhile. The runs
+    are the ones `verl_baselines` makes: the same code on the same models."""
+    _FORKED[:] = [functools.partial(_verl_total, model, name, naive) for model, name in runs]
     pool = multiprocessing.get_context("fork").Pool(processes)
     try:
-        pending = pool.map_async(_run_forked, range(len(names)))
+        pending = pool.map_async(_run_forked, range(len(runs)))
         yield pending.get
     finally:
         pool.terminate()
@@ -233,13 +286,21 @@ def verl_guards(profile: Profile) -> GuardConfig:
     return guards_for(profile, {"loan_safety": 1.0})
 
 
-def verl_baselines(model: StageModel, *, naive: bool = False, reuse: Mapping[str, DynamicRun] | None = None) -> VerlRuns:
-    """verl's rules with their own defaults on `model`, from the profile's initial split."""
+def verl_baselines(model: StageModel, *, naive: bool = False, reuse: Mapping[str, DynamicRun] | None = None,
+                   origin: Profile | None = None, own: Config | None = None,
+                   pilot_steps: int = PILOT_STEPS) -> VerlRuns:
+    """verl's rules with their own defaults on `model`, from its profile's start, and
+    `verl-default` from its own planned start (`own`, or `verl_own_start` from `origin`, the
+    profile before any layout: by default `model`'s)."""
+    origin = origin if origin is not None else model.profile
     runs = dict(reuse or {})
     for name in VERL_RULES:
         if name not in runs:
             runs[name] = _verl_run(model, name, naive)
-    return VerlRuns(runs=runs, guards=verl_guards(model.profile))
+    own = own if own is not None else verl_own_start(origin, model.trace, router=model.router, pilot_steps=pilot_steps)
+    own_model = _own_start_model(origin, model, own)
+    return VerlRuns(runs=runs, guards=verl_guards(model.profile), own_start=str(own),
+                    own_start_total_s=None if own_model is None else _verl_total(own_model, "verl-default", naive))
 
 
 @dataclass(frozen=True)
@@ -335,23 +396,34 @@ def simulate(
     progress: Progress | None = None,
     jobs: int | None = 1,
     layout: Layout | None = None,
+    origin: Profile | None = None,
+    pilot_steps: int = PILOT_STEPS,
 ) -> SimRun:
     """Run `policy` (an installed policy name) over `trace` on `profile` in dynamic mode, and
-    beside it verl's own rules (`verl`, when given, must be of the same model and cost mode;
-    `verl_rules=False` skips them and leaves the report's verl fields 0). With `jobs` > 1
-    verl's rules run in up to `jobs - 1` forked processes while this one computes the baselines
-    and the policy's run (the same runs: the report is the same, sooner on several cores);
-    `jobs=None`: as many as the machine's cores, from `AUTO_JOBS_FROM_GPUS` devices on."""
+    beside it verl's own rules from the same start, and `verl-default` from its own planned
+    start (the plan search run with verl's rule from `origin`, the profile before any layout,
+    by default `profile`, on the first `pilot_steps` steps). `verl`, when given, must be of the
+    same model and cost mode; `verl_rules=False` skips them and leaves the report's verl fields
+    0. With `jobs` > 1 verl's runs go to up to `jobs - 1` forked processes while this one
+    computes the baselines and the policy's run (the same runs: the report is the same, sooner
+    on several cores); `jobs=None`: as many as the machine's cores, from
+    `AUTO_JOBS_FROM_GPUS` devices on."""
     model = model if model is not None else StageModel(profile, trace)
+    origin = origin if origin is not None else profile
     guards = guards_for(profile, guard_overrides)
     plain = policy in VERL_RULES and not policy_options and guards == verl_guards(profile) and layout is None
     if jobs is None:
         jobs = (os.cpu_count() or 1) if profile.cluster.gpus >= AUTO_JOBS_FROM_GPUS else 1
     others = [name for name in VERL_RULES if not (plain and name == policy)]
+    own = own_model = None
+    if verl is None and verl_rules:
+        own = verl_own_start(origin, trace, router=model.router, pilot_steps=pilot_steps)
+        own_model = _own_start_model(origin, model, own)
     with contextlib.ExitStack() as stack:
         forked = None
-        if verl is None and verl_rules and jobs > 1 and others:
-            forked = stack.enter_context(_forked_verl(model, others, naive, min(jobs - 1, len(others))))
+        if own is not None and jobs > 1 and (others or own_model is not None):
+            runs = [(model, name) for name in others] + ([(own_model, "verl-default")] if own_model else [])
+            forked = stack.enter_context(_forked_verl(runs, naive, min(jobs - 1, len(runs))))
         base = base if base is not None else baselines(model)
         if verl is not None and plain:
             run = verl.runs[policy]
@@ -359,14 +431,18 @@ def simulate(
             run = DynamicPipeline(model, load_policy(policy, policy_options), guards=guards, naive=naive,
                                   progress=progress, layout=layout).run()
         if forked is not None:
+            totals = forked()
             verl = VerlRuns(runs={policy: run} if plain else {}, guards=verl_guards(profile),
-                            totals=dict(zip(others, forked(), strict=True)))
+                            totals=dict(zip(others, totals, strict=False)), own_start=str(own),
+                            own_start_total_s=totals[-1] if own_model is not None else None)
     if verl is None and verl_rules:
-        verl = verl_baselines(model, naive=naive, reuse={policy: run} if plain else None)
+        verl = verl_baselines(model, naive=naive, reuse={policy: run} if plain else None, origin=origin, own=own,
+                              pilot_steps=pilot_steps)
     events = _resize_events(run.facts)
     starts = [e.step for e in events]
     spacing = min((b - a for a, b in zip(starts, starts[1:], strict=False)), default=None)
-    rejections = Counter(x.guard for x in run.facts if isinstance(x, f.ProposalRejected))
+    refused = [x for x in run.facts if isinstance(x, f.ProposalRejected)]
+    rejections = Counter(x.guard for x in refused)
     gpus = profile.cluster.gpus
     initial_s = static_total(model, profile.initial_split)
     own = base.best_split_tp1 or base.best_split
@@ -389,7 +465,7 @@ def simulate(
         best_static=BestStatic(base.best_split.train, base.best_split.rollout, _r(base.best_static_s), base.best_tp),
         initial_split_total_time_s=_r(initial_s),
         colocated_total_time_s=_r(base.colocated_s),
-        oracle_total_time_s=_r(base.oracle_s),
+        best_split_per_step_tp1_total_time_s=_r(base.oracle_s),
         lower_bound_s=_r(base.lower_bound_s),
         speedup_vs_best_static=_r(base.best_static_s / total, 4),
         speedup_vs_initial_split=_r(initial_s / total, 4),
@@ -400,6 +476,7 @@ def simulate(
         cooldown_steps=guards.cooldown_steps,
         min_steps_between_resizes=spacing,
         rejections=dict(sorted(rejections.items())),
+        rejection_reasons=dict(sorted({x.guard: x.reason for x in refused}.items())),
         policy_holds=len(run.held),
         last_hold_reason=run.held[-1][1] if run.held else "",
         resize_events=events,
@@ -419,6 +496,8 @@ def simulate(
         best_static_tp1=BestStatic(own.train, own.rollout, _r(tp1_static_s(base)), base.tp1_engine),
         speedup_vs_best_static_tp1=_r(tp1_static_s(base) / total, 4),
         tp=profile.rollout.gpus_per_engine,
+        start=str(start_of(profile)),
+        profile_initial_split=str(origin.initial_split),
         regroups=sum(isinstance(x, f.RegroupCommitted) and x.at > 0 for x in run.facts),
         **_fluid_gap(run, base),
         **_versus_verl(verl, total),
@@ -431,11 +510,14 @@ def tp1_static_s(base: Baselines) -> float:
     return base.best_static_tp1_s if base.best_split_tp1 is not None else base.best_static_s
 
 
-def _versus_verl(verl: VerlRuns | None, total: float) -> dict[str, float]:
+def _versus_verl(verl: VerlRuns | None, total: float) -> dict[str, Any]:
     if verl is None:
         return {}
-    dynamic, v1 = verl.total_s("verl-default"), verl.total_s("verl-v1-switch")
-    return {"verl_dynamic_total_time_s": _r(dynamic), "speedup_vs_verl_dynamic": _r(dynamic / total, 4),
+    dynamic, own, v1 = verl.total_s("verl-default"), verl.own_total_s(), verl.total_s("verl-v1-switch")
+    return {"verl_dynamic_same_start_total_time_s": _r(dynamic),
+            "speedup_vs_verl_dynamic_same_start": _r(dynamic / total, 4),
+            "verl_dynamic_own_start": verl.own_start, "verl_dynamic_own_start_total_time_s": _r(own),
+            "speedup_vs_verl_dynamic_own_start": _r(own / total, 4),
             "verl_v1_switch_total_time_s": _r(v1), "speedup_vs_verl_v1_switch": _r(v1 / total, 4)}
 
 

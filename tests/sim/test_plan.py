@@ -162,6 +162,41 @@ def test_the_plan_command_prints_one_object_or_a_table():
     assert code == 0 and "total" in text and "bound" in text and "TP-" in text
 
 
+@pytest.mark.parametrize("extra", [(), ("--gpus", "16")])
+def test_plan_prints_the_start_simulate_uses_beside_the_best_static_configuration(extra):
+    """Issue 43 item 5: `plan` and `simulate` start from one configuration: plan names it
+    (`start.planned_start`), with the fastest static configuration of the pilot and the
+    predicted totals of both beside it."""
+    argv = ("--scenario", "noisy", "--steps", "30", *extra, "--json")
+    code, text = cli("plan", *argv)
+    assert code == 0
+    p = json.loads(text)
+    start = p["start"]
+    simulated = json.loads(cli("simulate", *argv)[1])
+    assert start["planned_start"] == simulated["planned_start"] == simulated["start"]
+    assert start["policy"] == simulated["policy"] == "hysteresis"
+    assert start["best_static"] == p["phases"][0]["config"]  # the first phase is a pilot long or more
+    assert start["planned_start"] in {c["config"] for c in start["candidates"]}
+    chosen = next(c for c in start["candidates"] if c["config"] == start["planned_start"])
+    assert chosen["dynamic_pilot_s"] == min(c["dynamic_pilot_s"] for c in start["candidates"])
+    assert start["predicted_dynamic_total_s"] > start["planned_start_pilot_s"] > 0
+    assert start["best_static_predicted_total_s"] > 0 and start["steps"] == 30
+    # the prediction is the pilot's: within 15% of the run simulated whole (not a hindsight figure)
+    assert start["predicted_dynamic_total_s"] == pytest.approx(simulated["total_time_s"], rel=0.15)
+    code, table = cli("plan", *argv[:-1])
+    assert code == 0
+    assert "planned_start" in table and start["planned_start"] in table.splitlines()[1]
+    assert "best_static_predicted_total_s" in table and "static plan of" in table
+
+
+def test_plan_plans_the_start_of_the_policy_it_is_given():
+    argv = ("--scenario", "noisy", "--steps", "12", "--policy", "verl-default", "--json")
+    p = json.loads(cli("plan", *argv)[1])
+    simulated = json.loads(cli("simulate", *argv)[1])
+    assert p["start"]["policy"] == "verl-default"
+    assert p["start"]["planned_start"] == simulated["planned_start"] == simulated["verl_dynamic_own_start"]
+
+
 def test_simulate_from_the_planned_layout_keeps_the_profiles_baselines():
     argv = ("simulate", "--scenario", "noisy", "--steps", "20", "--json")
     _, plain_text = cli(*argv, "--layout", "profile")
@@ -172,7 +207,7 @@ def test_simulate_from_the_planned_layout_keeps_the_profiles_baselines():
     assert (plain["layout"], plain["planned_start"]) == ("profile", "")
     assert planned["layout"] == "plan"
     assert planned["planned_start"] == f"{planned['initial_split']}/TP-{planned['tp']}"
-    for key in ("best_static", "best_static_tp1", "oracle_total_time_s", "fluid_bound_s"):
+    for key in ("best_static", "best_static_tp1", "best_split_per_step_tp1_total_time_s", "fluid_bound_s"):
         assert planned[key] == plain[key], key
     _, manual = cli(*argv, "--tp", "2", "--initial-split", "4:4")
     assert json.loads(manual)["layout"] == "manual"
@@ -188,6 +223,7 @@ def test_simulate_from_the_planned_layout_keeps_the_profiles_baselines():
         (("plan", "--scenario", "nope"), "unknown scenario"),
         (("plan", "--scenario", "noisy", "--gpus", "1"), "at least 2 devices"),
         (("plan", "--scenario", "noisy", "--pilot-steps", "0"), "--pilot-steps must be >= 1"),
+        (("plan", "--scenario", "noisy", "--steps", "2", "--policy", "nope"), "unknown policy"),
     ],
 )
 def test_bad_plan_input_is_a_clear_error(argv, message, capsys):

@@ -174,3 +174,49 @@ def test_trainers_are_lent_for_a_tail_only_when_the_queue_is_empty_and_it_pays()
     assert p is not None and p.devices == ("d6", "d0", "d1", "d2") and check_tail(landed, p, GuardConfig()) is None
     # without the option, trainers are lent to the rollout only while its queue holds requests
     assert load_policy("hysteresis").propose_loan(view) is None
+
+
+def test_an_engine_estimates_its_tail_from_what_it_knows():
+    """`remaining_tokens`: a request past every measured length but one runs to that one; one
+    that has passed them all runs up to max_tokens; several running requests take the longest
+    they could be."""
+    from dynaresized.sim.regroups import remaining_tokens
+
+    measured = np.array([300] * 64 + [16_000])
+    assert remaining_tokens(np.array([501.0]), measured, 16_384) == pytest.approx(15_499, abs=70)
+    assert remaining_tokens(np.array([16_100.0]), measured, 16_384) == pytest.approx(142, abs=70)  # uniform to max
+    assert remaining_tokens(np.array([20_000.0]), measured, 16_384) == 1  # past max_tokens: at its end
+    one = remaining_tokens(np.array([100.0]), measured, 16_384)
+    many = remaining_tokens(np.full(32, 100.0), measured, 16_384)
+    assert 200 < one < many < 16_000  # 32 requests: more likely that one of them is the long one
+    assert remaining_tokens(np.array([]), measured, 16_384) == 0
+
+
+def test_a_tails_estimate_reads_no_length_still_to_come(monkeypatch):
+    """Issue 43 item 5: the engines' tokens-left figure is the same whether the step's long
+    request will end at 12,000 or 16,000 tokens: it comes from the tokens so far, max_tokens and
+    the steps before (whose long request was 16,000), not from the trace's future."""
+    from dynaresized.core import events as ev
+
+    reported: dict[int, list[tuple[int, int]]] = {}
+    feed = DynamicPipeline._feed
+
+    def recorded(self: DynamicPipeline, event: ev.Event) -> None:
+        if isinstance(event, ev.EngineQueueEmpty) and event.running:
+            reported.setdefault(id(self), []).append((event.step, event.tokens_left))
+        feed(self, event)
+
+    monkeypatch.setattr(DynamicPipeline, "_feed", recorded)
+    firsts = []
+    for long_tokens in (16_000, 12_000):
+        steps = list(one_long_request(steps=2).steps)
+        lengths = steps[1].response_tokens.copy()
+        lengths[-1] = long_tokens  # step 1's long request; step 0 (what the engines measured) the same
+        steps[1] = StepBatch(1, steps[1].prompt_tokens, lengths)
+        pipe, _ = run(Trace("one-long-request", tuple(steps)), tails=True)
+        firsts.append(next(left for step, left in reported[id(pipe)] if step == 1))
+    # The same figure, but for the simulator placing "now" inside a step by each engine's mean
+    # pace over the step (2 tokens in 15,000 here); read from the trace it was 4,000 tokens
+    # apart (15,190 against 11,190: the request's true tokens left).
+    assert firsts[0] == pytest.approx(firsts[1], rel=1e-3)
+    assert firsts[1] > 15_000
