@@ -17,7 +17,9 @@ from dynaresized.explain import explain
 
 from .cluster import Driver, boot, make_core, trainer
 
-GUARDS = GuardConfig(min_dwell_s=0.0, cooldown_steps=0, signal_run=1, payback_horizon_steps=5, verify_steps=2)
+GUARDS = GuardConfig(min_dwell_s=0.0, cooldown_steps=0, signal_run=1, payback_horizon_steps=5, verify_steps=2,
+                     undo_worse=False)
+"""The judgement over the whole payback window (a resize judged worse early and undone: below)."""
 
 
 class Scripted:
@@ -174,3 +176,53 @@ def test_a_step_that_ran_on_the_old_split_does_not_measure_the_new_one() -> None
         step=2, rollout_s=40.0, train_s=30.0, train_devices=4, rollout_devices=4)))
     assert d.state.outcome.after == (40.0,)
     assert d.state.idle.pool(Pool.ROLLOUT).steps == 3  # idle accounting still counts every step
+
+
+# -- a resize judged worse early is undone at the next boundary ---------------------------------
+
+UNDOING = GuardConfig(min_dwell_s=1e9, cooldown_steps=50, signal_run=1, payback_horizon_steps=20, verify_steps=2)
+
+
+def test_a_resize_measured_worse_is_undone_at_once_without_waiting_out_the_cooldown() -> None:
+    policy = Scripted(Split(6, 2), Split(4, 4), before_s=78.0, after_s=33.0)
+    d = boot(make_core(UNDOING, policy), train=6, rollout=2)
+    assert len(of(report(d, 0, 78.0, 20.0), f.ResizeStarted)) == 1
+    d.finish()
+    assert d.state.split == Split(4, 4)
+    assert of(report(d, 1, 120.0, 10.0), f.ResizeJudged) == []  # one step is not verify_steps
+    facts = report(d, 2, 120.0, 10.0)
+    [verdict] = of(facts, f.ResizeJudged)
+    assert verdict.verdict is f.Verdict.WORSE and verdict.undo_to == Split(6, 2) and verdict.steps == 2
+    assert verdict.saved_s == 2 * 78.0 - 2 * 120.0 and verdict.payback_factor == 2.0
+    # the same boundary starts the undo, though the cooldown (50 steps) and dwell have not passed
+    [undo] = of(facts, f.ResizeStarted)
+    assert undo.source == "undo" and undo.plan.after == Split(6, 2)
+    assert "undo r1: measured worse over its first 2 step(s)" in undo.reason and "cooldown" in undo.reason
+    assert undo.predicted_step_s_after is None  # an undo predicts nothing: it goes back to what was measured
+    assert d.state.undo_to is None
+    d.finish()
+    assert d.state.split == Split(6, 2)
+    # the policy's next proposal (back to 4:4) waits out the dwell and cooldown as ever
+    rejections = of(report(d, 3, 78.0, 20.0), f.ProposalRejected)
+    assert [r.guard for r in rejections] == ["dwell"]
+    # and an undo measured worse in its turn is not undone again
+    for step in (4, 5, 6):
+        assert of(report(d, step, 500.0, 20.0), f.ResizeStarted) == []
+    assert fold(d.log).durable() == d.state.durable()
+
+
+def test_a_resize_within_the_margin_or_better_is_not_undone() -> None:
+    policy = Scripted(Split(6, 2), Split(4, 4), before_s=78.0, after_s=33.0)
+    d = boot(make_core(UNDOING, policy), train=6, rollout=2)
+    report(d, 0, 78.0, 20.0)
+    d.finish()
+    report(d, 1, 82.0, 10.0)
+    facts = report(d, 2, 82.0, 10.0)  # 5.1% slower: within undo_margin (6%), not judged yet
+    assert of(facts, f.ResizeJudged) == [] and of(facts, f.ResizeStarted) == []
+    assert d.state.outcome is not None and d.state.undo_to is None
+    off = GuardConfig(**{**{k: getattr(UNDOING, k) for k in UNDOING.__struct_fields__}, "undo_worse": False})
+    d = boot(make_core(off, policy), train=6, rollout=2)
+    report(d, 0, 78.0, 20.0)
+    d.finish()
+    report(d, 1, 120.0, 10.0)
+    assert of(report(d, 2, 120.0, 10.0), f.ResizeJudged) == []  # undo_worse off: judged over its window
