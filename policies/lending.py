@@ -175,6 +175,8 @@ class Lending:
         the step has run; None where nothing is measured. The shortest, because a loan refused
         for a rollout that turns out short loses what it would have saved, one lent for a long
         one only its cost."""
+        if len(view.idle_engines) >= view.split.rollout:
+            return 0.0  # every engine of the rollout pool has run dry: the rollout is done
         started = self._started(view)
         if model is None or started is None:
             return None
@@ -214,8 +216,7 @@ class Lending:
         if model is not None and elapsed is not None:
             # the cost model's rollout less the time the step has run: the queue's part of it
             # (above the latency floor) is what lent engines can take a share of
-            floor = min(model.floor_s, model.rollout_s)
-            ahead = max(model.rollout_on(n) - floor - elapsed, 0.0)
+            ahead = max(model.rollout_on(n) - elapsed, 0.0)
             source = f"rollout ~{model.rollout_on(n) - elapsed:.0f} s ahead ({model.model} model)"
         elif view.samples_total and view.samples_done and elapsed:
             # nothing measured yet: the step's own pace so far (live progress)
