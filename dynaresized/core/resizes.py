@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
-from dynaresized.core import guards
+from dynaresized.core import costmodel, guards
 from dynaresized.core.idle import step_period_s
 from dynaresized.core.policy import ObservedView, Proposal
 from dynaresized.core.state import ClusterState, InFlight, Outcome, Phase, derived, grown
@@ -407,7 +407,7 @@ def check_outcome(core: CoreLike, tx: Tx, at: float) -> None:
     total = core.config.steps_total
     if n >= o.payback_steps or (total is not None and tx.state.last_step >= total - 1):
         _judge(core, tx, at)  # the window is over, or the job is: nothing more will be measured
-    elif n == verify and _worse_early(core, o):
+    elif n == verify and _worse_early(core, o, tx.state):
         _judge(core, tx, at, undo=True)  # measured worse already: undone at the next boundary
 
 
@@ -428,14 +428,25 @@ def _expected_and_measured(o: Outcome) -> tuple[float, float] | None:
     return n * o.measured_step_s, sum(o.after)
 
 
-def _worse_early(core: CoreLike, o: Outcome) -> bool:
+def _worse_early(core: CoreLike, o: Outcome, state: ClusterState) -> bool:
     """A committed resize of the policy's whose first `verify_steps` steps measured slower than
-    the old split would have by more than `undo_margin` (`GuardConfig.undo_worse`)."""
+    the old split would have by more than `undo_margin` (`GuardConfig.undo_worse`): per response
+    token against the old split's steps and, where those steps reported their response lengths,
+    against what the cost model says the old split would have taken for the very same steps
+    (their latency floor included: a long-tailed rollout's time follows its longest response,
+    not its tokens, so per token alone a noisy workload reads as a worse split)."""
     cfg = core.config.guards
     if not cfg.undo_worse or o.source == UNDO_SOURCE or o.before is None or o.predicted_step_s_after is None:
         return False
     seen = _expected_and_measured(o)
-    return seen is not None and seen[1] > seen[0] * (1.0 + max(cfg.undo_margin, 0.0))
+    margin = 1.0 + max(cfg.undo_margin, 0.0)
+    if seen is None or seen[1] <= seen[0] * margin:
+        return False
+    steps = state.recent[-len(o.after):]
+    if len(steps) == len(o.after) and all(costmodel.floor_of(t) is not None for t in steps):
+        old = sum(costmodel.predicted_step_s((t,), state.split, o.before) for t in steps)
+        return seen[1] > old * margin
+    return True
 
 
 def undo_proposal(state: ClusterState) -> Proposal | None:

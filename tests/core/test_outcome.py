@@ -226,3 +226,27 @@ def test_a_resize_within_the_margin_or_better_is_not_undone() -> None:
     d.finish()
     report(d, 1, 120.0, 10.0)
     assert of(report(d, 2, 120.0, 10.0), f.ResizeJudged) == []  # undo_worse off: judged over its window
+
+
+def test_a_rollout_that_follows_its_longest_response_is_not_undone_for_its_tokens() -> None:
+    # Steps that report their lengths: the per-token comparison says "worse" (fewer tokens, as
+    # long a step), but the cost model says the old split would have taken longer for the same
+    # steps (their floor is 100 s of 120): no undo. Without lengths, the same steps are undone.
+    from dynaresized.domain import ResponseLengths
+
+    def step(d: Driver, k: int, rollout_s: float, tokens: int, lengths: bool, split: Split) -> list[f.Fact]:
+        lengths_ = ResponseLengths(quantiles=(10, 50, 90, 100), token_s=1.0) if lengths else None
+        facts, _ = d.send(ev.StepReported(at=d.at(), worker_id=trainer(0), timing=StepTiming(
+            step=k, rollout_s=rollout_s, train_s=10.0, rollout_devices=split.rollout, train_devices=split.train,
+            response_tokens=tokens, lengths=lengths_)))
+        return facts
+
+    for lengths, undone in ((True, False), (False, True)):
+        policy = Scripted(Split(6, 2), Split(4, 4), before_s=200.0, after_s=150.0)
+        d = boot(make_core(UNDOING, policy), train=6, rollout=2)
+        step(d, 0, 200.0, 10000, lengths, Split(6, 2))
+        d.finish()
+        step(d, 1, 160.0, 5000, lengths, Split(4, 4))
+        facts = step(d, 2, 160.0, 5000, lengths, Split(4, 4))
+        # per token: 0.02 s/token before, 0.032 after; the model: 100 + 60 x 4/2 = 220 s on 6:2
+        assert bool(of(facts, f.ResizeStarted)) is undone, lengths
