@@ -7,7 +7,7 @@ from __future__ import annotations
 from dynaresized.core.costmodel import Measure, measure
 from dynaresized.core.policy import ObservedView, Proposal, stage_split_estimate
 from dynaresized.domain import Split
-from dynaresized.policies.lending import Lending
+from dynaresized.policies.lending import Lending, checked_prior
 
 
 def candidate_splits(view: ObservedView) -> tuple[Split, ...]:
@@ -41,8 +41,10 @@ class HysteresisPolicy(Lending):
     guarded = True
 
     def __init__(self, window: int = 3, max_move: int | None = None, lending: bool = True,
-                 lend_trainers: bool = True, lend_engines: bool = True, tail_regroup: bool = False) -> None:
+                 lend_trainers: bool = True, lend_engines: bool = True, tail_regroup: bool = False,
+                 unmeasured_rollout_s: float = 300.0) -> None:
         self.lends = bool(lending)
+        self.unmeasured_rollout_s = checked_prior(unmeasured_rollout_s)
         self.regroups_tails = bool(tail_regroup)
         self.lends_trainers = bool(lend_trainers)
         self.lends_engines = bool(lend_engines)

@@ -32,6 +32,13 @@ from dynaresized.core.policy import LoanProposal, LoanView, ObservedView, TailPr
 from dynaresized.domain import Pool
 
 
+def checked_prior(seconds: float) -> float:
+    """`unmeasured_rollout_s` as a policy option: a finite number of seconds > 0."""
+    if not (isinstance(seconds, int | float) and 0 < seconds < math.inf):
+        raise ValueError(f"unmeasured_rollout_s must be a number of seconds > 0, got {seconds!r}")
+    return float(seconds)
+
+
 RECENT_STEPS = 3
 """Steps of `LoanView.recent` a loan's estimate averages (the hysteresis policy's window)."""
 
@@ -48,8 +55,9 @@ class Lending:
     """Idle engines to the training step (`lend_engines=false` turns that way off alone: a job
     with one mini-batch per RL step has no boundary inside the step for a lent engine to join)."""
     unmeasured_rollout_s: float = 300.0
-    """The rollout ahead, in seconds, before any step is measured (a first RL rollout of long
-    responses takes minutes)."""
+    """The rollout ahead, in seconds, before any step is measured and before any sample of the
+    first step is done (a first RL rollout of long responses takes minutes; a job of short
+    steps sets it lower: the policy option `unmeasured_rollout_s`). A loan decided on it says so."""
 
     regroups_tails: bool = False
     """Regroup a step's tail into a wider engine (`propose_tail`, `tail_regroup=true`): only where
