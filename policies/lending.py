@@ -4,23 +4,28 @@ progress only (response lengths are unknown until generated).
 An engine whose queue is empty and whose last request finished has nothing to do until the
 step boundary. Lent to training, it joins at the first mini-batch boundary after the one
 running now and after its release and join (`LoanCosts.lead_s`); from there the remaining
-mini-batches run on one more device. The predicted saving is the mini-batches the loan will
-still catch, at the pace the trainer last reported, times the share the extra devices take
-over (linear scaling). It does not ask whether training or the rollout will end the step last:
-an idle engine lent while the rollout is the longer stage costs only its way home. The cost is
-what the loan adds to the critical path: the group change and the joiner's first mini-batch
-now (`to_training_s`), and the way home at the boundary (`return_s`, spread over the rollout
-pool). The core's `loan_payback` guard lends only when the saving exceeds the cost.
+mini-batches run on one more device. Training then ends sooner by the mini-batches the loan
+still catches, at the pace the trainer last reported, times the share the extra devices take
+over (linear scaling); the step ends when both stages have, so the predicted saving is only
+what training would outlast the rollout by (the rollout still ahead: the shortest of the last
+steps' rollouts by the cost model, `core.costmodel`, less the time the step has run; none once
+every rollout engine has run dry). The cost is what the loan adds to the critical path: the
+group change and the joiner's first mini-batch now (`to_training_s`), and its late return: the
+lent engines start the next rollout `return_s` late while the pull router hands the next
+step's requests to the engines that started on time, which costs up to the way home where the
+next rollout is the longer stage (spread over the rollout pool before anything is measured).
+The core's `loan_payback` guard lends only when the saving exceeds the cost.
 
 The other way: trainers with nothing to train (the first window, where the training pool
 waits for the first rollout, or after the step's last mini-batch) are lent to the rollout
 while its queue still holds requests; as engines they pull the queued requests. The predicted
 saving is the rollout still ahead, less the loan's lead, times the share the lent devices
-take over. The rollout ahead is the last measured step's rollout time on the home pool (the
-devices that served it counted) less its training time (the training step just done started
-with the rollout); with nothing to train yet, the whole rollout (`unmeasured_rollout_s`
-before any step is measured). A lent engine that finds the queue empty costs only its ways
-there and back.
+take over. The rollout ahead is the cost model's rollout on the home pool (the devices that
+served the last steps counted) less the time the step has run (where the view does not say
+when the step began, the training just done); before any step is measured, the step's own
+pace from the engines' live sample counts, and with no sample done yet the prior
+`unmeasured_rollout_s` (a policy option), which the loan's reason names. A lent engine that
+finds the queue empty costs only its ways there and back.
 """
 
 from __future__ import annotations
