@@ -4,6 +4,8 @@ that made things worse raises the bar for the next one."""
 
 from __future__ import annotations
 
+import pytest
+
 from dynaresized.cli import render_status
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
@@ -250,3 +252,26 @@ def test_a_rollout_that_follows_its_longest_response_is_not_undone_for_its_token
         facts = step(d, 2, 160.0, 5000, lengths, Split(4, 4))
         # per token: 0.02 s/token before, 0.032 after; the model: 100 + 60 x 4/2 = 220 s on 6:2
         assert bool(of(facts, f.ResizeStarted)) is undone, lengths
+
+
+def test_status_says_which_cost_model_the_policy_predicts_with_and_why() -> None:
+    from dynaresized.domain import ResponseLengths
+
+    d = boot(make_core(GUARDS, Scripted(Split(9, 9), Split(9, 9), 1.0, 1.0)), train=6, rollout=2)
+    assert status_of(d.state)["cost_model"]["model"] is None
+    report(d, 0, 100.0, 20.0)  # an older worker: no lengths
+    linear = status_of(d.state)["cost_model"]
+    assert linear["model"] == "linear" and "no step report carries response lengths" in linear["why"]
+    assert "cost model  linear: no step report carries response lengths" in render_status(status_of(d.state))
+    d.send(ev.StepReported(at=d.at(), worker_id=trainer(0), timing=StepTiming(
+        step=1, rollout_s=100.0, train_s=20.0, lengths=ResponseLengths(quantiles=(10, 50, 90, 400), token_s=0.1))))
+    floor = status_of(d.state)["cost_model"]
+    assert floor["model"] == "floor" and floor["floor_s"] == pytest.approx(40.0)
+    assert "latency floor 40.0s" in render_status(status_of(d.state))
+    # bad lengths are refused, with the reason, and change nothing
+    from dynaresized.core.tx import Refused
+
+    with pytest.raises(Refused, match="bad_value: lengths.quantiles .10, 5, 90, 400. must be non-negative and non-decr"):
+        d.send(ev.StepReported(at=d.at(), worker_id=trainer(0), timing=StepTiming(
+            step=2, rollout_s=100.0, train_s=20.0, lengths=ResponseLengths(quantiles=(10, 5, 90, 400)))))
+    assert d.state.last_step == 1
