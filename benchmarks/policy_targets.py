@@ -4,6 +4,7 @@ gives, and whether it meets its target. Prints one JSON object.
     python benchmarks/policy_targets.py                       # every row (256/1024 take minutes)
     python benchmarks/policy_targets.py --most 64             # rows of at most 64 devices
     python benchmarks/policy_targets.py --jobs 2              # two simulations at a time
+    python benchmarks/policy_targets.py --table BEFORE.json AFTER.json   # a markdown before/after table
 
 Rows (profile qwen3-8b-h20x8, default policy):
 
@@ -93,6 +94,31 @@ def misses(r: dict) -> list[str]:
     return out
 
 
+def targets(r: dict) -> list[tuple[str, float]]:
+    """(metric, least value) of row `r`'s targets."""
+    if r["row"] == "planned-8":
+        least = BEFORE_8.get(r["scenario"]) or 0.0
+        return [("speedup_vs_best_static", max(least, 1.13) if r["scenario"] == "noisy" else least)]
+    if r["layout"] == "plan":
+        return [("speedup_vs_initial_split", 1.0),
+                ("speedup_vs_best_static", 1.05 if r["scenario"] == "noisy" and r["gpus"] in (16, 32) else 0.99)]
+    return [("speedup_vs_initial_split", 1.0), ("speedup_vs_best_static_tp1", 0.98)]
+
+
+def table(before: dict, after: dict) -> str:
+    """A markdown table of every target metric of `after`'s rows beside `before`'s."""
+    old = {(r["row"], r["scenario"]): r for r in before["rows"]}
+    lines = ["| row | scenario | metric | before | after | target |", "|---|---|---|---|---|---|"]
+    for r in after["rows"]:
+        o = old.get((r["row"], r["scenario"]), {})
+        for metric, least in targets(r):
+            value = r.get(metric)
+            miss = "" if value is not None and value >= least else " **missed**"
+            lines.append(f"| {r['row']} | {r['scenario']} | {metric.removeprefix('speedup_')} | {o.get(metric, '')} "
+                         f"| {value} | >= {least:g}{miss} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--most", type=int, default=1024, help="skip rows of more devices than this")
@@ -100,7 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated row names (planned-8, planned-16, profile-8...)")
     parser.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to every simulate run")
+    parser.add_argument("--table", nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="print a markdown table of two outputs of this script, and run nothing")
     args = parser.parse_args(argv)
+    if args.table:
+        with open(args.table[0]) as b, open(args.table[1]) as a:
+            print(table(json.load(b), json.load(a)), end="")
+        return 0
     if args.jobs < 1 or args.most < 1:
         parser.error("--jobs and --most must be >= 1")
     todo = cases(args.most)
