@@ -248,7 +248,8 @@ class SimDevice:
                 timing = StepTiming(step=step, rollout_s=rollout_s, train_s=t, weight_sync_s=c.weight_sync_seconds(),
                                     rollout_devices=len(self.rollout), train_devices=len(self.training),
                                     samples=int(c.stages.samples[step]),
-                                    response_tokens=int(c.stages.response_tokens[step]))
+                                    response_tokens=int(c.stages.response_tokens[step]),
+                                    lengths=c.stages.lengths(step))
                 await self.trainer.report_step(timing)
                 late = {d: loan.trainer_leave_s + loan.engine_wake_s for d in lent}  # the way home
                 print(json.dumps({"step": step, "step_s": step_s, "train": len(self.training),

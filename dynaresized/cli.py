@@ -157,6 +157,10 @@ def _outcome_lines(data: dict[str, Any]) -> list[str]:
         counts = [f"{pool} {t['steps']} step(s) accounted, {t['unknown_steps']} unknown"
                   for pool, t in idle["pools"].items()]
         lines.append(f"idle        {', '.join(parts)}; {'; '.join(counts)}")
+    model = data.get("cost_model")
+    if model:
+        floor = f", latency floor {model['floor_s']:.1f}s" if model.get("floor_s") is not None else ""
+        lines.append(f"cost model  {model['model'] or 'none'}{floor}: {model['why']}")
     outcome = data.get("outcome")
     if outcome:
         p = outcome["last_prediction"]
@@ -167,7 +171,8 @@ def _outcome_lines(data: dict[str, Any]) -> list[str]:
         if v:
             saved = "unknown" if v["saved_s"] is None else f"{v['saved_s']:+.1f}s"
             flag = "MADE THINGS WORSE" if v["verdict"] == "worse" else v["verdict"].replace("_", " ")
-            lines.append(f"last resize {v['resize_id']} {flag}: saved {saved} over {v['steps']} step(s)")
+            undo = f"; undone: back to {v['undo_to']['train']}:{v['undo_to']['rollout']}" if v.get("undo_to") else ""
+            lines.append(f"last resize {v['resize_id']} {flag}: saved {saved} over {v['steps']} step(s){undo}")
         m = outcome["measuring"]
         if m and m["committed"]:
             lines.append(f"measuring   {m['resize_id']}: {m['steps']} of {m['payback_steps']} step(s)")

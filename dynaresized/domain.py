@@ -112,6 +112,44 @@ class Worker(msgspec.Struct, frozen=True):
     is never recorded, so a log reader cannot speak for the worker."""
 
 
+LENGTH_QUANTILES: tuple[float, ...] = (0.5, 0.9, 0.99, 1.0)
+"""The quantiles of a step's response tokens a step report's `lengths` carries, in this order
+(1.0: the longest response)."""
+
+
+class ResponseLengths(msgspec.Struct, frozen=True):
+    """A step's response-length distribution and its latency floor, as the router saw them
+    (optional in a step report: a worker that does not send it leaves the daemon on its linear
+    stage model, and `status` says so)."""
+
+    quantiles: tuple[int, ...]
+    """Response tokens at `LENGTH_QUANTILES` (p50, p90, p99, max), non-decreasing."""
+    token_s: float = 0.0
+    """Seconds an engine took per token of the step's longest response, from its admission to
+    its last token (0: not measured). With the longest response's tokens it is the rollout's
+    latency floor: no pool of engines of this size generates that response sooner."""
+
+    def problem(self) -> str | None:
+        """Why these figures cannot be a length distribution, or None."""
+        if len(self.quantiles) != len(LENGTH_QUANTILES):
+            return (f"lengths.quantiles has {len(self.quantiles)} value(s); it takes {len(LENGTH_QUANTILES)}, "
+                    f"the response tokens at quantiles {', '.join(f'{q:g}' for q in LENGTH_QUANTILES)}")
+        if any(q < 0 for q in self.quantiles) or any(b < a for a, b in zip(self.quantiles, self.quantiles[1:])):
+            return f"lengths.quantiles {list(self.quantiles)} must be non-negative and non-decreasing"
+        if not (self.token_s >= 0 and self.token_s < float("inf")):
+            return f"lengths.token_s={self.token_s!r} must be a finite number of seconds >= 0"
+        return None
+
+    @property
+    def longest(self) -> int:
+        return self.quantiles[-1]
+
+    @property
+    def floor_s(self) -> float:
+        """Seconds the longest response takes on one engine: the rollout's latency floor."""
+        return self.longest * self.token_s
+
+
 class StepTiming(msgspec.Struct, frozen=True):
     """Observed stage times of one RL step, in seconds (wall clock of the reporting side).
 
@@ -133,6 +171,8 @@ class StepTiming(msgspec.Struct, frozen=True):
     train_device_s: float = 0.0
     """Device-seconds that served the training, devices lent to it included (0: not
     measured, `train_s × train_devices`)."""
+    lengths: ResponseLengths | None = None
+    """The step's response-length distribution (None: not reported, an older worker)."""
 
     @property
     def rollout_devices_served(self) -> float:

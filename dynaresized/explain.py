@@ -72,7 +72,9 @@ def explain(fact: f.Fact) -> str:
                     f"{fact.measured_step_s_after:.1f}s measured over {fact.steps} step(s), "
                     f"error {fact.error_s:+.1f}s ({fact.error_s / fact.predicted_step_s_after:+.0%}){before}")
         case f.ResizeJudged():
-            return f"resize {fact.resize_id} {_verdict(fact)}; payback guard factor now {fact.payback_factor:g}"
+            undo = (f"; undone at the next step boundary: back to {fact.undo_to} (guards.undo_worse)"
+                    if fact.undo_to is not None else "")
+            return f"resize {fact.resize_id} {_verdict(fact)}; payback guard factor now {fact.payback_factor:g}{undo}"
         case f.ResizingPaused():
             return f"resizing paused by {fact.requested_by}" + (f": {fact.reason}" if fact.reason else "")
         case f.ResizingResumed():

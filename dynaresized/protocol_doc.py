@@ -180,7 +180,7 @@ control secret*) and docs/security.md.
 **Frames.** Every message is exactly one frame holding one [MessagePack](https://msgpack.org)
 map. (The ROUTER sees `[identity, payload]`; the DEALER sends and receives just `[payload]`.)
 The map's `"type"` key names the message; the other keys are its fields. Enums are strings.
-`StepTiming`, `Split` and `ActualState` are nested maps. Every `sent_at` is the sender's wall
+`StepTiming`, `ResponseLengths`, `Split` and `ActualState` are nested maps. Every `sent_at` is the sender's wall
 clock in seconds since the Unix epoch (a float); the daemon treats it as data, never as time.
 
 **Versioning.** `Hello.protocol` must equal {wire.PROTOCOL_VERSION}; otherwise the daemon answers
@@ -302,7 +302,16 @@ bytes from the daemon (`wire.DAEMON_MESSAGE_MAX_BYTES`: our client and `wire.dae
    worker whose `step_report` it accepts, for as long as that worker is live (its restarts
    under the same worker id included): a `step_report` from any other worker is refused
    `not_the_reporter` (the error names the reporter); once the reporter is lost or gone, the
-   next worker to report takes over. A second report of a step is refused as `stale_step`. `progress`: per-sample completion on this worker. `bye` when
+   next worker to report takes over. A second report of a step is refused as `stale_step`.
+   `timing.lengths` (optional, `ResponseLengths` below) is the step's response-length
+   distribution as the router saw it: the response tokens at quantiles 0.5, 0.9, 0.99 and 1.0
+   (the longest), and the seconds per token the longest response took on its engine, from
+   admission to its last token. The policy predicts the rollout on another pool with a latency
+   floor from them (the longest response cannot be generated sooner, however many engines;
+   docs/simulator.md, "The cost model"); a report without them is accepted as before, and the
+   daemon predicts with the linear model (`dynaresized status` says which). Quantiles that are
+   not four non-negative, non-decreasing integers, or a per-token time that is not a finite
+   number >= 0, are refused `bad_value`. `progress`: per-sample completion on this worker. `bye` when
    leaving on purpose (your devices stay in their pools).
 7. **Cut off from the daemon** (a network partition, a one-way link, the daemon down): keep
    doing what you hold. An engine keeps serving its requests and a trainer keeps training:
@@ -628,6 +637,13 @@ def _table(name: str, schema: dict[str, Any], doc: str) -> list[str]:
     return lines + [""]
 
 
+_NESTED_DOC = {
+    "ResponseLengths": ("A step report's `timing.lengths`: `quantiles`, the response tokens at quantiles 0.5, 0.9, "
+                        "0.99 and 1.0 (four non-negative, non-decreasing integers); `token_s`, the seconds per token "
+                        "of the longest response on its engine (0: not measured). Optional: see *Report* above."),
+}
+
+
 def render() -> str:
     components = wire.json_schema()
     out = [INTRO]
@@ -641,8 +657,8 @@ def render() -> str:
             doc = " ".join((cls.__doc__ or "").split())
             out.extend(_table(f'type: "{tag}"', {**schema, "properties": props}, doc))
     out.append("## Nested types\n")
-    for name in ("StepTiming", "Split", "ActualState"):
-        out.extend(_table(name, components[name], ""))
+    for name in ("StepTiming", "ResponseLengths", "Split", "ActualState"):
+        out.extend(_table(name, components[name], _NESTED_DOC.get(name, "")))
     for name in ("WorkerKind", "OpKind", "Pool", "ErrorCode", "Holding", "PlanKind"):
         values = ", ".join(f"`{v}`" for v in components[name]["enum"])
         out.extend([f"### {name}", "", f"A string, one of: {values}.", ""])

@@ -5,9 +5,9 @@ workload it thrashes."""
 
 from __future__ import annotations
 
-from dynaresized.policies.hysteresis import candidate_splits, mean_work
+from dynaresized.policies.hysteresis import candidate_splits, window_measure
 
-from dynaresized.core.policy import ObservedView, Proposal, predicted_step_s
+from dynaresized.core.policy import ObservedView, Proposal
 
 
 class GreedyPolicy:
@@ -38,9 +38,10 @@ class GreedyPolicy:
             return None
         target = min(options, key=lambda s: (abs(abs(s.rollout - view.split.rollout) - self.devices_per_move),
                                               abs(s.rollout - view.split.rollout)))
-        rollout_work, train_work, sync = mean_work(view, 1)
-        now = predicted_step_s(rollout_work, train_work, view.split, sync)
-        after = predicted_step_s(rollout_work, train_work, target, sync)
+        model = window_measure(view, 1)
+        assert model is not None
+        now = model.step_on(view.split)
+        after = model.step_on(target)
         slower = "rollout" if grow_rollout else "training"
         self.last_reason = ""
         return Proposal(

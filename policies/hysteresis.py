@@ -4,9 +4,10 @@ cooldown, payback) decide whether the proposal goes ahead."""
 
 from __future__ import annotations
 
-from dynaresized.core.policy import ObservedView, Proposal, predicted_step_s, stage_split_estimate
+from dynaresized.core.costmodel import Measure, measure
+from dynaresized.core.policy import ObservedView, Proposal, stage_split_estimate
 from dynaresized.domain import Split
-from dynaresized.policies.lending import Lending
+from dynaresized.policies.lending import Lending, checked_prior
 
 
 def candidate_splits(view: ObservedView) -> tuple[Split, ...]:
@@ -30,13 +31,20 @@ def mean_work(view: ObservedView, window: int) -> tuple[float, float, float]:
     return rollout / n, train / n, sync / n
 
 
+def window_measure(view: ObservedView, window: int) -> Measure | None:
+    """The cost model's inputs (`core.costmodel.measure`) over the last `window` steps."""
+    return measure(view.recent[-window:], view.split)
+
+
 class HysteresisPolicy(Lending):
     name = "hysteresis"
     guarded = True
 
     def __init__(self, window: int = 3, max_move: int | None = None, lending: bool = True,
-                 lend_trainers: bool = True, lend_engines: bool = True, tail_regroup: bool = False) -> None:
+                 lend_trainers: bool = True, lend_engines: bool = True, tail_regroup: bool = False,
+                 unmeasured_rollout_s: float = 300.0) -> None:
         self.lends = bool(lending)
+        self.unmeasured_rollout_s = checked_prior(unmeasured_rollout_s)
         self.regroups_tails = bool(tail_regroup)
         self.lends_trainers = bool(lend_trainers)
         self.lends_engines = bool(lend_engines)
@@ -50,8 +58,10 @@ class HysteresisPolicy(Lending):
         if not view.recent:
             self.last_reason = "no step observed on this split yet"
             return None
-        rollout_work, train_work, sync = mean_work(view, self.window)
-        now = predicted_step_s(rollout_work, train_work, view.split, sync)
+        model = window_measure(view, self.window)
+        assert model is not None
+        lend = self.lend_lead_s(view, self.window)
+        now = model.step_on(view.split, lend_after_s=lend)
         last = view.recent[-1]
         grow_rollout = last.rollout_s > last.train_s
         best: tuple[float, Split] | None = None
@@ -61,7 +71,7 @@ class HysteresisPolicy(Lending):
                 continue
             if self.max_move is not None and abs(moved) > self.max_move:
                 continue
-            after = predicted_step_s(rollout_work, train_work, split, sync)
+            after = model.step_on(split, lend_after_s=lend)
             if best is None or (after, abs(moved)) < (best[0], abs(best[1].rollout - view.split.rollout)):
                 best = (after, split)
         if best is None or best[0] >= now:
@@ -74,6 +84,7 @@ class HysteresisPolicy(Lending):
         slower = "rollout" if grow_rollout else "training"
         reason = (
             f"{slower} is the slower stage (rollout {last.rollout_s:.1f}s vs train {last.train_s:.1f}s at step "
-            f"{last.step}); {view.split} -> {target} predicts {now:.1f}s -> {after:.1f}s per step"
+            f"{last.step}); {view.split} -> {target} predicts {now:.1f}s -> {after:.1f}s per step "
+            f"({model.describe()}{', trainers lent to it once trained' if lend is not None else ''})"
         )
         return Proposal(target=target, reason=reason, predicted_step_s=now, predicted_step_s_after=after)

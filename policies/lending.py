@@ -4,31 +4,48 @@ progress only (response lengths are unknown until generated).
 An engine whose queue is empty and whose last request finished has nothing to do until the
 step boundary. Lent to training, it joins at the first mini-batch boundary after the one
 running now and after its release and join (`LoanCosts.lead_s`); from there the remaining
-mini-batches run on one more device. The predicted saving is the mini-batches the loan will
-still catch, at the pace the trainer last reported, times the share the extra devices take
-over (linear scaling). It does not ask whether training or the rollout will end the step last:
-an idle engine lent while the rollout is the longer stage costs only its way home. The cost is
-what the loan adds to the critical path: the group change and the joiner's first mini-batch
-now (`to_training_s`), and the way home at the boundary (`return_s`, spread over the rollout
-pool). The core's `loan_payback` guard lends only when the saving exceeds the cost.
+mini-batches run on one more device. Training then ends sooner by the mini-batches the loan
+still catches, at the pace the trainer last reported, times the share the extra devices take
+over (linear scaling); the step ends when both stages have, so the predicted saving is only
+what training would outlast the rollout by (the rollout still ahead: the shortest of the last
+steps' rollouts by the cost model, `core.costmodel`, less the time the step has run; none once
+every rollout engine has run dry). The cost is what the loan adds to the critical path: the
+group change and the joiner's first mini-batch now (`to_training_s`), and its late return: the
+lent engines start the next rollout `return_s` late while the pull router hands the next
+step's requests to the engines that started on time, which costs up to the way home where the
+next rollout is the longer stage (spread over the rollout pool before anything is measured).
+The core's `loan_payback` guard lends only when the saving exceeds the cost.
 
 The other way: trainers with nothing to train (the first window, where the training pool
 waits for the first rollout, or after the step's last mini-batch) are lent to the rollout
 while its queue still holds requests; as engines they pull the queued requests. The predicted
 saving is the rollout still ahead, less the loan's lead, times the share the lent devices
-take over. The rollout ahead is the last measured step's rollout time on the home pool (the
-devices that served it counted) less its training time (the training step just done started
-with the rollout); with nothing to train yet, the whole rollout (`unmeasured_rollout_s`
-before any step is measured). A lent engine that finds the queue empty costs only its ways
-there and back.
+take over. The rollout ahead is the cost model's rollout on the home pool (the devices that
+served the last steps counted) less the time the step has run (where the view does not say
+when the step began, the training just done); before any step is measured, the step's own
+pace from the engines' live sample counts, and with no sample done yet the prior
+`unmeasured_rollout_s` (a policy option), which the loan's reason names. A lent engine that
+finds the queue empty costs only its ways there and back.
 """
 
 from __future__ import annotations
 
 import math
 
-from dynaresized.core.policy import LoanProposal, LoanView, TailProposal, stage_split_estimate
+from dynaresized.core.costmodel import Measure, measure
+from dynaresized.core.policy import LoanProposal, LoanView, ObservedView, TailProposal
 from dynaresized.domain import Pool
+
+
+def checked_prior(seconds: float) -> float:
+    """`unmeasured_rollout_s` as a policy option: a finite number of seconds > 0."""
+    if not (isinstance(seconds, int | float) and 0 < seconds < math.inf):
+        raise ValueError(f"unmeasured_rollout_s must be a number of seconds > 0, got {seconds!r}")
+    return float(seconds)
+
+
+RECENT_STEPS = 3
+"""Steps of `LoanView.recent` a loan's estimate averages (the hysteresis policy's window)."""
 
 
 class Lending:
@@ -43,12 +60,24 @@ class Lending:
     """Idle engines to the training step (`lend_engines=false` turns that way off alone: a job
     with one mini-batch per RL step has no boundary inside the step for a lent engine to join)."""
     unmeasured_rollout_s: float = 300.0
-    """The rollout ahead, in seconds, before any step is measured (a first RL rollout of long
-    responses takes minutes)."""
+    """The rollout ahead, in seconds, before any step is measured and before any sample of the
+    first step is done (a first RL rollout of long responses takes minutes; a job of short
+    steps sets it lower: the policy option `unmeasured_rollout_s`). A loan decided on it says so."""
 
     regroups_tails: bool = False
     """Regroup a step's tail into a wider engine (`propose_tail`, `tail_regroup=true`): only where
     the core has tail costs (the simulator's `[resize.tail]`)."""
+
+    def lend_lead_s(self, view: ObservedView, window: int) -> float | None:
+        """Seconds from a trainer's last mini-batch until, lent, it serves the rollout, where this
+        policy lends trainers and did in the last `window` steps (its split predictions count
+        those loans: `Measure.step_on`); None where it does not or did not (a job whose trainers
+        report no mini-batch is never lent), or the view does not say what a loan costs."""
+        if not (self.lends and self.lends_trainers) or view.rollout_loan_costs is None:
+            return None
+        if not any(t.rollout_devices_served > t.rollout_devices for t in view.recent[-window:]):
+            return None
+        return view.rollout_loan_costs.lead_s
 
     def _tail_plan(self, view: LoanView, free: list[str], extra_cost: float) -> tuple[tuple[str, ...], float, float,
                                                                                   str] | None:
@@ -128,29 +157,91 @@ class Lending:
         # the first boundary the loan can make: after the mini-batch now running, and after
         # its release and join are done
         caught = max(left - 1 - math.floor(view.costs.lead_s / view.mini_batch_s), 0)
-        saves = caught * view.mini_batch_s * k / (n + k)
-        cost = view.costs.to_training_s + view.costs.return_s / max(view.split.rollout, 1) * k
+        faster = caught * view.mini_batch_s * k / (n + k)  # training ends this much sooner
+        model = measure(view.recent[-RECENT_STEPS:], view.split)
+        training_left = left * view.mini_batch_s
+        rollout_left = self._rollout_left(view, model)
+        if rollout_left is None:
+            saves, bound = faster, ""
+        else:
+            # the step ends when both stages have: training ending sooner saves only what it
+            # outlasts the rollout by
+            saves = max(min(faster, training_left - rollout_left), 0.0)
+            bound = f"training ~{training_left:.0f} s left, rollout ~{rollout_left:.0f} s, "
+        cost = view.costs.to_training_s + self._late_return_s(view, model, k)
         idle = tuple(sorted(view.idle_engines))
         devices = ", ".join(idle)
         why = (f"lent {devices} to training at mini-batch {view.mini_batch_done}/{view.mini_batch_total}: "
-               f"rollout queue empty, {k} engine(s) idle, saves ~{saves:.0f} s (cost ~{cost:.0f} s)")
+               f"rollout queue empty, {k} engine(s) idle, {bound}saves ~{saves:.0f} s (cost ~{cost:.0f} s)")
         return LoanProposal(devices=idle, to_pool=Pool.TRAINING.value, reason=why, saves_s=saves,
                             cost_s=cost)
 
+    @staticmethod
+    def _started(view: LoanView) -> float | None:
+        """When the step in progress began (the last step report; in the first window, when the
+        trainer said it has nothing to train yet), or None."""
+        return view.step_started_at if view.step_started_at >= 0 else None
+
+    def _rollout_left(self, view: LoanView, model: Measure | None) -> float | None:
+        """Seconds of the step's rollout still ahead on the home pool, at least: the shortest of
+        the last steps' rollouts on it (the cost model's, with its latency floor) less the time
+        the step has run; None where nothing is measured. The shortest, because a loan refused
+        for a rollout that turns out short loses what it would have saved, one lent for a long
+        one only its cost."""
+        if len(view.idle_engines) >= view.split.rollout:
+            return 0.0  # every engine of the rollout pool has run dry: the rollout is done
+        started = self._started(view)
+        if model is None or started is None:
+            return None
+        n = max(view.split.rollout, 1)
+        shortest = min(m.rollout_on(n) for t in view.recent[-RECENT_STEPS:]
+                       if (m := measure((t,), view.split)) is not None)
+        return max(shortest - (view.now - started), 0.0)
+
+    @staticmethod
+    def _late_return_s(view: LoanView, model: Measure | None, k: int) -> float:
+        """What engines lent to training cost the next rollout: they come home `return_s` late,
+        and meanwhile the pull router hands the next step's requests to the engines that started
+        on time. It costs the step where the next rollout then ends after its training: up to
+        the whole way home where the rollout is the longer stage, nothing where training
+        outlasts it by more than that. Unmeasured: the way home spread over the rollout pool."""
+        late = view.costs.return_s
+        if model is None:
+            return late / max(view.split.rollout, 1) * k
+        rollout = model.rollout_on(max(view.split.rollout, 1))
+        training = sum(t.train_s for t in view.recent[-RECENT_STEPS:]) / max(len(view.recent[-RECENT_STEPS:]), 1)
+        return min(late, max(rollout + late - training, 0.0))
+
     def _lend_trainers(self, view: LoanView) -> LoanProposal | None:
         n = max(view.split.rollout, 1)
-        ahead = self.unmeasured_rollout_s
-        if view.recent:
-            rollout_work, train_work = stage_split_estimate(view.recent[-1], view.split)
-            trained = train_work / max(view.split.train, 1) if view.mini_batch_total > 0 else 0.0
-            ahead = rollout_work / n - trained
+        model = measure(view.recent[-RECENT_STEPS:], view.split)
+        started = self._started(view)
+        if started is not None:
+            elapsed: float | None = view.now - started
+        elif model is not None:
+            # no time the step began: the training step just done began with it
+            elapsed = model.train_on(max(view.split.train, 1)) if view.mini_batch_total > 0 else 0.0
+        else:
+            elapsed = None
         free = tuple(sorted(view.free_trainers))
         k = len(free)
         costs = view.costs_to(Pool.ROLLOUT)
+        if model is not None and elapsed is not None:
+            # the cost model's rollout less the time the step has run: the queue's part of it
+            # (above the latency floor) is what lent engines can take a share of
+            ahead = max(model.rollout_on(n) - elapsed, 0.0)
+            source = f"rollout ~{model.rollout_on(n) - elapsed:.0f} s ahead ({model.model} model)"
+        elif view.samples_total and view.samples_done and elapsed:
+            # nothing measured yet: the step's own pace so far (live progress)
+            ahead = elapsed * (view.samples_total - view.samples_done) / view.samples_done
+            source = f"{view.samples_done}/{view.samples_total} samples done in {elapsed:.0f} s"
+        else:
+            ahead = self.unmeasured_rollout_s
+            source = f"no step measured and no sample done yet: prior unmeasured_rollout_s={ahead:g}"
         saves = max(ahead - costs.lead_s, 0.0) * k / (n + k)
         cost = costs.to_rollout_s + costs.return_s / max(view.training_devices, 1) * k
         what = ("nothing to train yet" if view.mini_batch_total == 0
                 else f"training step done ({view.mini_batch_done}/{view.mini_batch_total})")
-        why = (f"lent {', '.join(free)} to the rollout: {what}, rollout queue not empty, "
+        why = (f"lent {', '.join(free)} to the rollout: {what}, rollout queue not empty, {source}, "
                f"saves ~{saves:.0f} s (cost ~{cost:.0f} s)")
         return LoanProposal(devices=free, to_pool=Pool.ROLLOUT.value, reason=why, saves_s=saves, cost_s=cost)

@@ -29,7 +29,7 @@ import math
 
 import msgspec
 from dynaresized.policies.hysteresis import candidate_splits
-from dynaresized.policies.lending import Lending
+from dynaresized.policies.lending import Lending, checked_prior
 
 from dynaresized.core.policy import ObservedView, Proposal
 from dynaresized.domain import Split, StepTiming
@@ -87,8 +87,10 @@ class PlannerPolicy(Lending):
         lending: bool = True,
         lend_trainers: bool = True,
         lend_engines: bool = True,
+        unmeasured_rollout_s: float = 300.0,
     ) -> None:
         self.lends = bool(lending)
+        self.unmeasured_rollout_s = checked_prior(unmeasured_rollout_s)
         self.lends_trainers = bool(lend_trainers)
         self.lends_engines = bool(lend_engines)
         if memory_steps < 2 or half_life_steps <= 0 or horizon_steps < 1 or min_gain < 0 or ridge < 0:

@@ -142,3 +142,17 @@ def test_protocol_doc_matches_the_schema() -> None:
     assert committed == render(), "docs/protocol.md is stale: python -m dynaresized.protocol_doc > docs/protocol.md"
     for cls in [*wire.WorkerMessage.__args__, *wire.DaemonMessage.__args__]:  # type: ignore[attr-defined]
         assert f'type: "{cls.__struct_config__.tag}"' in committed
+
+
+def test_a_step_report_with_and_without_response_lengths() -> None:
+    from dynaresized.domain import ResponseLengths
+
+    lengths = ResponseLengths(quantiles=(900, 4000, 12000, 16384), token_s=0.021)
+    new = wire.StepReport(worker_id="trainer-0", timing=StepTiming(step=3, rollout_s=12.5, train_s=7.0,
+                                                                    lengths=lengths))
+    assert wire.worker_decoder().decode(wire.encode(new)) == new
+    # an older worker's report has no `lengths` key: accepted, None
+    old = msgspec.msgpack.encode({"type": "step_report", "worker_id": "trainer-0",
+                                  "timing": {"step": 3, "rollout_s": 12.5, "train_s": 7.0}})
+    decoded = wire.worker_decoder().decode(old)
+    assert isinstance(decoded, wire.StepReport) and decoded.timing.lengths is None

@@ -228,6 +228,9 @@ class ResizeJudged(Fact, frozen=True, tag="resize_judged"):
     saved_s: float | None  # what the old split would have taken for those steps - what they took
     cost_s: float | None  # the resize cost the payback guard assumed
     payback_factor: float = 1.0  # the payback guard's learned multiplier from now on
+    undo_to: Split | None = None
+    """Judged worse after its first `verify_steps` steps (`GuardConfig.undo_worse`): the split it
+    left, which the next step boundary the safety checks allow goes back to."""
 
 
 class ResizingPaused(Fact, frozen=True, tag="resizing_paused"):

@@ -42,6 +42,18 @@ class GuardConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     loan_safety: float = 1.0
     """A loan goes ahead only if its predicted saving in the rest of the step exceeds its
     predicted cost times this."""
+    min_gain: float = 0.03
+    """A resize whose predicted saving per step is below this fraction of the predicted step
+    time is not made: a gain the model cannot tell from its own error (0: any gain)."""
+    undo_worse: bool = True
+    """A resize whose first `verify_steps` steps on the new split measured slower per response
+    token than the split it left, by more than `undo_margin`, is judged worse at once and undone
+    at the next step boundary: the cooldown, dwell, run of signals and payback do not hold an
+    undo back (the safety checks do)."""
+    undo_margin: float = 0.06
+    """How much slower per response token than the split it left a resize must measure over its
+    first `verify_steps` steps to be undone early (`undo_worse`): above the step-to-step noise of
+    a long-tailed rollout over three steps (4-5% at 256 devices), twice `min_gain`."""
 
 
 class Rejection(msgspec.Struct, frozen=True):
@@ -152,6 +164,16 @@ def _since_last_resize(guard: str, now: float, ended: float | None, least: float
     return None
 
 
+def check_min_gain(view: ObservedView, p: Proposal, cfg: GuardConfig, h: History) -> Rejection | None:
+    if p.predicted_step_s <= 0 or cfg.min_gain <= 0:
+        return None  # no prediction (an operator's resize) or no margin asked
+    gain = p.saving_per_step_s / p.predicted_step_s
+    if gain < cfg.min_gain:
+        return Rejection("min_gain", f"predicted gain {p.saving_per_step_s:.2f}s/step is {gain:.1%} of the "
+                                     f"{p.predicted_step_s:.1f}s step, below min_gain={cfg.min_gain:.0%}")
+    return None
+
+
 def check_payback(view: ObservedView, p: Proposal, cfg: GuardConfig, h: History) -> Rejection | None:
     horizon = payback_horizon(view, cfg)
     cost = view.costs.for_move(view.split, p.target)
@@ -177,7 +199,8 @@ Guard = Callable[[ObservedView, Proposal, GuardConfig, History], Rejection | Non
 SAFETY: tuple[Guard, ...] = (check_candidates, check_min_pools)
 """Checked for every proposal, guarded policy or not."""
 
-HYSTERESIS: tuple[Guard, ...] = (check_threshold, check_signal_run, check_dwell, check_cooldown, check_payback)
+HYSTERESIS: tuple[Guard, ...] = (check_threshold, check_signal_run, check_dwell, check_cooldown, check_min_gain,
+                                 check_payback)
 """Checked for guarded policies (all built-ins but `greedy`)."""
 
 

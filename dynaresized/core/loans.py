@@ -48,12 +48,15 @@ def loan_view(core: CoreLike, state: ClusterState, now: float) -> LoanView:
         mini_batch_total=mb.total if mb is not None else 0,
         mini_batch_s=mb.last_s if mb is not None else 0.0,
         queue_empty=state.dry_step >= rollout_step,
-        costs=_loan_costs(core, state, Pool.TRAINING),
-        rollout_costs=_loan_costs(core, state, Pool.ROLLOUT),
+        costs=loan_costs(core, state, Pool.TRAINING),
+        rollout_costs=loan_costs(core, state, Pool.ROLLOUT),
         recent=state.recent,
         rollout_step=rollout_step,
         samples_done=samples_done,
         samples_total=samples_total,
+        # the first window has no step report: it began when the trainer said it had nothing to train
+        step_started_at=state.last_step_at if state.last_step_at >= 0 else (
+            mb.at if mb is not None and mb.total == 0 else -1.0),
     )
     if core.config.tail_costs is None:
         return view  # the daemon: no tail regroups, and no scan of every device for lent ones per report
@@ -67,7 +70,7 @@ def loan_view(core: CoreLike, state: ClusterState, now: float) -> LoanView:
     )
 
 
-def _loan_costs(core: CoreLike, state: ClusterState, to_pool: Pool) -> LoanCosts:
+def loan_costs(core: CoreLike, state: ClusterState, to_pool: Pool) -> LoanCosts:
     """Configured, or learned from the last loans to `to_pool` (`CoreConfig.learn_loan_costs`)."""
     if not core.config.learn_loan_costs:
         return core.config.loan_costs
@@ -182,14 +185,17 @@ def on_progress(core: CoreLike, tx: Tx, e: ev.ProgressReported) -> None:
         return_loans(core, tx, e.at, None, "", why=why)
 
 
-def return_loans(core: CoreLike, tx: Tx, at: float, proposal: Proposal | None, source: str, why: str = "") -> None:
+def return_loans(core: CoreLike, tx: Tx, at: float, proposal: Proposal | None, source: str, why: str = "",
+                 hysteresis: bool | None = None) -> None:
     """Step boundary: every lent device goes home. A resize the policy proposes at the same
-    boundary is checked by the guards now and starts once the devices are home."""
+    boundary is checked by the guards now (the hysteresis guards where the policy is guarded,
+    or as `hysteresis` says) and starts once the devices are home."""
     s = tx.state
     then: Split | None = None
     if proposal is not None:
         view = core.view(s, at)
-        rejection = guards.evaluate(view, proposal, core.config.guards, s.history, hysteresis=core.policy.guarded)
+        guarded = core.policy.guarded if hysteresis is None else hysteresis
+        rejection = guards.evaluate(view, proposal, core.config.guards, s.history, hysteresis=guarded)
         if rejection is not None:
             reject(tx, at, source, proposal.target, rejection.guard, rejection.reason)
         else:

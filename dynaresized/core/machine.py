@@ -136,6 +136,7 @@ class Core:
             costs=costs,
             steps_remaining=remaining,
             history=state.step_history,
+            rollout_loan_costs=loans.loan_costs(self, state, Pool.ROLLOUT),
         )
 
 
@@ -157,6 +158,8 @@ def _observe_step(core: CoreLike, tx: Tx, e: ev.StepReported) -> None:
         value = getattr(t, name)
         if not math.isfinite(value) or value < 0:
             raise Refused("bad_value", f"{name}={value!r} must be a finite number of seconds >= 0")
+    if t.lengths is not None and (problem := t.lengths.problem()) is not None:
+        raise Refused("bad_value", problem)
     tx.emit(f.StepObserved(at=e.at, worker_id=e.worker_id, timing=t))
     resizes.check_outcome(core, tx, e.at)
 
@@ -185,6 +188,14 @@ def _boundary(core: CoreLike, tx: Tx, at: float, step: int, why: str = "") -> No
             loans.return_loans(core, tx, at, None, "", why=why)
         return
     view = core.view(s, at)
+    undo = resizes.undo_proposal(s)
+    if undo is not None:
+        # a resize judged worse early goes back now: only the safety checks hold an undo back
+        if lent:
+            loans.return_loans(core, tx, at, undo, resizes.UNDO_SOURCE, why=why, hysteresis=False)
+        else:
+            resizes.decide(core, tx, view, undo, resizes.UNDO_SOURCE, hysteresis=False, at=at)
+        return
     proposal = core.policy(view)
     if lent:
         loans.return_loans(core, tx, at, proposal, core.policy.name, why=why)

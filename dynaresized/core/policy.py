@@ -42,6 +42,10 @@ class ObservedView(msgspec.Struct, frozen=True):
     costs: ResizeCosts
     steps_remaining: int | None = None  # None when the job length is unknown
     history: tuple[StepTiming, ...] = ()  # up to 256 steps across resizes, oldest first
+    rollout_loan_costs: LoanCosts | None = None
+    """What a loan of trainers to the rollout costs (configured or learned, as `LoanView`'s):
+    a lending policy predicts a split's step with its own loans (`costmodel.Measure.step_on`).
+    None: the policy does not know (a view built without it)."""
 
 
 class Proposal(msgspec.Struct, frozen=True):
@@ -235,6 +239,9 @@ class LoanView(msgspec.Struct, frozen=True):
     tail_costs: TailCosts | None = None  # None: tails are never regrouped (`CoreConfig.tail_costs`)
     lent_to_rollout: tuple[DeviceId, ...] = ()  # trainers' devices lent to the rollout, landed
     tail_open: bool = False  # a tail regroup's engine serves until the step boundary
+    step_started_at: float = -1.0
+    """When the step in progress began (the last step report; -1: no step reported yet): with
+    `recent`, how far into its predicted rollout the step is."""
 
     def costs_to(self, pool: Pool) -> LoanCosts:
         """The loan costs a loan to `pool` is estimated with."""

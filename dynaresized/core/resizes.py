@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
-from dynaresized.core import guards
+from dynaresized.core import costmodel, guards
 from dynaresized.core.idle import step_period_s
 from dynaresized.core.policy import ObservedView, Proposal
-from dynaresized.core.state import ClusterState, InFlight, Phase, derived, grown
+from dynaresized.core.state import ClusterState, InFlight, Outcome, Phase, derived, grown
 from dynaresized.core.tx import CoreLike, Refused, SendOp, Tx, reject, require_worker
 from dynaresized.domain import UNDO, DeviceId, OpKind, OpSpec, PlanKind, Pool, ResizePlan, Split, WorkerKind
 
@@ -408,25 +408,73 @@ def check_outcome(core: CoreLike, tx: Tx, at: float) -> None:
     total = core.config.steps_total
     if n >= o.payback_steps or (total is not None and tx.state.last_step >= total - 1):
         _judge(core, tx, at)  # the window is over, or the job is: nothing more will be measured
+    elif n == verify and _worse_early(core, o, tx.state):
+        _judge(core, tx, at, undo=True)  # measured worse already: undone at the next boundary
 
 
-def _judge(core: CoreLike, tx: Tx, at: float) -> None:
-    """The verdict on the resize being measured, and what the payback guard learns from it."""
+UNDO_SOURCE = "undo"
+"""The source of a resize that goes back to the split a resize judged worse left."""
+
+
+def _expected_and_measured(o: Outcome) -> tuple[float, float] | None:
+    """(what the old split would have taken for the steps measured after the commit, what they
+    took), or None where the old split measured nothing."""
+    n = len(o.after)
+    if n == 0 or o.measured_step_s is None:
+        return None
+    # Scaled by their response tokens when every step reported them (responses grow during RL;
+    # a longer step is not the resize's fault), else the old split's mean step period.
+    if o.measured_s_per_token is not None and all(t > 0 for t in o.after_tokens):
+        return o.measured_s_per_token * sum(o.after_tokens), sum(o.after)
+    return n * o.measured_step_s, sum(o.after)
+
+
+def _worse_early(core: CoreLike, o: Outcome, state: ClusterState) -> bool:
+    """A committed resize of the policy's whose first `verify_steps` steps measured slower than
+    the old split would have by more than `undo_margin` (`GuardConfig.undo_worse`): per response
+    token against the old split's steps and, where those steps reported their response lengths,
+    against what the cost model says the old split would have taken for the very same steps
+    (their latency floor included: a long-tailed rollout's time follows its longest response,
+    not its tokens, so per token alone a noisy workload reads as a worse split)."""
+    cfg = core.config.guards
+    if not cfg.undo_worse or o.source == UNDO_SOURCE or o.before is None or o.predicted_step_s_after is None:
+        return False
+    seen = _expected_and_measured(o)
+    margin = 1.0 + max(cfg.undo_margin, 0.0)
+    if seen is None or seen[1] <= seen[0] * margin:
+        return False
+    steps = state.recent[-len(o.after):]
+    if len(steps) == len(o.after) and all(costmodel.floor_of(t) is not None for t in steps):
+        old = sum(costmodel.predicted_step_s((t,), state.split, o.before) for t in steps)
+        return seen[1] > old * margin
+    return True
+
+
+def undo_proposal(state: ClusterState) -> Proposal | None:
+    """Going back to the split a resize judged worse early left (`ClusterState.undo_to`), or None."""
+    v, target = state.last_verdict, state.undo_to
+    if target is None or target == state.split or v is None:
+        return None
+    saved = f"{v.saved_s:+.1f}s" if v.saved_s is not None else "unknown"
+    return Proposal(target=target, predicted_step_s=0.0, predicted_step_s_after=0.0,
+                    reason=(f"undo {v.resize_id}: measured worse over its first {v.steps} step(s) on {state.split} "
+                            f"(saved {saved} against the old split); back to {target} without waiting out the "
+                            f"cooldown (guards.undo_worse)"))
+
+
+def _judge(core: CoreLike, tx: Tx, at: float, *, undo: bool = False) -> None:
+    """The verdict on the resize being measured, and what the payback guard learns from it;
+    with `undo`, judged worse early: the verdict names the split to go back to."""
     o = tx.state.outcome
     assert o is not None
     cfg, factor = core.config.guards, tx.state.history.payback_factor
     n = len(o.after)
-    if not o.committed or n == 0 or o.measured_step_s is None:
+    seen = _expected_and_measured(o) if o.committed else None
+    if seen is None:
         verdict, saved = f.Verdict.UNKNOWN, None
     else:
-        # What the old split would have taken for the same steps: scaled by their response
-        # tokens when every step reported them (responses grow during RL; a longer step is not
-        # the resize's fault), else its mean step period.
-        if o.measured_s_per_token is not None and all(t > 0 for t in o.after_tokens):
-            expected = o.measured_s_per_token * sum(o.after_tokens)
-        else:
-            expected = n * o.measured_step_s
-        saved = expected - sum(o.after)
+        expected, took = seen
+        saved = expected - took
         if saved < 0:
             verdict = f.Verdict.WORSE
         elif saved < (o.cost_s or 0.0):
@@ -440,4 +488,5 @@ def _judge(core: CoreLike, tx: Tx, at: float) -> None:
     elif verdict is f.Verdict.PAID_BACK:
         factor = max(factor / cfg.payback_backoff, 1.0) if cfg.payback_backoff > 0 else 1.0
     tx.emit(f.ResizeJudged(at=at, resize_id=o.resize_id, verdict=verdict, steps=n, payback_steps=o.payback_steps,
+                           undo_to=o.before if undo and verdict is f.Verdict.WORSE else None,
                            saved_s=saved, cost_s=o.cost_s, payback_factor=factor))

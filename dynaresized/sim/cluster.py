@@ -119,6 +119,7 @@ class VirtualCluster:
             train_devices=train_devices,
             samples=int(self.stages.samples[step]),
             response_tokens=int(self.stages.response_tokens[step]),
+            lengths=self.stages.lengths(step),
         )
 
     def _check_step(self, step: int) -> None:

@@ -301,6 +301,7 @@ class DynamicPipeline(Lending, Regroups):
                     train_devices=split.train,
                     samples=int(model.samples[step]),
                     response_tokens=int(model.response_tokens[step]),
+                    lengths=model.lengths(step),
                 )
                 before = len(self.facts)
                 consulted = self.state.phase is Phase.STEADY and not self.state.paused

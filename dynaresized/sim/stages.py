@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynaresized.domain import LENGTH_QUANTILES, ResponseLengths
 from dynaresized.sim.profile import Profile, RolloutSpec
 from dynaresized.sim.workload import Trace
 
@@ -401,6 +402,16 @@ class StageModel:
                 self._alone.append((r.iter_base_s + r.iter_per_seq_s) * length + r.iter_per_ctx_token_s * ctx
                                    + r.prefill_per_token_s * p)
         return self._alone
+
+    def lengths(self, step: int) -> ResponseLengths:
+        """Step `step`'s response lengths as a router reports them (`StepTiming.lengths`): the
+        quantiles of its response tokens, and the seconds per token of its longest response
+        decoded alone on one of this model's engines (its latency floor over its tokens)."""
+        tokens = self.trace.steps[step].response_tokens
+        q = np.quantile(tokens, LENGTH_QUANTILES, method="inverted_cdf") if tokens.size else np.zeros(4)
+        longest = int(tokens.max()) if tokens.size else 0
+        return ResponseLengths(quantiles=tuple(int(x) for x in q),
+                               token_s=float(self.longest_request_s[step]) / longest if longest else 0.0)
 
     def rollout_work_table(self) -> np.ndarray:
         """`rollout_work` of every step."""

@@ -14,6 +14,7 @@ from dynaresized.core import facts as f
 from dynaresized.core import guards as g
 from dynaresized.core.guards import GuardConfig, History, Rejection
 from dynaresized.core.policy import ObservedView, Proposal, ResizeCosts
+from dynaresized.core.resizes import UNDO_SOURCE
 from dynaresized.domain import Pool, Split, StepTiming
 
 from .cluster import Driver, boot, make_core, trainer
@@ -151,6 +152,20 @@ def test_payback() -> None:
                              NOBODY), "payback")
 
 
+def test_min_gain_refuses_a_move_whose_predicted_gain_is_below_its_share_of_the_step() -> None:
+    # 256 s a step: 3% is 7.68 s
+    rejected(g.check_min_gain(view(), proposal(Split(4, 4), saving_s=7.5), CFG, NOBODY), "min_gain",
+             "2.9% of the 256.0s step", "min_gain=3%")
+    assert g.check_min_gain(view(), proposal(Split(4, 4), saving_s=8.0), CFG, NOBODY) is None
+    assert g.check_min_gain(view(), proposal(Split(4, 4), saving_s=1.0), GuardConfig(min_gain=0.0), NOBODY) is None
+    operator = Proposal(target=Split(4, 4), reason="op", predicted_step_s=0.0, predicted_step_s_after=0.0)
+    assert g.check_min_gain(view(), operator, CFG, NOBODY) is None  # predicts nothing: nothing to hold back
+    # among the hysteresis guards, after the cooldown and before the payback
+    tiny = proposal(Split(4, 4), saving_s=4.0)
+    rejected(g.evaluate(view(tuple(ROLLOUT_SLOW)), tiny, CFG, NOBODY), "min_gain")
+    assert g.evaluate(view(tuple(ROLLOUT_SLOW)), tiny, CFG, NOBODY, hysteresis=False) is None
+
+
 def test_candidates() -> None:
     allowed = (Split(6, 2), Split(4, 4), Split(2, 6))
     rejected(g.check_candidates(view(), proposal(Split(4, 3)), CFG, NOBODY), "candidates", "all 8 devices")
@@ -188,6 +203,7 @@ class Pipeline:
         self.d = d
         self.step = 0
         self.started: list[tuple[int, float]] = []  # (step, time) of every ResizeStarted
+        self.undone: set[int] = set()  # indexes in `started` of undos (guards.undo_worse)
         self.rejections: list[f.ProposalRejected] = []
 
     def run_step(self, rollout_work: float, train_work: float) -> None:
@@ -209,6 +225,8 @@ class Pipeline:
     def note(self, facts: list[f.Fact]) -> None:
         for x in facts:
             if isinstance(x, f.ResizeStarted):
+                if x.source == UNDO_SOURCE:
+                    self.undone.add(len(self.started))
                 self.started.append((self.d.state.last_step, x.at))
             elif isinstance(x, f.ProposalRejected):
                 self.rejections.append(x)
@@ -225,7 +243,11 @@ def long_run(cfg: GuardConfig, regimes: list[tuple[int, float, float]]) -> Pipel
 
 
 def assert_spaced(p: Pipeline, cfg: GuardConfig) -> None:
-    for (s1, t1), (s2, t2) in zip(p.started, p.started[1:], strict=False):
+    """Every resize but an undo of one judged worse starts after the cooldown and the dwell."""
+    for i, ((s1, t1), (s2, t2)) in enumerate(zip(p.started, p.started[1:], strict=False)):
+        if i + 1 in p.undone:
+            assert s2 - s1 >= cfg.verify_steps, f"an undo at step {s2} before its resize at {s1} was measured"
+            continue
         assert s2 - s1 >= cfg.cooldown_steps, f"resizes at steps {s1} and {s2}"
         assert t2 - t1 >= cfg.min_dwell_s, f"resizes at t={t1} and t={t2}"
 

@@ -4,6 +4,8 @@ that made things worse raises the bar for the next one."""
 
 from __future__ import annotations
 
+import pytest
+
 from dynaresized.cli import render_status
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
@@ -17,7 +19,9 @@ from dynaresized.explain import explain
 
 from .cluster import Driver, boot, make_core, trainer
 
-GUARDS = GuardConfig(min_dwell_s=0.0, cooldown_steps=0, signal_run=1, payback_horizon_steps=5, verify_steps=2)
+GUARDS = GuardConfig(min_dwell_s=0.0, cooldown_steps=0, signal_run=1, payback_horizon_steps=5, verify_steps=2,
+                     undo_worse=False)
+"""The judgement over the whole payback window (a resize judged worse early and undone: below)."""
 
 
 class Scripted:
@@ -174,3 +178,100 @@ def test_a_step_that_ran_on_the_old_split_does_not_measure_the_new_one() -> None
         step=2, rollout_s=40.0, train_s=30.0, train_devices=4, rollout_devices=4)))
     assert d.state.outcome.after == (40.0,)
     assert d.state.idle.pool(Pool.ROLLOUT).steps == 3  # idle accounting still counts every step
+
+
+# -- a resize judged worse early is undone at the next boundary ---------------------------------
+
+UNDOING = GuardConfig(min_dwell_s=1e9, cooldown_steps=50, signal_run=1, payback_horizon_steps=20, verify_steps=2)
+
+
+def test_a_resize_measured_worse_is_undone_at_once_without_waiting_out_the_cooldown() -> None:
+    policy = Scripted(Split(6, 2), Split(4, 4), before_s=78.0, after_s=33.0)
+    d = boot(make_core(UNDOING, policy), train=6, rollout=2)
+    assert len(of(report(d, 0, 78.0, 20.0), f.ResizeStarted)) == 1
+    d.finish()
+    assert d.state.split == Split(4, 4)
+    assert of(report(d, 1, 120.0, 10.0), f.ResizeJudged) == []  # one step is not verify_steps
+    facts = report(d, 2, 120.0, 10.0)
+    [verdict] = of(facts, f.ResizeJudged)
+    assert verdict.verdict is f.Verdict.WORSE and verdict.undo_to == Split(6, 2) and verdict.steps == 2
+    assert verdict.saved_s == 2 * 78.0 - 2 * 120.0 and verdict.payback_factor == 2.0
+    # the same boundary starts the undo, though the cooldown (50 steps) and dwell have not passed
+    [undo] = of(facts, f.ResizeStarted)
+    assert undo.source == "undo" and undo.plan.after == Split(6, 2)
+    assert "undo r1: measured worse over its first 2 step(s)" in undo.reason and "cooldown" in undo.reason
+    assert undo.predicted_step_s_after is None  # an undo predicts nothing: it goes back to what was measured
+    assert d.state.undo_to is None
+    d.finish()
+    assert d.state.split == Split(6, 2)
+    # the policy's next proposal (back to 4:4) waits out the dwell and cooldown as ever
+    rejections = of(report(d, 3, 78.0, 20.0), f.ProposalRejected)
+    assert [r.guard for r in rejections] == ["dwell"]
+    # and an undo measured worse in its turn is not undone again
+    for step in (4, 5, 6):
+        assert of(report(d, step, 500.0, 20.0), f.ResizeStarted) == []
+    assert fold(d.log).durable() == d.state.durable()
+
+
+def test_a_resize_within_the_margin_or_better_is_not_undone() -> None:
+    policy = Scripted(Split(6, 2), Split(4, 4), before_s=78.0, after_s=33.0)
+    d = boot(make_core(UNDOING, policy), train=6, rollout=2)
+    report(d, 0, 78.0, 20.0)
+    d.finish()
+    report(d, 1, 82.0, 10.0)
+    facts = report(d, 2, 82.0, 10.0)  # 5.1% slower: within undo_margin (6%), not judged yet
+    assert of(facts, f.ResizeJudged) == [] and of(facts, f.ResizeStarted) == []
+    assert d.state.outcome is not None and d.state.undo_to is None
+    off = GuardConfig(**{**{k: getattr(UNDOING, k) for k in UNDOING.__struct_fields__}, "undo_worse": False})
+    d = boot(make_core(off, policy), train=6, rollout=2)
+    report(d, 0, 78.0, 20.0)
+    d.finish()
+    report(d, 1, 120.0, 10.0)
+    assert of(report(d, 2, 120.0, 10.0), f.ResizeJudged) == []  # undo_worse off: judged over its window
+
+
+def test_a_rollout_that_follows_its_longest_response_is_not_undone_for_its_tokens() -> None:
+    # Steps that report their lengths: the per-token comparison says "worse" (fewer tokens, as
+    # long a step), but the cost model says the old split would have taken longer for the same
+    # steps (their floor is 100 s of 120): no undo. Without lengths, the same steps are undone.
+    from dynaresized.domain import ResponseLengths
+
+    def step(d: Driver, k: int, rollout_s: float, tokens: int, lengths: bool, split: Split) -> list[f.Fact]:
+        lengths_ = ResponseLengths(quantiles=(10, 50, 90, 100), token_s=1.0) if lengths else None
+        facts, _ = d.send(ev.StepReported(at=d.at(), worker_id=trainer(0), timing=StepTiming(
+            step=k, rollout_s=rollout_s, train_s=10.0, rollout_devices=split.rollout, train_devices=split.train,
+            response_tokens=tokens, lengths=lengths_)))
+        return facts
+
+    for lengths, undone in ((True, False), (False, True)):
+        policy = Scripted(Split(6, 2), Split(4, 4), before_s=200.0, after_s=150.0)
+        d = boot(make_core(UNDOING, policy), train=6, rollout=2)
+        step(d, 0, 200.0, 10000, lengths, Split(6, 2))
+        d.finish()
+        step(d, 1, 160.0, 5000, lengths, Split(4, 4))
+        facts = step(d, 2, 160.0, 5000, lengths, Split(4, 4))
+        # per token: 0.02 s/token before, 0.032 after; the model: 100 + 60 x 4/2 = 220 s on 6:2
+        assert bool(of(facts, f.ResizeStarted)) is undone, lengths
+
+
+def test_status_says_which_cost_model_the_policy_predicts_with_and_why() -> None:
+    from dynaresized.domain import ResponseLengths
+
+    d = boot(make_core(GUARDS, Scripted(Split(9, 9), Split(9, 9), 1.0, 1.0)), train=6, rollout=2)
+    assert status_of(d.state)["cost_model"]["model"] is None
+    report(d, 0, 100.0, 20.0)  # an older worker: no lengths
+    linear = status_of(d.state)["cost_model"]
+    assert linear["model"] == "linear" and "no step report carries response lengths" in linear["why"]
+    assert "cost model  linear: no step report carries response lengths" in render_status(status_of(d.state))
+    d.send(ev.StepReported(at=d.at(), worker_id=trainer(0), timing=StepTiming(
+        step=1, rollout_s=100.0, train_s=20.0, lengths=ResponseLengths(quantiles=(10, 50, 90, 400), token_s=0.1))))
+    floor = status_of(d.state)["cost_model"]
+    assert floor["model"] == "floor" and floor["floor_s"] == pytest.approx(40.0)
+    assert "latency floor 40.0s" in render_status(status_of(d.state))
+    # bad lengths are refused, with the reason, and change nothing
+    from dynaresized.core.tx import Refused
+
+    with pytest.raises(Refused, match="bad_value: lengths.quantiles .10, 5, 90, 400. must be non-negative and non-decr"):
+        d.send(ev.StepReported(at=d.at(), worker_id=trainer(0), timing=StepTiming(
+            step=2, rollout_s=100.0, train_s=20.0, lengths=ResponseLengths(quantiles=(10, 5, 90, 400)))))
+    assert d.state.last_step == 1

@@ -3,6 +3,7 @@ only what the rest of the step can use."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from dynaresized.core.guards import GuardConfig, check_loan
@@ -93,3 +94,38 @@ def test_after_the_last_mini_batch_the_saving_is_the_rollout_left_over_the_train
     quick = StepTiming(step=0, rollout_s=100.0, train_s=200.0, rollout_devices=2, train_devices=6)
     r = load_policy("hysteresis").propose_loan(trainers_view(total=8, done=8, recent=(quick,)))
     assert r is not None and r.saves_s == 0.0 and check_loan(trainers_view(), r, GuardConfig()) is not None
+
+
+def test_before_any_step_is_measured_a_trainer_loan_reads_the_live_progress_or_names_its_prior():
+    live = msgspec.structs.replace(trainers_view(), step_started_at=40.0, samples_done=256, samples_total=1024)
+    p = load_policy("hysteresis").propose_loan(live)
+    # 256 of 1024 samples in 60 s: 180 s ahead at that pace
+    assert p is not None and p.saves_s == pytest.approx((180.0 - 6.0) * 2 / 4)
+    assert "256/1024 samples done in 60 s" in p.reason
+    q = load_policy("hysteresis", {"unmeasured_rollout_s": 2.0}).propose_loan(trainers_view())
+    assert q is not None and q.saves_s == 0.0 and "prior unmeasured_rollout_s=2" in q.reason
+    assert check_loan(trainers_view(), q, GuardConfig()) is not None  # a 2 s prior does not pay a loan
+    with pytest.raises(ValueError, match="unmeasured_rollout_s must be a number of seconds > 0"):
+        load_policy("hysteresis", {"unmeasured_rollout_s": -1})
+
+
+def test_an_idle_engine_lent_to_training_saves_only_what_training_outlasts_the_rollout_by():
+    # the last steps: rollout 300 s on 2 devices, training 200 s on 6; the step began at t=0
+    steps = tuple(StepTiming(step=k, rollout_s=300.0, train_s=200.0, rollout_devices=2, train_devices=6)
+                  for k in range(3))
+    view = LoanView(now=100.0, split=Split(6, 2), idle_engines=("n0:gpu7",), free_trainers=(), training_devices=6,
+                    mini_batch_done=4, mini_batch_total=16, mini_batch_s=20.0, queue_empty=True, costs=COSTS,
+                    recent=steps, step_started_at=0.0)
+    # training: 12 x 20 = 240 s left; the rollout: 300 - 100 = 200 s left; the loan makes
+    # training 11 mini-batches x 20 s x 1/7 = 31 s sooner, all of it within the 40 s it outlasts the rollout
+    p = load_policy("hysteresis").propose_loan(view)
+    assert p is not None and p.saves_s == pytest.approx(min(11 * 20.0 / 7, 240.0 - 200.0))
+    assert "training ~240 s left, rollout ~200 s" in p.reason
+    # the rollout outlasts training: nothing to save
+    later = msgspec.structs.replace(view, mini_batch_done=12)
+    q = load_policy("hysteresis").propose_loan(later)
+    assert q is not None and q.saves_s == 0.0
+    # every rollout engine idle: the rollout is done, the cap is off
+    done = msgspec.structs.replace(later, idle_engines=("n0:gpu6", "n0:gpu7"))
+    r = load_policy("hysteresis").propose_loan(done)
+    assert r is not None and r.saves_s == pytest.approx(3 * 20.0 * 2 / 8)

@@ -98,6 +98,7 @@ class Outcome(msgspec.Struct, frozen=True):
     payback_steps: int
     measured_s_per_token: float | None = None
     before: Split | None = None  # the split it left
+    source: str = ""  # who asked for it (`UNDO_SOURCE`: an undo, which is never undone early)
     committed: bool = False
     checked: bool = False  # its PredictionChecked is in the log
     after: tuple[float, ...] = ()
@@ -183,6 +184,8 @@ class ClusterState(msgspec.Struct, frozen=True):
     outcome: Outcome | None = None  # the last committed (or in-flight) resize, until judged
     last_prediction: f.PredictionChecked | None = None
     last_verdict: f.ResizeJudged | None = None
+    undo_to: Split | None = None  # a resize judged worse early goes back to this split (`ResizeJudged.undo_to`)
+    last_step_at: float = -1.0  # when the last step report was observed: the step in progress began (-1: none yet)
     paused: bool = False
     stopping: bool = False
     resizes_started: int = 0

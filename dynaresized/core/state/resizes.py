@@ -39,13 +39,14 @@ def _(s: ClusterState, e: f.ResizeStarted) -> ClusterState:
     outcome = Outcome(resize_id=plan.resize_id, predicted_step_s=e.predicted_step_s,
                       predicted_step_s_after=e.predicted_step_s_after, measured_step_s=e.measured_step_s,
                       cost_s=e.predicted_cost_s, payback_steps=e.payback_steps,
-                      measured_s_per_token=e.measured_s_per_token, before=plan.before)
+                      measured_s_per_token=e.measured_s_per_token, before=plan.before, source=e.source)
     return replace(
         s,
         inflight=inflight,
         phase=PHASE_OF_OP[plan.ops[0].kind],
         resizes_started=s.resizes_started + 1,
         outcome=outcome,
+        undo_to=None,
     )
 
 
@@ -175,4 +176,4 @@ def _(s: ClusterState, e: f.PredictionChecked) -> ClusterState:
 def _(s: ClusterState, e: f.ResizeJudged) -> ClusterState:
     outcome = None if s.outcome is not None and s.outcome.resize_id == e.resize_id else s.outcome
     history = replace(s.history, payback_factor=e.payback_factor)
-    return replace(s, outcome=outcome, last_verdict=e, history=history)
+    return replace(s, outcome=outcome, last_verdict=e, history=history, undo_to=e.undo_to)

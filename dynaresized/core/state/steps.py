@@ -40,7 +40,7 @@ def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
     mb = s.mini_batch if s.mini_batch is not None and s.mini_batch.step > e.timing.step else None
     return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history,
                    idle=s.idle.add(e.timing, s.devices), outcome=outcome, dry=(), tails=(), mini_batch=mb,
-                   step_reporter=e.worker_id, tail_due=bool(s.tail_undo))
+                   step_reporter=e.worker_id, tail_due=bool(s.tail_undo), last_step_at=e.at)
 
 
 @on(f.ProgressObserved)
