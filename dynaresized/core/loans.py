@@ -54,9 +54,7 @@ def loan_view(core: CoreLike, state: ClusterState, now: float) -> LoanView:
         rollout_step=rollout_step,
         samples_done=samples_done,
         samples_total=samples_total,
-        # the first window has no step report: it began when the trainer said it had nothing to train
-        step_started_at=state.last_step_at if state.last_step_at >= 0 else (
-            mb.at if mb is not None and mb.total == 0 else -1.0),
+        step_started_at=step_started_at(state),
     )
     if core.config.tail_costs is None:
         return view  # the daemon: no tail regroups, and no scan of every device for lent ones per report
@@ -68,6 +66,18 @@ def loan_view(core: CoreLike, state: ClusterState, now: float) -> LoanView:
         lent_to_rollout=tuple(d for d in state.lent_devices() if state.devices[d].pool is Pool.ROLLOUT),
         tail_open=tail_open(state),
     )
+
+
+def step_started_at(state: ClusterState) -> float:
+    """When the rollout in progress began (-1: unknown). The last step report, unless the
+    training step that took the last batch began before it: a job that reports its step when
+    the training ends (verl's fully async trainer) had the rollout of the next batch running
+    since the training began. The first window has no step report: it began when the trainer
+    said it had nothing to train."""
+    last, began, mb = state.last_step_at, state.train_began_at, state.mini_batch
+    if last >= 0:
+        return began if 0 <= began < last and mb is not None and mb.total > 0 else last
+    return mb.at if mb is not None and mb.total == 0 else -1.0
 
 
 def loan_costs(core: CoreLike, state: ClusterState, to_pool: Pool) -> LoanCosts:

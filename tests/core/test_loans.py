@@ -453,3 +453,36 @@ def test_a_repeated_queue_empty_still_lends_as_the_first_would_have():
         facts, _ = idle(d)
     assert d.state.inflight is not None and d.state.inflight.plan.kind is PlanKind.LOAN
     assert sum(isinstance(x, f.EngineQueueEmptyObserved) for x in d.log) == 1
+
+
+def test_a_job_that_reports_its_step_when_training_ends_had_its_rollout_running_since_training_began():
+    """verl's fully async trainer reports a step when its training ends, then that the training
+    is done: the next batch has been generating since the training began, not since the report.
+    A rollout shorter than that training is done by now: no trainer is lent to it."""
+    d = lending_cluster()
+    for step, rollout_s in enumerate((50.0, 50.0, 50.0, 400.0)):
+        began = d.at()
+        d.send(ev.MiniBatchDone(at=began, worker_id=trainer(0), step=step, done=0, total=1))
+        d.finish()
+        d.at(100.0)
+        report_step(d, step, rollout_s=rollout_s, train_s=100.0)
+        facts, _ = d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=step, done=1, total=1))
+        assert loan_view(d.core, d.state, d.at()).step_started_at == began
+        started = [x for x in facts if isinstance(x, f.LoanStarted)]
+        if rollout_s < 100.0:
+            assert not started, started
+        else:  # a rollout longer than the training: the trainers are lent for what is left of it
+            assert started and started[0].plan.to_pool is Pool.ROLLOUT and started[0].plan.devices == TRAINERS
+
+
+def test_a_step_reported_as_the_next_training_begins_started_at_the_report():
+    """The simulator's order (and a one-step-off trainer's): the step report and the next
+    training step's first report at one instant; the step in progress began then."""
+    d = lending_cluster(loan_safety=1e9)
+    nothing_to_train(d)
+    d.send(ev.MiniBatchDone(at=d.at(50.0), worker_id=trainer(0), step=0, done=0, total=8))
+    d.finish()
+    pace(d, step=0, upto=8, seconds=5.0)
+    report_step(d, 0)
+    d.send(ev.MiniBatchDone(at=d.state.last_step_at, worker_id=trainer(0), step=1, done=0, total=8))
+    assert loan_view(d.core, d.state, d.at()).step_started_at == d.state.last_step_at

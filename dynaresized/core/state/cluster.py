@@ -186,6 +186,7 @@ class ClusterState(msgspec.Struct, frozen=True):
     last_verdict: f.ResizeJudged | None = None
     undo_to: Split | None = None  # a resize judged worse early goes back to this split (`ResizeJudged.undo_to`)
     last_step_at: float = -1.0  # when the last step report was observed: the step in progress began (-1: none yet)
+    train_began_at: float = -1.0  # when the trainer last said a training step begins (mini-batch 0; -1: never)
     paused: bool = False
     stopping: bool = False
     resizes_started: int = 0

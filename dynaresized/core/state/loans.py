@@ -41,7 +41,8 @@ def _(s: ClusterState, e: f.MiniBatchObserved) -> ClusterState:
     old = s.mini_batch
     # the pace is measured between two finished mini-batches (a step's start includes its overhead)
     last = e.at - old.at if old is not None and old.step == e.step and e.done > old.done > 0 else 0.0
-    return replace(s, mini_batch=MiniBatch(e.step, e.done, e.total, e.at, last))
+    began = e.at if e.done == 0 else s.train_began_at
+    return replace(s, mini_batch=MiniBatch(e.step, e.done, e.total, e.at, last), train_began_at=began)
 
 
 @on(f.LoanStarted)
