@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,14 +30,45 @@ pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 PAIR = ("node0:cpu0", "node0:cpu1")
 
 
+@pytest.fixture(autouse=True)
+def patient_watch(rollout: Rollout) -> Iterator[None]:
+    """A TP-2 engine's first steps on this 2-core machine, its two ranks spinning beside the
+    engine core and the test, can keep it from answering a ping and from producing a token for
+    over 10 s (5 missed pings of 1 s: in a full test run under load its first step was lost that
+    way, and the step then waited for an engine that was never coming back). The watch is for a
+    hang, not a pace: 60 missed pings here."""
+    before = {w: x.missed_heartbeats for w, x in rollout.workers.items()}
+    for worker in rollout.workers.values():
+        worker.missed_heartbeats = 60
+    yield
+    for w, n in before.items():
+        rollout.workers[w].missed_heartbeats = n
+
+
 def greedy_step(step: int):
     # the same prompts and lengths every time (the rng), decoded greedily
     return make_requests(step, 12, random.Random(7), short=(8, 24), temperature=0.0)
 
 
 async def step(router, number: int, version: int):
-    """One rollout step of `greedy_step(number)`; a hang fails the test instead of the suite."""
-    return await asyncio.wait_for(router.run_step(number, version, greedy_step(number)), timeout=360)
+    """One rollout step of `greedy_step(number)`; a hang fails the test instead of the suite,
+    and says where the step stood (samples done and in flight, per engine, the engines' states)
+    and what every thread of the test's process was doing."""
+    task = asyncio.ensure_future(router.run_step(number, version, greedy_step(number)))
+    done, _ = await asyncio.wait({task}, timeout=360)
+    if task in done:
+        return task.result()
+    current = router._step  # noqa: SLF001 - a diagnostic of a hang
+    if current is not None:
+        print(f"step {number} hung: {current.ledger.done()} of {len(current.requests)} done, "
+              f"pending {list(current.pending)}, in flight {router.in_flight()}, admitted {sorted(router.admitted)}, "
+              f"engines {[(e, x.state.value, x.config.tensor_parallel_size) for e, x in router.engines.items()]}")
+    for thread, frame in sys._current_frames().items():  # noqa: SLF001
+        print(f"thread {thread}:\n{''.join(traceback.format_stack(frame))}")
+    for t in asyncio.all_tasks():
+        print(f"task {t.get_name()}: {t.get_stack(limit=3)}")
+    task.cancel()
+    raise TimeoutError(f"step {number} did not finish in 360 s")
 
 
 async def regroup(daemon, tp: int, committed: int) -> dict:
