@@ -242,7 +242,7 @@ def test_curve_keys_on_a_non_loopback_daemon(make_daemon: Any, tmp_path: Path) -
 CHECK_KEYS = """
 import sys, time
 from dynaresized.integrations.verl.layout import VerlLayout
-from dynaresized.integrations.verl.policy import Cycle, VerlWorkers, curve_keys
+from dynaresized.integrations.verl.workers import Cycle, VerlWorkers, curve_keys
 try:
     keys = curve_keys()
 except ValueError as exc:
