@@ -53,10 +53,10 @@ def verl_sections(layout: VerlLayout = LAYOUT) -> dict[str, Any]:
 
 class VerlJob:
     def __init__(self, tmp_path: Path, endpoint: str, *args: str, standalone: int = LAYOUT.standalone,
-                 python: Path = VERL_PYTHON) -> None:
+                 python: Path = VERL_PYTHON, job: Path = JOB) -> None:
         self.out = tmp_path / f"verl-job-{time.monotonic_ns()}.jsonl"
         self.proc = subprocess.Popen(
-            [str(python), str(JOB), "--endpoint", endpoint, "--hybrid", str(LAYOUT.hybrid),
+            [str(python), str(job), "--endpoint", endpoint, "--hybrid", str(LAYOUT.hybrid),
              "--standalone", str(standalone), *args],
             cwd=ROOT, stdout=self.out.open("wb"), stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"})
@@ -255,12 +255,13 @@ print(workers.last_error or workers.refused or "attached")
 """
 
 
-def documented_verl_overrides() -> list[str]:
-    """The verl command-line lines in docs/verl.md, as the shell would pass them."""
+def documented_verl_overrides(marker: str = "verl-config") -> list[str]:
+    """The verl command-line lines in docs/verl.md after `<!-- marker: ... -->`, as the shell
+    would pass them."""
     import shlex
 
     text = (ROOT / "docs" / "verl.md").read_text()
-    block = text.split("<!-- verl-config:", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    block = text.split(f"<!-- {marker}:", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
     return shlex.split(block.replace("\\\n", " "))
 
 
