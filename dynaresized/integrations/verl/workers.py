@@ -351,12 +351,15 @@ class LoanDecisions:
         """After training step `step`, before verl's weight sync: True to lend the hybrid replicas
         (the daemon's loan came), False to keep them asleep (it did not), None when verl's own rule
         decides. `report` gives the cycle's timing, sent before the daemon is asked. `can_lend`
-        False (verl has no next step to lend for): the step is reported and nobody is asked."""
+        False (verl has no next step to lend for): the step is reported and no loan is asked for."""
         self.cycle.observe(active, step)  # asleep: a return's ops are answered
         who = self.decider(step)
-        if who == "default" or self.workers is None or not can_lend:
+        if who == "default" or self.workers is None:
             self._report(report)
             return None
+        if not can_lend:
+            self._report(report)
+            return False
         self._await_return()
         self._report(report)
         self.cycle.open(step)
