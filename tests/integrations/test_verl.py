@@ -53,10 +53,10 @@ def verl_sections(layout: VerlLayout = LAYOUT) -> dict[str, Any]:
 
 class VerlJob:
     def __init__(self, tmp_path: Path, endpoint: str, *args: str, standalone: int = LAYOUT.standalone,
-                 python: Path = VERL_PYTHON) -> None:
+                 python: Path = VERL_PYTHON, job: Path = JOB) -> None:
         self.out = tmp_path / f"verl-job-{time.monotonic_ns()}.jsonl"
         self.proc = subprocess.Popen(
-            [str(python), str(JOB), "--endpoint", endpoint, "--hybrid", str(LAYOUT.hybrid),
+            [str(python), str(job), "--endpoint", endpoint, "--hybrid", str(LAYOUT.hybrid),
              "--standalone", str(standalone), *args],
             cwd=ROOT, stdout=self.out.open("wb"), stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"})
@@ -242,7 +242,7 @@ def test_curve_keys_on_a_non_loopback_daemon(make_daemon: Any, tmp_path: Path) -
 CHECK_KEYS = """
 import sys, time
 from dynaresized.integrations.verl.layout import VerlLayout
-from dynaresized.integrations.verl.policy import Cycle, VerlWorkers, curve_keys
+from dynaresized.integrations.verl.workers import Cycle, VerlWorkers, curve_keys
 try:
     keys = curve_keys()
 except ValueError as exc:
@@ -255,12 +255,13 @@ print(workers.last_error or workers.refused or "attached")
 """
 
 
-def documented_verl_overrides() -> list[str]:
-    """The verl command-line lines in docs/verl.md, as the shell would pass them."""
+def documented_verl_overrides(marker: str = "verl-config") -> list[str]:
+    """The verl command-line lines in docs/verl.md after `<!-- marker: ... -->`, as the shell
+    would pass them."""
     import shlex
 
     text = (ROOT / "docs" / "verl.md").read_text()
-    block = text.split("<!-- verl-config:", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    block = text.split(f"<!-- {marker}:", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
     return shlex.split(block.replace("\\\n", " "))
 
 

@@ -1,6 +1,7 @@
 """The verl job's devices, pools and op mapping (no verl needed): the daemon accepts the printed
-[cluster] section, the layout comes from verl's replica lists with the env vars only checked
-against them, and every loan op asks verl's hybrid replicas for a state, never a toggle."""
+[cluster] section, the layout comes from verl's replica lists (or the V1 trainer's counts) with
+the env vars only checked against them, and every loan op asks verl's hybrid replicas for a
+state, never a toggle."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ def test_the_layout_comes_from_verl_and_the_env_vars_are_only_checked() -> None:
         VerlLayout.from_verl(["hybrid_0"], 1, env={"DYNARESIZED_VERL_STANDALONE": "one"})
     with pytest.raises(LayoutMismatch, match="resource ids"):
         VerlLayout.from_verl(["rack3"], 1, env={})
+    # verl's V1 trainer has replica counts, not resource ids: the same checks
+    assert VerlLayout.from_counts(2, 3, env=same) == VerlLayout(hybrid=2, standalone=3)
+    with pytest.raises(LayoutMismatch, match=r"DYNARESIZED_VERL_STANDALONE=1, but verl has 3 standalone"):
+        VerlLayout.from_counts(2, 3, env={"DYNARESIZED_VERL_STANDALONE": "1"})
 
 
 def test_printed_cluster_section_passes_check_config(tmp_path: Path) -> None:

@@ -22,12 +22,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import ray
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 
 # Per phase: one replica's seconds (in units) per sample, and training units per step.
 PHASES = {"rollout": (1.5, 1.0), "train": (0.1, 2.0)}
@@ -35,9 +40,9 @@ REQUIRED_SAMPLES = 8
 MAX_QUEUE = 2 * REQUIRED_SAMPLES  # verl's staleness bound on samples generated ahead
 
 
-@ray.remote(num_cpus=0)
-class FakeRollouter:
-    """The GPU-bound rollouter's surface that verl's controller and trainer call."""
+class Rollouter:
+    """The GPU-bound rollouter's surface that verl's controller and trainer call (the actor is
+    `FakeRollouter`; verl_v1_job.py's generation extends it)."""
 
     def __init__(self, hybrid: int, standalone: int) -> None:
         self.hybrid = {f"hybrid_{i}": f"replica-{i}" for i in range(hybrid)}
@@ -56,11 +61,14 @@ class FakeRollouter:
         rate = 1.0 / self.per_sample_s
         room = max(MAX_QUEUE - self.queue, 0.0)
         standalone = min(len(self.standalone) * rate * (now - self.at), room)
-        hybrid = min(len(self.alive) * rate * (now - self.at), room - standalone)
+        hybrid = min(self.hybrid_generating() * rate * (now - self.at), room - standalone)
         self.queue += standalone + hybrid
         self.produced += standalone + hybrid
         self.hybrid_made += hybrid
         self.at = now
+
+    def hybrid_generating(self) -> int:
+        return len(self.alive)
 
     def set_pace(self, per_sample_s: float) -> None:
         self._advance()
@@ -126,6 +134,9 @@ class FakeRollouter:
 
     def calls_made(self) -> list[tuple[str, list[str]]]:
         return list(self.calls)
+
+
+FakeRollouter = ray.remote(num_cpus=0)(Rollouter)
 
 
 class ContractViolation(AssertionError):
@@ -240,7 +251,8 @@ class Trainer:
         return {"updates": list(self.checkpoints.updates), "sleeps": self.checkpoints.sleeps}
 
 
-def main(argv: list[str] | None = None) -> int:
+def job_arguments() -> argparse.ArgumentParser:
+    """The command line of a fake verl job (this one and verl_v1_job.py)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--hybrid", type=int, default=2)
@@ -253,38 +265,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the Ray runtime_env")
-    args = parser.parse_args(argv)
-    rng = random.Random(args.seed)
-    env_vars = {"DYNARESIZED_ENDPOINT": args.endpoint, "DYNARESIZED_VERL_DECISION_WAIT_S": "0.5"}
+    return parser
+
+
+def start_ray(hook: str, args: argparse.Namespace) -> None:
+    """A local Ray whose workers run `hook` at start, with the daemon's endpoint in their env.
+    Their PYTHONPATH puts this checkout's dynaresized and these test modules first."""
+    env_vars = {"DYNARESIZED_ENDPOINT": args.endpoint, "DYNARESIZED_VERL_DECISION_WAIT_S": "0.5",
+                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), str(HERE), os.environ.get("PYTHONPATH")) if p)}
     env_vars.update(kv.split("=", 1) for kv in args.env)
     for attempt in range(3):  # Ray gives its raylet a fixed 30 s to register, too little on a loaded machine
         try:
             ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True,
-                     runtime_env={"worker_process_setup_hook": "dynaresized.integrations.verl.register",
-                                  "env_vars": env_vars})
-            break
+                     runtime_env={"worker_process_setup_hook": hook, "env_vars": env_vars})
+            return
         except Exception as exc:
             if "timed out during startup" not in str(exc) or attempt == 2:
                 raise
             print(f"ray.init: {exc}; trying again", file=sys.stderr, flush=True)
             ray.shutdown()
+
+
+def phase_plan(args: argparse.Namespace) -> Iterator[tuple[str, float, float]]:
+    """Each step's (phase, noise, time unit): from --phases, or read from --phase-file before
+    each step until it says 'stop'."""
+    rng = random.Random(args.seed)
+    phases = [p for p in args.phases.split(",") if p]
+    for k in range(args.max_steps):
+        unit_s = args.unit_s
+        if args.phase_file is not None:  # "<phase> [time scale]", or "stop"
+            phase, *scale = args.phase_file.read_text().split() or ["stop"]
+            if phase == "stop":
+                return
+            unit_s *= float(scale[0]) if scale else 1.0
+        elif k < len(phases):
+            phase = phases[k]
+        else:
+            return
+        yield phase, 1.0 + rng.uniform(-args.noise, args.noise), unit_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = job_arguments().parse_args(argv)
+    start_ray("dynaresized.integrations.verl.register", args)
     try:
         rollouter = FakeRollouter.remote(args.hybrid, args.standalone)
         trainer = Trainer.remote(rollouter, "dynaresized")
         print(json.dumps({"policy": ray.get(trainer.start.remote())}), flush=True)
-        phases = [p for p in args.phases.split(",") if p]
-        for k in range(args.max_steps):
-            unit_s = args.unit_s
-            if args.phase_file is not None:  # "<phase> [time scale]", or "stop"
-                phase, *scale = args.phase_file.read_text().split() or ["stop"]
-                if phase == "stop":
-                    break
-                unit_s *= float(scale[0]) if scale else 1.0
-            elif k < len(phases):
-                phase = phases[k]
-            else:
-                break
-            noise = 1.0 + rng.uniform(-args.noise, args.noise)
+        for phase, noise, unit_s in phase_plan(args):
             print(json.dumps(ray.get(trainer.step.remote(phase, noise, unit_s))), flush=True)
         print(json.dumps({"rollouter": ray.get(rollouter.calls_made.remote()),
                           **ray.get(trainer.summary.remote())}), flush=True)

@@ -1,6 +1,6 @@
-"""How a verl fully-async job appears to dynaresized: its devices, its one split, and what each
-loan operation asks of verl's hybrid rollout replicas. No verl import: the daemon's host prints
-its `[cluster]` section from here (`python -m dynaresized.integrations.verl`).
+"""How a verl job (fully-async, or V1 separate-async) appears to dynaresized: its devices, its one
+split, and what each loan operation asks of verl's hybrid rollout replicas. No verl import: the
+daemon's host prints its `[cluster]` section from here (`python -m dynaresized.integrations.verl`).
 
 A dynaresized device here is a verl replica slot, not a GPU:
 
@@ -29,6 +29,10 @@ from dynaresized.domain import DeviceId, OpKind, PlanKind, Pool, Split
 
 POLICY_NAME = "dynaresized"
 """The name verl's `async_training.dynamic_schedule_policy` selects."""
+
+V1_TRAINER_NAME = "dynaresized_separate_async"
+"""The name verl's V1 `trainer.v1.trainer_mode` selects: verl's separate-async trainer with its
+hybrid-rollout switch decided by the daemon."""
 
 TRAINER_WORKER = "verl-trainer"
 ROLLOUT_WORKER = "verl-rollout"
@@ -62,7 +66,13 @@ class VerlLayout(msgspec.Struct, frozen=True):
         if sorted(hybrid_ids) != expected:
             raise LayoutMismatch(f"verl's hybrid replicas are {sorted(hybrid_ids)}, not {expected}: this integration "
                                  "knows verl's resource ids hybrid_0 .. hybrid_<H-1>")
-        layout = VerlLayout(hybrid=len(hybrid_ids), standalone=standalone)
+        return VerlLayout.from_counts(len(hybrid_ids), standalone, env)
+
+    @staticmethod
+    def from_counts(hybrid: int, standalone: int, env: Mapping[str, str] | None = None) -> VerlLayout:
+        """The layout of a job with `hybrid` and `standalone` replicas (verl's V1 trainer counts its
+        server managers' replicas), checked against DYNARESIZED_VERL_HYBRID / _STANDALONE."""
+        layout = VerlLayout(hybrid=hybrid, standalone=standalone)
         env = os.environ if env is None else env
         for name, have in ((ENV_HYBRID, layout.hybrid), (ENV_STANDALONE, layout.standalone)):
             text = env.get(name, "").strip()
