@@ -40,7 +40,7 @@ What it reports:
   and the parameters.
 
     python benchmarks/soak.py                                 # 1,024 devices, 30 minutes
-    python benchmarks/soak.py --devices 128 --duration-s 120  # the CI-sized run
+    python benchmarks/soak.py --devices 128 --duration-s 60   # the CI-sized run
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ regenerates them)."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -58,7 +59,7 @@ def test_the_readme_demo_sample_is_a_cut_of_a_run_with_lines_the_demo_prints() -
 
 @pytest.mark.slow  # 39 simulator runs
 def test_the_tables_of_simulated_results_are_what_the_simulator_gives() -> None:
-    r = results.runs()
+    r = results.runs(jobs=max(min(os.cpu_count() or 1, 4), 1))  # each run its own process
     for path, blocks in results.DOCS.items():
         for name, make in blocks.items():
             assert results.block_of(path.read_text(), name) == make(r), \

@@ -1,5 +1,5 @@
 """The soak benchmark (benchmarks/soak.py), CI-sized: a real daemon serving 128 devices' workers
-for two minutes under resizes, loans, a junk flood and a chatty worker keeps every worker
+for a minute under resizes, loans, a junk flood and a chatty worker keeps every worker
 answered within the heartbeat timeout, loses none, refuses what it should, and stays up."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ KEYS = {"ack_silence_max_s", "heartbeat_rtt_ms", "rss_mib", "log_bytes_per_hour"
 
 @pytest.mark.slow
 def test_a_ci_sized_soak_keeps_every_worker_answered_and_refuses_the_flood_and_the_chatty_worker() -> None:
-    done = subprocess.run([sys.executable, str(SOAK), "--devices", "128", "--duration-s", "120"],
+    done = subprocess.run([sys.executable, str(SOAK), "--devices", "128", "--duration-s", "60"],
                           capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
