@@ -305,17 +305,24 @@ def phase_plan(args: argparse.Namespace) -> Iterator[tuple[str, float, float]]:
         yield phase, 1.0 + rng.uniform(-args.noise, args.noise), unit_s
 
 
+def emit(row: dict) -> None:
+    """One JSON line in one write: Ray's thread that forwards the workers' logs writes to the
+    same file, and a line printed in two writes (`print`: the text, then the newline) could have
+    a log line land between them, and the test would lose that step's line."""
+    sys.stdout.write(json.dumps(row) + "\n")
+    sys.stdout.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = job_arguments().parse_args(argv)
     start_ray("dynaresized.integrations.verl.register", args)
     try:
         rollouter = FakeRollouter.remote(args.hybrid, args.standalone)
         trainer = Trainer.remote(rollouter, "dynaresized")
-        print(json.dumps({"policy": ray.get(trainer.start.remote())}), flush=True)
+        emit({"policy": ray.get(trainer.start.remote())})
         for phase, noise, unit_s in phase_plan(args):
-            print(json.dumps(ray.get(trainer.step.remote(phase, noise, unit_s))), flush=True)
-        print(json.dumps({"rollouter": ray.get(rollouter.calls_made.remote()),
-                          **ray.get(trainer.summary.remote())}), flush=True)
+            emit(ray.get(trainer.step.remote(phase, noise, unit_s)))
+        emit({"rollouter": ray.get(rollouter.calls_made.remote()), **ray.get(trainer.summary.remote())})
     finally:
         ray.shutdown()
     return 0

@@ -24,7 +24,6 @@ one JSON line; the last line has the balancer's calls and the updates.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -36,6 +35,7 @@ from verl_job import (  # the script's directory is on sys.path, and on the Ray 
     REQUIRED_SAMPLES,
     CheckedHybridCheckpointManager,
     Rollouter,
+    emit,
     job_arguments,
     phase_plan,
     start_ray,
@@ -274,10 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         generation = FakeGeneration.remote([f"hybrid-{i}" for i in range(args.hybrid)], args.standalone)
         runner = TaskRunner.remote(generation, args.hybrid, args.standalone, len(phases) or args.max_steps)
-        print(json.dumps(ray.get(runner.describe.remote())), flush=True)
+        emit(ray.get(runner.describe.remote()))
         for phase, noise, unit_s in phase_plan(args):
-            print(json.dumps(ray.get(runner.step.remote(phase, noise, unit_s))), flush=True)
-        print(json.dumps(ray.get(runner.summary.remote())), flush=True)
+            emit(ray.get(runner.step.remote(phase, noise, unit_s)))
+        emit(ray.get(runner.summary.remote()))
     finally:
         ray.shutdown()
     return 0
