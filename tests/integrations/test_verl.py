@@ -93,8 +93,61 @@ class VerlJob:
             self.proc.wait()
 
 
+def deciders(job: VerlJob) -> list[str]:
+    return [s["decider"] for s in job.steps()]
+
+
+def daemon_decides_then_is_lost(job: VerlJob, daemon: Any, phase: Path, *, lines: tuple[str, str],
+                                steps_after_loss: int) -> None:
+    """Of a job that runs on verl's own rule with the daemon down: the daemon comes up and
+    decides (a loan of its own, its `lines[0]` said), is killed, and verl's rule decides again
+    for `steps_after_loss` steps (`lines[1]` said); then the job is told to stop and ends well."""
+    answers, lost = lines
+    daemon.start()
+    wait_for(lambda: "daemon" in deciders(job), timeout=120, what="the daemon deciding")
+    wait_for(lambda: loans(read_facts(daemon.state_dir)), timeout=120, what="a loan by the daemon")
+    wait_for(lambda: answers in job.text(), timeout=60, what="the line saying the daemon decides")
+    daemon.kill()
+    at_kill = len(job.steps())
+    wait_for(lambda: deciders(job)[-1] == "default" and len(job.steps()) >= at_kill + steps_after_loss, timeout=120,
+             what="verl's own rule deciding after the daemon was lost")
+    wait_for(lambda: lost in job.text(), timeout=60, what="the line saying the daemon was lost")
+    assert job.proc.poll() is None, job.output()
+    phase.write_text("stop")
+    assert job.wait() == 0, job.output()
+
+
+def assert_one_line_per_change(job: VerlJob, lines: tuple[str, str, str]) -> None:
+    """verl's rule, the daemon, verl's rule: one log line for each change of who decides."""
+    order = deciders(job)
+    changes = [d for i, d in enumerate(order) if i == 0 or order[i - 1] != d]
+    assert changes == ["default", "daemon", "default"], order
+    output = job.text()  # (Ray forwards the actor's lines late)
+    assert [output.count(line) for line in lines] == [1, 1, 1], output[-8000:]
+
+
 def loans(facts: list[Any]) -> list[Any]:
     return [x for x in facts if isinstance(x, f.LoanStarted)]
+
+
+def job_with_loans(daemon: Any, tmp_path: Path, phases: list[str], **job: Any) -> tuple[VerlJob, list[Any]]:
+    """A verl job of `phases` run to its end against `daemon`, and the daemon's facts. verl's
+    checkpoint manager raised, and the job failed, if the hybrid replicas were awake at a
+    weight update or in training. Checked: a line per phase; verl's trainer group is never
+    resized; the daemon lent the hybrid slots to the rollout (after training steps; they come
+    home when the next one begins, as verl activates and deactivates them)."""
+    run = VerlJob(tmp_path, daemon.worker_endpoint, "--phases", ",".join(phases), "--seed", "3", **job)
+    try:
+        assert run.wait() == 0, run.output()
+    finally:
+        run.stop()
+    assert len(run.steps()) == len(phases), run.output()
+    facts = read_facts(daemon.state_dir)
+    assert not any(isinstance(x, f.ResizeStarted) for x in facts)
+    started = loans(facts)
+    assert started, run.output()
+    assert all(x.plan.to_pool is Pool.ROLLOUT and set(x.plan.devices) == set(LAYOUT.hybrid_devices) for x in started)
+    return run, facts
 
 
 def prediction_errors(facts: list[Any], steps: list[dict[str, Any]]) -> list[tuple[float, float]]:
@@ -120,23 +173,9 @@ def test_daemon_lends_hybrid_replicas_between_steps_and_verl_keeps_its_contract(
                                                                                   python: Path) -> None:
     daemon = make_daemon(**verl_sections())
     phases = ["rollout"] * 8 + ["train"] * 6
-    job = VerlJob(tmp_path, daemon.worker_endpoint, "--phases", ",".join(phases), "--seed", "3", python=python)
-    try:
-        # The checkpoint manager raises if the hybrid replicas are awake at update_weights or in training.
-        assert job.wait() == 0, job.output()
-    finally:
-        job.stop()
-    lines = job.lines()
+    job, facts = job_with_loans(daemon, tmp_path, phases, python=python)
+    lines, steps = job.lines(), job.steps()
     assert lines[0]["policy"] == "dynaresized.integrations.verl.policy.DynaresizedSchedulePolicy"
-    steps = job.steps()
-    assert len(steps) == len(phases)
-    facts = read_facts(daemon.state_dir)
-    # verl's trainer group is never resized; the hybrid slots are lent after training steps and
-    # come home when the next one begins, as verl activates and deactivates them.
-    assert not any(isinstance(x, f.ResizeStarted) for x in facts)
-    started = loans(facts)
-    assert started, job.output()
-    assert all(x.plan.to_pool is Pool.ROLLOUT and set(x.plan.devices) == set(LAYOUT.hybrid_devices) for x in started)
     landed = [x for x in facts if isinstance(x, f.LoanLanded)]
     lent = [s for s in steps if s["lent"]]
     assert len(landed) == len(lent) == steps[-1]["activations"], (len(landed), len(lent), job.output())
@@ -171,34 +210,16 @@ def test_fallback_to_verls_default_policy_and_back(make_daemon: Any, tmp_path: P
     phase = tmp_path / "phase"
     phase.write_text("rollout")
     job = VerlJob(tmp_path, daemon.worker_endpoint, "--phase-file", str(phase), "--max-steps", "400")
-
-    def deciders() -> list[str]:
-        return [s["decider"] for s in job.steps()]
-
     try:
         wait_for(lambda: len(job.steps()) >= 4, timeout=STARTUP_S, what="verl steps with no daemon")
-        assert set(deciders()) == {"default"}
+        assert set(deciders(job)) == {"default"}
         wait_for(lambda: UNREACHABLE in job.text(), timeout=60, what="the line saying verl's default decides")
         # verl's own default policy object decides (its cost/benefit check is its own log line)
         assert "[DefaultDynamicSchedulePolicy] step=" in job.text() and "cost/benefit check" in job.text()
-        daemon.start()
-        wait_for(lambda: "daemon" in deciders(), timeout=120, what="the daemon deciding")
-        wait_for(lambda: loans(read_facts(daemon.state_dir)), timeout=120, what="a loan by the daemon")
-        wait_for(lambda: ANSWERS in job.text(), timeout=60, what="the line saying the daemon decides")
-        daemon.kill()
-        at_kill = len(job.steps())
-        wait_for(lambda: deciders()[-1] == "default" and len(job.steps()) >= at_kill + 3, timeout=120,
-                 what="verl's default deciding after the daemon was lost")
-        wait_for(lambda: LOST in job.text(), timeout=60, what="the line saying the daemon was lost")
-        assert job.proc.poll() is None, job.output()
-        phase.write_text("stop")
-        assert job.wait() == 0, job.output()
+        daemon_decides_then_is_lost(job, daemon, phase, lines=(ANSWERS, LOST), steps_after_loss=3)
     finally:
         job.stop()
-    changes = [d for i, d in enumerate(deciders()) if i == 0 or deciders()[i - 1] != d]
-    assert changes == ["default", "daemon", "default"], deciders()
-    output = job.text()  # one line for each change of who decides (Ray forwards the actor's lines late)
-    assert [output.count(line) for line in (UNREACHABLE, ANSWERS, LOST)] == [1, 1, 1], output[-8000:]
+    assert_one_line_per_change(job, (UNREACHABLE, ANSWERS, LOST))
 
 
 def test_curve_keys_on_a_non_loopback_daemon(make_daemon: Any, tmp_path: Path) -> None:  # noqa: F811

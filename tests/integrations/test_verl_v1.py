@@ -20,16 +20,17 @@ from typing import Any
 import pytest
 
 from dynaresized.core import facts as f
-from dynaresized.domain import Pool
 from dynaresized.integrations.verl.layout import V1_TRAINER_NAME
 from tests.daemon.conftest import make_daemon, read_facts, wait_for  # noqa: F401  (make_daemon is a fixture)
 from tests.integrations.test_verl import (
-    LAYOUT,
     ROOT,
     STARTUP_S,
     VERL_PYTHON,
     VerlJob,
+    assert_one_line_per_change,
+    daemon_decides_then_is_lost,
     documented_verl_overrides,
+    job_with_loans,
     loans,
     verl_sections,
 )
@@ -53,21 +54,9 @@ def test_the_daemons_loans_are_verls_switch_decisions_and_verl_keeps_its_contrac
                                                                                    tmp_path: Path) -> None:
     daemon = make_daemon(**verl_sections())
     phases = ["rollout"] * 7 + ["train"] * 5
-    job = VerlJob(tmp_path, daemon.worker_endpoint, "--phases", ",".join(phases), "--seed", "3", job=JOB)
-    try:
-        # The checkpoint manager raises if the hybrid replicas are awake at update_weights or in training.
-        assert job.wait() == 0, job.output()
-    finally:
-        job.stop()
-    lines = job.lines()
+    job, facts = job_with_loans(daemon, tmp_path, phases, job=JOB)
+    lines, steps = job.lines(), job.steps()
     assert lines[0] == {"trainer": TRAINER, "trainer_mode": "separate_async"}, lines[0]
-    steps = job.steps()
-    assert len(steps) == len(phases)
-    facts = read_facts(daemon.state_dir)
-    assert not any(isinstance(x, f.ResizeStarted) for x in facts)
-    started = loans(facts)
-    assert started, job.output()
-    assert all(x.plan.to_pool is Pool.ROLLOUT and set(x.plan.devices) == set(LAYOUT.hybrid_devices) for x in started)
     # The daemon decides from the first step on (its workers attach at on_init_end). Every switch
     # to rollout after a step is a loan the daemon made and that landed; where it lent nothing,
     # verl's inline rule said so too.
@@ -122,10 +111,6 @@ def test_verls_own_switch_rule_decides_without_the_daemon_and_once_it_is_lost(ma
     phase = tmp_path / "phase"
     phase.write_text("rollout")
     job = VerlJob(tmp_path, daemon.worker_endpoint, "--phase-file", str(phase), "--max-steps", "400", job=JOB)
-
-    def deciders() -> list[str]:
-        return [s["decider"] for s in job.steps()]
-
     try:
         wait_for(lambda: len(job.steps()) >= 3, timeout=STARTUP_S, what="verl steps with no daemon")
         wait_for(lambda: UNREACHABLE in job.text(), timeout=60, what="the line saying verl's rule decides")
@@ -133,23 +118,10 @@ def test_verls_own_switch_rule_decides_without_the_daemon_and_once_it_is_lost(ma
         assert {s["decider"] for s in alone} == {"default"} and {s["by_dynaresized"] for s in alone} == {0.0}
         # verl's inline rule lends on its own: no switch cost measured yet, groups missing
         assert any(s["lent"] and s["verl_should_switch"] == 1.0 for s in alone), alone
-        daemon.start()
-        wait_for(lambda: "daemon" in deciders(), timeout=120, what="the daemon deciding")
-        wait_for(lambda: loans(read_facts(daemon.state_dir)), timeout=120, what="a loan by the daemon")
-        daemon.kill()
-        at_kill = len(job.steps())
-        wait_for(lambda: deciders()[-1] == "default" and len(job.steps()) >= at_kill + 2, timeout=120,
-                 what="verl's rule deciding after the daemon was lost")
-        wait_for(lambda: LOST in job.text(), timeout=60, what="the line saying the daemon was lost")
-        assert job.proc.poll() is None, job.output()
-        phase.write_text("stop")
-        assert job.wait() == 0, job.output()
+        daemon_decides_then_is_lost(job, daemon, phase, lines=(ANSWERS, LOST), steps_after_loss=2)
     finally:
         job.stop()
-    changes = [d for i, d in enumerate(deciders()) if i == 0 or deciders()[i - 1] != d]
-    assert changes == ["default", "daemon", "default"], deciders()
-    output = job.text()  # one line for each change of who decides (Ray forwards the actor's lines late)
-    assert [output.count(line) for line in (UNREACHABLE, ANSWERS, LOST)] == [1, 1, 1], output[-8000:]
+    assert_one_line_per_change(job, (UNREACHABLE, ANSWERS, LOST))
 
 
 def test_documented_v1_config_lines_select_the_trainer_and_reach_ray_init() -> None:
