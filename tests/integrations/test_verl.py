@@ -11,6 +11,7 @@ The verl side runs as a subprocess of the verl environment (tests/integrations/v
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -77,12 +78,19 @@ def test_daemon_lends_hybrid_replicas_between_steps_and_verl_keeps_its_contract(
     # verl updated the hybrid replicas' weights before each activation, asleep (the manager checked)
     assert lines[-1]["updates"] == [s["step"] for s in lent]
     assert [x.timing.step for x in facts if isinstance(x, f.StepObserved)] == [s["step"] for s in steps]
+    # the daemon was told when verl would take each loan back: verl's threshold at the next step
+    reported = {x.timing.step: x.timing.loan_home_share for x in facts if isinstance(x, f.StepObserved)}
+    by_step = {s["step"]: s for s in steps}
+    assert [round(reported[s["step"]] * lines[0]["required_samples"]) for s in lent] == [
+        by_step[s["step"] + 1]["deactivated_at"] for s in lent], (lent, reported)
     errors = prediction_errors(facts, steps)
     print("loan predictions (predicted, measured seconds saved):", json.dumps(errors))
     assert errors and all(predicted > 0 for predicted, _ in errors)
-    # The daemon's model of a verl job is its loans: its predicted saving is not off by the (1+H)x
-    # that a resize of the trainer group (which verl never makes) would have predicted for training.
-    assert predicted_over_measured(errors) < 1 + LAYOUT.hybrid, errors
+    # The daemon's model of a verl job is its loans, which verl takes back once deactivate_wait_samples
+    # are queued: its mean predicted saving is within 0.8-1.25x of the measured one (1.17x on this job,
+    # the loan at the switch to the training-bound phase, which no model of the past sees coming,
+    # predicted ~1.3 s and saved ~0.08 s; benchmarks/verl_job.py).
+    assert 0.8 <= predicted_over_measured(errors) <= 1.25, errors
     status = daemon.status()
     assert status["devices"]["verl:hybrid_0"] in ("training", "rollout")
 
