@@ -173,6 +173,13 @@ class StepTiming(msgspec.Struct, frozen=True):
     measured, `train_s × train_devices`)."""
     lengths: ResponseLengths | None = None
     """The step's response-length distribution (None: not reported, an older worker)."""
+    loan_home_share: float | None = None
+    """Trainers lent to the next step's rollout after this step go home once this share of its
+    samples is generated (None: at the step boundary). verl's fully async trainer deactivates
+    its hybrid replicas once `deactivate_wait_samples` of the step's samples are queued."""
+    next_done_share: float = 0.0
+    """The share of the next step's samples already generated when this step was reported
+    (verl: the samples queued beyond those its trainer consumed)."""
 
     @property
     def rollout_devices_served(self) -> float:

@@ -25,7 +25,13 @@ served the last steps counted) less the time the step has run (where the view do
 when the step began, the training just done); before any step is measured, the step's own
 pace from the engines' live sample counts, and with no sample done yet the prior
 `unmeasured_rollout_s` (a policy option), which the loan's reason names. A lent engine that
-finds the queue empty costs only its ways there and back.
+finds the queue empty costs only its ways there and back. Where the job takes lent trainers
+back before the rollout ends and its last step report says when (`StepTiming.loan_home_share`:
+verl deactivates its hybrid replicas once `deactivate_wait_samples` of the step's samples are
+queued), the rollout ahead is the cost model's time for that share of the step's samples on the
+home pool, less how far the rollout is: the share already generated (`next_done_share`) at the
+model's pace, or the training just done (the next batch's rollout began when the trainer took
+its batch), whichever is further; a count of whole samples misses the ones in flight.
 """
 
 from __future__ import annotations
@@ -226,7 +232,17 @@ class Lending:
         free = tuple(sorted(view.free_trainers))
         k = len(free)
         costs = view.costs_to(Pool.ROLLOUT)
-        if model is not None and elapsed is not None:
+        last = view.recent[-1] if view.recent else None
+        if model is not None and last is not None and last.step == view.rollout_step - 1 and (
+                last.loan_home_share is not None):
+            # the job takes the lent devices back once a share of the step's samples is
+            # generated: they serve until the home pool's rollout reaches it
+            rollout = model.rollout_on(n)
+            done = max(last.next_done_share * rollout, last.train_s)
+            ahead = max(last.loan_home_share * rollout - done, 0.0)
+            source = (f"taken back at {last.loan_home_share:.0%} of the step's samples, {last.next_done_share:.0%} "
+                      f"generated: ~{ahead:.1f} s of rollout ({model.model} model)")
+        elif model is not None and elapsed is not None:
             # the cost model's rollout less the time the step has run: the queue's part of it
             # (above the latency floor) is what lent engines can take a share of
             ahead = max(model.rollout_on(n) - elapsed, 0.0)

@@ -160,6 +160,10 @@ def _observe_step(core: CoreLike, tx: Tx, e: ev.StepReported) -> None:
             raise Refused("bad_value", f"{name}={value!r} must be a finite number of seconds >= 0")
     if t.lengths is not None and (problem := t.lengths.problem()) is not None:
         raise Refused("bad_value", problem)
+    for name in ("loan_home_share", "next_done_share"):
+        share = getattr(t, name)
+        if share is not None and not 0 <= share <= 1:
+            raise Refused("bad_value", f"{name}={share!r} must be a share of the next step's samples, from 0 to 1")
     tx.emit(f.StepObserved(at=e.at, worker_id=e.worker_id, timing=t))
     resizes.check_outcome(core, tx, e.at)
 

@@ -726,6 +726,14 @@ def test_bad_step_values_are_refused(field: str, value: float) -> None:
     assert_refused(d, event, "bad_value", field)
 
 
+@pytest.mark.parametrize("field", ["loan_home_share", "next_done_share"])
+@pytest.mark.parametrize("value", [math.nan, -0.1, 1.5])
+def test_shares_of_the_next_step_outside_0_to_1_are_refused(field: str, value: float) -> None:
+    d = boot(make_core(), 3, 1)
+    timing = StepTiming(step=0, rollout_s=10.0, train_s=10.0, **{field: value})
+    assert_refused(d, ev.StepReported(at=1.0, worker_id=trainer(0), timing=timing), "bad_value", field)
+
+
 @pytest.mark.parametrize("step,done,total,tokens", [(0, 3, 2, 0), (0, -1, 2, 0), (0, 1, 2, -5), (-1, 0, 1, 0)])
 def test_impossible_progress_is_refused(step: int, done: int, total: int, tokens: int) -> None:
     d = boot(make_core(), 3, 1)

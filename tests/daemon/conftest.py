@@ -148,14 +148,20 @@ class RunningDaemon:
                 self.proc.wait()
 
 
+def configured_daemon(directory: Path, name: str = "config", env: dict[str, str] | None = None,
+                      **overrides: dict[str, Any]) -> RunningDaemon:
+    """A daemon (not started) whose config `directory`/`name`.toml holds `daemon_sections`
+    with `overrides`, its state in `directory`/state."""
+    sections = daemon_sections(directory, **overrides)
+    return RunningDaemon(write_config(directory / f"{name}.toml", sections), sections, env=env or {})
+
+
 @pytest.fixture
 def make_daemon(tmp_path: Path) -> Iterator[Any]:
     started: list[RunningDaemon] = []
 
     def make(start: bool = True, env: dict[str, str] | None = None, **overrides: dict[str, Any]) -> RunningDaemon:
-        sections = daemon_sections(tmp_path, **overrides)
-        path = write_config(tmp_path / f"config{len(started)}.toml", sections)
-        daemon = RunningDaemon(path, sections, env=env or {})
+        daemon = configured_daemon(tmp_path, f"config{len(started)}", env, **overrides)
         started.append(daemon)
         if start:
             daemon.start()

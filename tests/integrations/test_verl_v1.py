@@ -23,17 +23,12 @@ from dynaresized.core import facts as f
 from dynaresized.integrations.verl.layout import V1_TRAINER_NAME
 from tests.daemon.conftest import make_daemon, read_facts, wait_for  # noqa: F401  (make_daemon is a fixture)
 from tests.integrations.test_verl import (
-    ROOT,
-    STARTUP_S,
-    VERL_PYTHON,
-    VerlJob,
     assert_one_line_per_change,
     daemon_decides_then_is_lost,
     documented_verl_overrides,
     job_with_loans,
-    loans,
-    verl_sections,
 )
+from tests.integrations.verl_run import ROOT, STARTUP_S, VERL_PYTHON, VerlJob, loans, verl_sections
 
 JOB = Path(__file__).with_name("verl_v1_job.py")
 TRAINER = "dynaresized.integrations.verl.v1.DynaresizedSeparateAsyncTrainer"

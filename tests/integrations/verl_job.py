@@ -212,6 +212,7 @@ class Trainer:
         per_sample, train = PHASES[phase]
         ray.get(self.rollouter.set_pace.remote(per_sample * noise * unit_s))
         started = time.monotonic()
+        threshold = None  # the queued samples at which verl took the hybrid replicas back
         if policy.should_deactivate(global_steps=self.version, is_hybrid_active=ctrl.is_hybrid_active, ctx=ctx):
             threshold = policy.deactivate_wait_samples(ctx)
             ray.get(self.rollouter.wait_for_enough_samples.remote(threshold))
@@ -242,7 +243,7 @@ class Trainer:
         policy.update_after_step(global_steps=self.version, ctx=ctx)
         ctx.last_activate_duration_s = ctx.last_deactivate_duration_s = 0.0
         return {"step": self.version, "phase": phase, "active": ctrl.is_hybrid_active, "lent": bool(activate),
-                "wait": round(got["wait"], 4), "wait_alone": round(got["wait_alone"], 4),
+                "wait": round(got["wait"], 4), "wait_alone": round(got["wait_alone"], 4), "deactivated_at": threshold,
                 "train": round(train * unit_s / noise, 4), "wall": round(time.monotonic() - started, 4),
                 "activations": ctrl.activate_count, "deactivations": ctrl.deactivate_count,
                 "decider": getattr(policy, "decided_by", ""), "at": time.time()}
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rollouter = FakeRollouter.remote(args.hybrid, args.standalone)
         trainer = Trainer.remote(rollouter, "dynaresized")
-        emit({"policy": ray.get(trainer.start.remote())})
+        emit({"policy": ray.get(trainer.start.remote()), "required_samples": REQUIRED_SAMPLES})
         for phase, noise, unit_s in phase_plan(args):
             emit(ray.get(trainer.step.remote(phase, noise, unit_s)))
         emit({"rollouter": ray.get(rollouter.calls_made.remote()), **ray.get(trainer.summary.remote())})

@@ -96,6 +96,32 @@ def test_after_the_last_mini_batch_the_saving_is_the_rollout_left_over_the_train
     assert r is not None and r.saves_s == 0.0 and check_loan(trainers_view(), r, GuardConfig()) is not None
 
 
+def test_trainers_the_job_takes_back_early_serve_until_the_share_of_samples_its_step_report_says():
+    # verl deactivates its hybrid replicas once deactivate_wait_samples are queued: its step
+    # report says at 3/8 of the next step's samples (the rollout 400 s on the home pool), 1/8
+    # already generated
+    step = StepTiming(step=4, rollout_s=400.0, train_s=10.0, rollout_devices=2, train_devices=6,
+                      loan_home_share=0.375, next_done_share=0.125)
+    view = msgspec.structs.replace(trainers_view(total=1, done=1, recent=(step,)), rollout_step=5,
+                                   step_started_at=0.0)
+    p = load_policy("hysteresis").propose_loan(view)
+    # (3/8 - 1/8) of 400 s, whenever the step began
+    assert p is not None and p.saves_s == pytest.approx((0.25 * 400.0 - 6.0) * 2 / 4)
+    assert "taken back at 38% of the step's samples, 12% generated: ~100.0 s of rollout" in p.reason
+    # a count of whole samples misses those in flight: the rollout is at least the training in
+    trained = msgspec.structs.replace(view, recent=(msgspec.structs.replace(step, train_s=80.0),))
+    q = load_policy("hysteresis").propose_loan(trained)
+    assert q is not None and q.saves_s == pytest.approx((0.375 * 400.0 - 80.0 - 6.0) * 2 / 4)
+    # a share reported for another step is not this rollout's: the time the step has run decides
+    other = msgspec.structs.replace(view, rollout_step=7)
+    r = load_policy("hysteresis").propose_loan(other)
+    assert r is not None and r.saves_s == pytest.approx((400.0 - 100.0 - 6.0) * 2 / 4)
+    # nothing left for them to generate: nothing saved, the guard refuses
+    done = msgspec.structs.replace(view, recent=(msgspec.structs.replace(step, next_done_share=0.5),))
+    none = load_policy("hysteresis").propose_loan(done)
+    assert none is not None and none.saves_s == 0.0 and check_loan(done, none, GuardConfig()) is not None
+
+
 def test_before_any_step_is_measured_a_trainer_loan_reads_the_live_progress_or_names_its_prior():
     live = msgspec.structs.replace(trainers_view(), step_started_at=40.0, samples_done=256, samples_total=1024)
     p = load_policy("hysteresis").propose_loan(live)

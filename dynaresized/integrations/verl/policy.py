@@ -20,6 +20,8 @@ says so, and one more when the daemon answers again and decides from the next st
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 
 import ray
@@ -142,6 +144,18 @@ class DynaresizedSchedulePolicy(DynamicSchedulePolicyBase):
         self._last_activate_s = ctx.last_activate_duration_s
         self.fallback.update_after_step(global_steps, ctx)  # verl's own state stays current for a fallback
 
+    def _next_deactivate_samples(self, step: int, ctx: DynamicScheduleContext) -> int | None:
+        """`deactivate_wait_samples` at the next step: the queued samples at which verl takes
+        back hybrid replicas activated now, once verl's default has adapted its ratio to this
+        step as its `update_after_step` will (run on a copy of the ratio; its lines not printed
+        twice). None without standalone replicas (verl's own cycle; nothing is lent)."""
+        if self.only_hybrid:
+            return None
+        probe = DefaultDynamicSchedulePolicy(deactivate_ratio=self.fallback.deactivate_ratio)
+        with contextlib.redirect_stdout(io.StringIO()):
+            probe.update_after_step(step, ctx)
+        return probe.deactivate_wait_samples(ctx)
+
     def _step_timing(self, step: int, ctx: DynamicScheduleContext) -> StepTiming | None:
         """The cycle that ends now: the hybrid replicas served the rollout from their activation to
         the end of verl's wait for deactivate_wait_samples (or to this step's start, if verl did
@@ -164,7 +178,9 @@ class DynaresizedSchedulePolicy(DynamicSchedulePolicyBase):
         timing = cycle_timing(step, layout, period_s=now - self._cycle_start, train_s=train_s, lent_s=lent_s,
                               required=ctx.step_required_samples, generated=generated,
                               waited=sum(ctx.step_wait_samples) > 0,
-                              weight_sync_s=self._last_activate_s + deactivate)
+                              weight_sync_s=self._last_activate_s + deactivate,
+                              queued=ctx.total_generated_samples - ctx.expected_samples,
+                              home_at=self._next_deactivate_samples(step, ctx))
         self._cycle_start = now
         self._step_start = self._window_end = None
         return timing
