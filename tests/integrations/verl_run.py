@@ -103,16 +103,19 @@ def loans(facts: list[Any]) -> list[Any]:
     return [x for x in facts if isinstance(x, f.LoanStarted)]
 
 
-def prediction_errors(facts: list[Any], steps: list[dict[str, Any]]) -> list[tuple[float, float]]:
+def prediction_errors(facts: list[Any], steps: list[dict[str, Any]], *,
+                      within_phase: bool = False) -> list[tuple[float, float]]:
     """(predicted, measured) seconds saved by each loan that landed: the daemon's `saves_s`, and
     how much less the trainer waited for its next batch than it would have with the standalone
-    replicas alone (the fake rollouter knows both)."""
+    replicas alone (the fake rollouter knows both). `within_phase`: only the loans whose next
+    step runs the same phase as the step they were lent after (at a phase switch the next
+    rollout is up to 15x faster than every step before it, which no model of the past foresees)."""
     lent_steps = [s["step"] for s in steps if s["lent"]]
     by_step = {s["step"]: s for s in steps}
     out = []
     for loan, step in zip(loans(facts), lent_steps, strict=False):
         nxt = by_step.get(step + 1)
-        if nxt is not None:
+        if nxt is not None and (not within_phase or nxt["phase"] == by_step[step]["phase"]):
             out.append((loan.saves_s, nxt["wait_alone"] - nxt["wait"]))
     return out
 
