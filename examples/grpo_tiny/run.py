@@ -782,11 +782,17 @@ learn_loan_costs = true
 
     async def close(self) -> None:
         (self.work / "stop").touch()  # the trainers detach from the daemon and exit
+        # Each close is bounded: the run's result is already made, and one worker or engine that
+        # does not close (a full test run once hung here for good, after its last step) must not
+        # keep the rest open.
         for worker in getattr(self, "workers", {}).values():
-            await worker.close()
+            try:
+                await asyncio.wait_for(worker.close(), CLOSE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - report and keep closing the rest
+                print(f"worker {worker.worker_id} did not close cleanly: {exc!r}", file=sys.stderr)
         for engine in getattr(self, "engines", {}).values():
             try:
-                await engine.stop()
+                await asyncio.wait_for(engine.stop(), CLOSE_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - report and keep closing the rest
                 print(f"engine {engine.engine_id} did not stop cleanly: {exc!r}", file=sys.stderr)
         for p in self.trainers:
@@ -806,6 +812,10 @@ learn_loan_costs = true
         self.close_slots()  # last: what is still running goes back to this process's cgroup
         if self.temp and not self.cfg.keep:
             shutil.rmtree(self.work, ignore_errors=True)
+
+
+CLOSE_TIMEOUT_S = 60.0
+"""Seconds one worker's close or one engine's stop may take when a run ends."""
 
 
 async def run_once(cfg: RunConfig, hooks: dict[int, Hook] | None = None) -> dict[str, Any]:
