@@ -8,6 +8,7 @@ properties lives here.
 from __future__ import annotations
 
 import enum
+import math
 
 import msgspec
 
@@ -288,3 +289,48 @@ class ResizePlan(msgspec.Struct, frozen=True):
     @property
     def direction(self) -> str:
         return f"{self.from_pool.value}->{self.to_pool.value}"
+
+
+PIPELINES: tuple[str, ...] = ("one-step-off", "fully-async", "synchronous")
+"""How a job's rollout and training overlap. `one-step-off`: rollout k beside training k-1, a
+whole batch in before a step trains (the simulator's windows, `sim/pipeline.py`; the default).
+`fully-async`: verl's fully-async trainer (`sim/asyncpipe.py`): a staleness budget, optional
+partial rollout, streaming mini-batches. `synchronous`: the same with staleness 0 (the next
+step's samples start only after the sync)."""
+
+
+class PipelineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which pipeline the job runs: configuration the daemon predicts, never changes."""
+
+    mode: str = "one-step-off"
+    staleness: float = 1.0
+    """verl's `staleness_threshold`: how many batches beyond the one in training the rollouter
+    may start (0: synchronous; 1 with no partial rollout is close to one-step off)."""
+    partial_rollout: bool = False
+    """verl's `partial_rollout`: a sync aborts running requests, which go on under the new weights."""
+    sync_every: int = 1
+    """verl's `trigger_parameter_sync_step`: mini-batches per parameter sync (one RL step)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in PIPELINES:
+            raise ValueError(f"unknown pipeline {self.mode!r}; pipelines: {', '.join(PIPELINES)}")
+        if not (self.staleness >= 0 and math.isfinite(self.staleness)):
+            raise ValueError(f"staleness must be a finite number >= 0, got {self.staleness}")
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every (trigger_parameter_sync_step) must be >= 1, got {self.sync_every}")
+        if self.mode == "synchronous" and self.staleness != 0:
+            raise ValueError("a synchronous pipeline has staleness 0 (drop --staleness, or use fully-async)")
+        if self.mode == "one-step-off" and (self.staleness != 1 or self.partial_rollout or self.sync_every != 1):
+            raise ValueError("the one-step-off pipeline has staleness 1, no partial rollout and one sync a "
+                             "step: use --pipeline fully-async for verl's other settings")
+
+    @property
+    def windowed(self) -> bool:
+        """Run by `pipeline.py`'s windows (the one-step-off pipeline) rather than here."""
+        return self.mode == "one-step-off"
+
+    def label(self) -> str:
+        if self.windowed:
+            return "one-step-off"
+        return (f"{self.mode} (staleness {self.staleness:g}, partial rollout "
+                f"{'on' if self.partial_rollout else 'off'}, sync every {self.sync_every} mini-batches)")

@@ -69,9 +69,12 @@ class Collection(msgspec.Struct):
     queued: int = 0  # samples already done then
     end_s: float | None = None  # when the batch's last sample was done
     lent: bool = False  # trainers were lent to this rollout step (verl: hybrid active)
+    measured: tuple[float, int] | None = None  # the wait as the trainer measured it (`record_wait`)
 
     def wait(self) -> tuple[float, int]:
         """(seconds waited, samples waited for): verl's `step_wait_times`, `step_wait_samples`."""
+        if self.measured is not None:
+            return self.measured
         if self.start_s is None:
             return 0.0, 0
         seconds = max((self.end_s if self.end_s is not None else self.start_s) - self.start_s, 0.0)
@@ -100,6 +103,13 @@ class VerlRule:
         return None
 
     # -- what the trainer measures ---------------------------------------------------------
+    def record_wait(self, step: int, seconds: float, samples: int) -> None:
+        """The trainer's wait for step `step`'s batch as verl's trainer measures it
+        (`_get_samples_from_queue`, summed over the cycle's mini-batches). Where mini-batches
+        stream (the simulator's fully-async pipeline, `sim/asyncpipe.py`) progress reports cannot
+        tell it, so the pipeline hands it over before asking for a loan."""
+        self._collection(step).measured = (float(seconds), int(samples))
+
     def _collection(self, step: int) -> Collection:
         return self.collections.setdefault(step, Collection())
 

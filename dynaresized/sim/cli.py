@@ -16,6 +16,8 @@ import msgspec
 
 from dynaresized.core.idle import percent
 from dynaresized.core.policy import UnknownPolicyError, available_policies, load_policy
+from dynaresized.domain import PIPELINES, PipelineSpec
+from dynaresized.sim.asyncrun import async_summary, simulate_async
 from dynaresized.sim.plan import PILOT_STEPS, Plan, Replanner, plan, plan_start, start_plan
 from dynaresized.sim.plot import PlotUnavailable
 from dynaresized.sim.profile import Profile, ProfileError, builtin_profiles, load_profile, parse_split
@@ -131,6 +133,17 @@ def add_parsers(subparsers: Any) -> None:
                      help="processes: verl's two rules run in their own while this one runs the policy and the "
                           f"baselines (default: the machine's cores from {AUTO_JOBS_FROM_GPUS} devices on, else 1; "
                           "the report is the same)")
+    sim.add_argument("--pipeline", choices=PIPELINES,
+                     help="the job's pipeline (default: the profile's [pipeline], else one-step-off): one-step-off, "
+                          "fully-async (verl's: --staleness, --partial-rollout, --sync-every) or synchronous")
+    sim.add_argument("--staleness", type=float, metavar="S",
+                     help="verl's staleness_threshold (fully-async; default: the profile's, else 1)")
+    sim.add_argument("--partial-rollout", action=argparse.BooleanOptionalAction, default=None,
+                     help="verl's partial_rollout: a weight sync aborts running requests, which go on under the "
+                          "new weights (fully-async; default: the profile's, else off)")
+    sim.add_argument("--sync-every", type=int, metavar="K",
+                     help="verl's trigger_parameter_sync_step: mini-batches per weight sync (fully-async; default: "
+                          "the profile's, else 1)")
     sim.add_argument("--json", action="store_true", help="print exactly one JSON object")
     sim.add_argument("--plot", metavar="FILE.png", help="write a PNG: pools over time, stage times, resizes")
     sim.set_defaults(sim_command="simulate", run=run_cli)
@@ -254,6 +267,9 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
     _positive(args.jobs, "--jobs")
     profile, trace, seed = _workload(args)
     _require_policies([args.policy])
+    spec = pipeline_of(args, profile)
+    if not spec.windowed:
+        return _simulate_async(args, profile, trace, spec, out)
     manual = args.tp is not None or args.initial_split is not None
     if args.layout == "plan" and manual:
         raise ValueError("--layout plan chooses the engine size and the split itself; drop --tp and --initial-split")
@@ -304,9 +320,51 @@ def _simulate(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def pipeline_of(args: argparse.Namespace, profile: Profile) -> PipelineSpec:
+    """The profile's `[pipeline]` with the flags that name a part of it."""
+    spec = profile.pipeline
+    mode = args.pipeline or spec.mode
+    fields = {"mode": mode}
+    if mode != spec.mode:
+        # another pipeline than the profile's: its own defaults, not the profile's settings
+        spec = PipelineSpec(mode=mode, staleness=0.0 if mode == "synchronous" else 1.0)
+    for flag, key in (("staleness", "staleness"), ("partial_rollout", "partial_rollout"), ("sync_every", "sync_every")):
+        value = getattr(args, flag)
+        if value is not None:
+            fields[key] = value
+    if mode == "one-step-off" and len(fields) > 1:
+        raise ValueError("--staleness, --partial-rollout and --sync-every describe verl's fully-async pipeline: "
+                         "add --pipeline fully-async")
+    return msgspec.structs.replace(spec, **fields)
+
+
+def _simulate_async(args: argparse.Namespace, profile: Profile, trace: Trace, spec: PipelineSpec,
+                    out: TextIO) -> int:
+    """`simulate` in a fully-async or synchronous pipeline (`sim/asyncrun.py`)."""
+    if args.naive or args.replan_every or args.plot or args.router != "pull":
+        raise ValueError(f"the {spec.mode} pipeline is simulated with pipelined costs, the pull router, no regroups "
+                         "and no plot: drop --naive, --replan-every, --plot and --router")
+    manual = args.tp is not None or args.initial_split is not None
+    start = None
+    if args.layout == "profile" or manual:
+        tp = args.tp if args.tp is not None else profile.rollout.gpus_per_engine
+        split = parse_split(args.initial_split) if args.initial_split is not None else profile.initial_split
+        start = (split, tp)
+    report = simulate_async(trace, profile, args.policy, spec,
+                            policy_options=_key_values(args.policy_option, "--policy-option"),
+                            loan_safety=guards_for(profile, _key_values(args.guard, "--guard")).loan_safety,
+                            start=start, pilot_steps=args.pilot_steps)
+    if args.json:
+        out.write(msgspec.json.encode(report).decode() + "\n")
+    else:
+        out.write(async_summary(report))
+    return 0
+
+
 def _plan(args: argparse.Namespace, out: TextIO) -> int:
     _positive(args.pilot_steps, "--pilot-steps")
     profile, trace, _ = _workload(args)
+    one_step_off_only(profile, "plan")
     _require_policies([args.policy])
     options = _key_values(args.policy_option, "--policy-option")
     guards = guards_for(profile, _key_values(args.guard, "--guard"))
@@ -449,9 +507,18 @@ def why_held(r: SimReport) -> list[str]:
     return lines
 
 
+def one_step_off_only(profile: Profile, command: str) -> None:
+    """`plan` and `bench` model the one-step-off pipeline: a profile of another says so."""
+    if not profile.pipeline.windowed:
+        raise ValueError(f"`{command}` models the one-step-off pipeline, and profile {profile.name} runs "
+                         f"{profile.pipeline.label()}: `dynaresized simulate` runs it (its planned_start is the plan "
+                         "search in that pipeline)")
+
+
 def _bench(args: argparse.Namespace, out: TextIO) -> int:
     _positive(args.steps, "--steps")
     profile = load_profile(args.profile)
+    one_step_off_only(profile, "bench")
     scenarios = [s for s in args.scenarios.split(",") if s]
     policies = [p for p in args.policies.split(",") if p]
     for name in scenarios:

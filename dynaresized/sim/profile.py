@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 
 from dynaresized.core.guards import GuardConfig
-from dynaresized.domain import OpKind, Pool, Split
+from dynaresized.domain import OpKind, PipelineSpec, Pool, Split
 
 
 class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -249,6 +249,9 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The hysteresis guards the core applies (see dynaresized.core.guards.GuardConfig)."""
     loan: LoanSpec = LoanSpec()
     """Loan costs (`[loan]`); defaults apply when the section is absent."""
+    pipeline: PipelineSpec = PipelineSpec()
+    """The job's pipeline (`[pipeline]`: mode, staleness, partial_rollout, sync_every); absent:
+    one-step off."""
 
     @property
     def initial_split(self) -> Split:

@@ -27,6 +27,7 @@ from typing import Any
 import structlog
 
 from dynaresized.client import BlockingWorkerClient, CurveKeys, DaemonRejected, DaemonUnavailable, OpRequest
+from dynaresized.core import cycles
 from dynaresized.domain import OpKind, PlanKind, StepTiming, WorkerKind
 from dynaresized.integrations.verl.layout import ROLLOUT_WORKER, TRAINER_WORKER, WORKERS, VerlLayout, hybrid_wanted
 
@@ -276,26 +277,9 @@ class VerlWorkers:
         return f"verl hybrid replicas {state} at step {self.cycle.step} (waited {time.monotonic() - started:.2f}s)"
 
 
-def cycle_timing(step: int, layout: VerlLayout, *, period_s: float, train_s: float, lent_s: float, required: int,
-                 generated: int, waited: bool, weight_sync_s: float, queued: int = 0,
-                 home_at: int | None = None) -> StepTiming:
-    """One cycle of verl's (from the last decision to this one) as a StepTiming: the trainer's
-    own time on its GPUs, and the rollout's, with the device-seconds the hybrid replicas served
-    it while active (`lent_s` each). The rollout's time for a step's `required` samples is the
-    cycle's at the rate it `generated` them; a trainer that never `waited` for samples says the
-    rollout kept up, so it took no longer than the training. `queued`: samples of the next step
-    already queued; `home_at`: the queued samples at which verl will deactivate hybrid replicas
-    activated now (None: not known), both over the step's `required` samples."""
-    period_s = max(period_s, 1e-6)
-    rollout_s = period_s * max(required, 1) / generated if generated else period_s
-    if not waited:
-        rollout_s = min(rollout_s, train_s)
-    served = layout.standalone * period_s + layout.hybrid * lent_s  # device-seconds generating
-    return StepTiming(step=step, rollout_s=rollout_s, train_s=train_s, weight_sync_s=weight_sync_s,
-                      rollout_devices=layout.standalone, train_devices=layout.hybrid, samples=generated,
-                      rollout_device_s=served * rollout_s / period_s, train_device_s=train_s * layout.hybrid,
-                      loan_home_share=None if home_at is None else min(max(home_at, 0) / max(required, 1), 1.0),
-                      next_done_share=min(max(queued, 0) / max(required, 1), 1.0))
+def cycle_timing(step: int, layout: VerlLayout, **cycle: Any) -> StepTiming:
+    """`core.cycles.cycle_timing` for verl's layout (its standalone and hybrid GPUs)."""
+    return cycles.cycle_timing(step, layout.standalone, layout.hybrid, **cycle)
 
 
 class LoanDecisions:
