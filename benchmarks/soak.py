@@ -191,7 +191,8 @@ def main() -> int:
     parser.add_argument("--devices", type=int, default=1024, help="devices (an engine and a trainer each)")
     parser.add_argument("--duration-s", type=float, default=1800.0, help="seconds of the run after registration")
     parser.add_argument("--warmup-s", type=float, default=None,
-                        help="seconds before the RSS slope counts (default: a sixth of the run, at most 300)")
+                        help="seconds before the RSS slope counts (default: half the run, at most 900: at "
+                             "1,024 devices the daemon's native buffers take about 15 minutes to reach their level)")
     parser.add_argument("--sample-s", type=float, default=5.0, help="the daemon's RSS sampled this often")
     parser.add_argument("--hosts", type=int, default=4, help="worker host processes")
     parser.add_argument("--step-s", type=float, default=scale.STEP_S, help="the job's RL step, wall seconds")
@@ -199,7 +200,7 @@ def main() -> int:
     parser.add_argument("--flooders", type=int, default=1, help="unauthenticated connections flooding junk")
     parser.add_argument("--frame-bytes", type=int, default=64, help="size of each junk frame")
     args = parser.parse_args()
-    warmup_s = args.warmup_s if args.warmup_s is not None else min(300.0, args.duration_s / 6)
+    warmup_s = args.warmup_s if args.warmup_s is not None else min(900.0, args.duration_s / 2)
     scale.raise_fd_limit()
     with tempfile.TemporaryDirectory(prefix="dynaresized-soak-") as d:
         result = soak(args.devices, args.hosts, args.duration_s, warmup_s, args.sample_s, args.step_s,
