@@ -44,7 +44,7 @@ import numpy as np
 
 from dynaresized.core.cycles import cycle_timing
 from dynaresized.core.policy import LoanCosts, LoanView, load_policy
-from dynaresized.domain import PIPELINES, PipelineSpec, Pool, Split, StepTiming
+from dynaresized.domain import PipelineSpec, Pool, Split, StepTiming
 from dynaresized.sim.stages import StageModel
 
 class SampleLedger(msgspec.Struct, frozen=True):
