@@ -62,7 +62,8 @@ class AsyncReport(msgspec.Struct, frozen=True):
     initial_split_total_time_s: float
     speedup_vs_initial_split: float
     verl_dynamic_total_time_s: float
-    """verl's rule (`verl-default`) from its own planned start, which in this pipeline is the run's."""
+    """verl's rule (`verl-default`) from its own planned start, which in this pipeline is the run's
+    (the plan search simulates no rule); from the start given, where one was."""
     speedup_vs_verl_dynamic: float
     verl_dynamic_loans: int
     fluid_bound_s: float
