@@ -33,7 +33,7 @@ def mean_work(view: ObservedView, window: int) -> tuple[float, float, float]:
 
 def window_measure(view: ObservedView, window: int) -> Measure | None:
     """The cost model's inputs (`core.costmodel.measure`) over the last `window` steps."""
-    return measure(view.recent[-window:], view.split)
+    return measure(view.recent[-window:], view.split, floor=view.tail_binds)
 
 
 class HysteresisPolicy(Lending):

@@ -164,7 +164,7 @@ class Lending:
         # its release and join are done
         caught = max(left - 1 - math.floor(view.costs.lead_s / view.mini_batch_s), 0)
         faster = caught * view.mini_batch_s * k / (n + k)  # training ends this much sooner
-        model = measure(view.recent[-RECENT_STEPS:], view.split)
+        model = measure(view.recent[-RECENT_STEPS:], view.split, floor=view.tail_binds)
         training_left = left * view.mini_batch_s
         rollout_left = self._rollout_left(view, model)
         if rollout_left is None:
@@ -201,7 +201,7 @@ class Lending:
             return None
         n = max(view.split.rollout, 1)
         shortest = min(m.rollout_on(n) for t in view.recent[-RECENT_STEPS:]
-                       if (m := measure((t,), view.split)) is not None)
+                       if (m := measure((t,), view.split, floor=view.tail_binds)) is not None)
         return max(shortest - (view.now - started), 0.0)
 
     @staticmethod
@@ -220,7 +220,7 @@ class Lending:
 
     def _lend_trainers(self, view: LoanView) -> LoanProposal | None:
         n = max(view.split.rollout, 1)
-        model = measure(view.recent[-RECENT_STEPS:], view.split)
+        model = measure(view.recent[-RECENT_STEPS:], view.split, floor=view.tail_binds)
         started = self._started(view)
         if started is not None:
             elapsed: float | None = view.now - started

@@ -7,6 +7,7 @@ import msgspec
 
 from dynaresized.core import guards
 from dynaresized.core.policy import LoanCosts, ResizeCosts, TailCosts
+from dynaresized.domain import PipelineSpec
 
 
 class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -43,6 +44,10 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A tick that comes more than this after the one before means the daemon itself was not
     running (starved of CPU, or waiting on a slow disk): that blind time does not count as the
     workers' silence. None: every gap counts (the simulator and tests, which jump in time)."""
+    pipeline: PipelineSpec = PipelineSpec()
+    """The job's pipeline (`[pipeline]`): where it runs verl's fully-async pipeline with partial
+    rollout, a step's long tail carries over into the next weight version, so the cost model
+    predicts the rollout without its latency floor (`costmodel.tail_binds`)."""
     tail_costs: TailCosts | None = None
     """Regroup a step's tail into a wider engine when the policy predicts it pays (`propose_tail`):
     what that costs and how fast each width decodes. None (the daemon): never, as no backend moves

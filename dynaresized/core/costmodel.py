@@ -18,7 +18,10 @@ Fed with what the daemon measured over the last steps (`measure`):
 * the weight sync, as measured.
 
 Where no step of the window reported its lengths (an older worker), `F` is 0 and the model is
-the linear one the policies used before (`Measure.model` says which; `status` shows it).
+the linear one the policies used before (`Measure.model` says which; `status` shows it). Where
+the job's pipeline lets a step's tail carry over into the next weight version (verl's
+fully-async pipeline with partial rollout: `tail_binds`), no floor binds a step, and the model
+is the linear one too, whatever the steps report.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from dynaresized.domain import Split, StepTiming
+from dynaresized.domain import PipelineSpec, Split, StepTiming
 
 FLOOR = "floor"
 LINEAR = "linear"
@@ -99,10 +102,17 @@ def floor_of(timing: StepTiming) -> float | None:
     return lengths.floor_s
 
 
-def measure(steps: Sequence[StepTiming], split: Split) -> Measure | None:
+def tail_binds(pipeline: PipelineSpec) -> bool:
+    """Whether a step waits for its longest response: in every pipeline but one whose unfinished
+    responses carry over into the next weight version (fully-async with partial rollout)."""
+    return pipeline.windowed or not pipeline.partial_rollout
+
+
+def measure(steps: Sequence[StepTiming], split: Split, *, floor: bool = True) -> Measure | None:
     """The model's inputs from `steps` (measured on `split`; a step that does not say how many
     devices served a stage is taken to have run on `split`'s pool): the mean of each figure, the
-    floor the mean of those reported. None for no step."""
+    floor the mean of those reported (`floor=False`: none, the job's tail does not bind a step,
+    `tail_binds`). None for no step."""
     if not steps:
         return None
     n = len(steps)
@@ -112,7 +122,7 @@ def measure(steps: Sequence[StepTiming], split: Split) -> Measure | None:
     devices = work / rollout if rollout > 0 else float(max(split.rollout, 1))
     train = sum(t.train_s * (t.train_devices_served or max(split.train, 1)) for t in steps) / n
     sync = sum(t.weight_sync_s for t in steps) / n
-    floors = [x for t in steps if (x := floor_of(t)) is not None]
+    floors = [x for t in steps if (x := floor_of(t)) is not None] if floor else []
     if floors:
         return Measure(rollout_s=rollout, rollout_devices=devices, floor_s=sum(floors) / len(floors),
                        train_device_s=train, sync_s=sync, steps=n, model=FLOOR)

@@ -11,7 +11,7 @@ import msgspec
 
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
-from dynaresized.core import guards
+from dynaresized.core import costmodel, guards
 from dynaresized.core.policy import EngineTail, LoanCosts, LoanProposal, LoanView, Proposal, TailProposal
 from dynaresized.core.resizes import advance, plan_resize, start_resize, unique
 from dynaresized.core.state import ClusterState, InFlight, Phase, Progress, progressed
@@ -55,6 +55,7 @@ def loan_view(core: CoreLike, state: ClusterState, now: float) -> LoanView:
         samples_done=samples_done,
         samples_total=samples_total,
         step_started_at=step_started_at(state),
+        tail_binds=costmodel.tail_binds(core.config.pipeline),
     )
     if core.config.tail_costs is None:
         return view  # the daemon: no tail regroups, and no scan of every device for lent ones per report

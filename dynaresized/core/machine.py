@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
-from dynaresized.core import loans, reconcile, regroups, resizes, workers
+from dynaresized.core import costmodel, loans, reconcile, regroups, resizes, workers
 from dynaresized.core.config import CoreConfig
 from dynaresized.core.loans import loan_view, plan_loan
 from dynaresized.core.policy import ObservedView, Policy, ResizeCosts
@@ -137,6 +137,7 @@ class Core:
             steps_remaining=remaining,
             history=state.step_history,
             rollout_loan_costs=loans.loan_costs(self, state, Pool.ROLLOUT),
+            tail_binds=costmodel.tail_binds(self.config.pipeline),
         )
 
 

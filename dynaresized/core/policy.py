@@ -46,6 +46,9 @@ class ObservedView(msgspec.Struct, frozen=True):
     """What a loan of trainers to the rollout costs (configured or learned, as `LoanView`'s):
     a lending policy predicts a split's step with its own loans (`costmodel.Measure.step_on`).
     None: the policy does not know (a view built without it)."""
+    tail_binds: bool = True
+    """A step waits for its longest response (False: the job's pipeline carries an unfinished
+    response over, `costmodel.tail_binds`): whether the cost model uses the latency floor."""
 
 
 class Proposal(msgspec.Struct, frozen=True):
@@ -242,6 +245,7 @@ class LoanView(msgspec.Struct, frozen=True):
     step_started_at: float = -1.0
     """When the step in progress began (the last step report; -1: no step reported yet): with
     `recent`, how far into its predicted rollout the step is."""
+    tail_binds: bool = True  # as `ObservedView.tail_binds`
 
     def costs_to(self, pool: Pool) -> LoanCosts:
         """The loan costs a loan to `pool` is estimated with."""

@@ -444,7 +444,8 @@ def _worse_early(core: CoreLike, o: Outcome, state: ClusterState) -> bool:
     if seen is None or seen[1] <= seen[0] * margin:
         return False
     steps = state.recent[-len(o.after):]
-    if len(steps) == len(o.after) and all(costmodel.floor_of(t) is not None for t in steps):
+    if (costmodel.tail_binds(core.config.pipeline) and len(steps) == len(o.after)
+            and all(costmodel.floor_of(t) is not None for t in steps)):
         old = sum(costmodel.predicted_step_s((t,), state.split, o.before) for t in steps)
         return seen[1] > old * margin
     return True

@@ -22,7 +22,7 @@ import msgspec
 from dynaresized.core.guards import GuardConfig
 from dynaresized.core.machine import CoreConfig
 from dynaresized.core.policy import LoanCosts, ResizeCosts
-from dynaresized.domain import Pool, Split
+from dynaresized.domain import PipelineSpec, Pool, Split
 from dynaresized.spelling import did_you_mean
 from dynaresized.store import DEFAULT_RETENTION_BYTES, DEFAULT_RETENTION_S, MIN_RETENTION_BYTES, Retention
 
@@ -119,6 +119,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     guards: GuardConfig = GuardConfig()
     costs: ResizeCosts = ResizeCosts()
     loan_costs: LoanCosts = LoanCosts()
+    pipeline: PipelineSpec = PipelineSpec()
 
     def core_config(self) -> CoreConfig:
         return CoreConfig(
@@ -132,6 +133,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             reconcile_retry_s=self.core.reconcile_retry_s,
             loan_costs=self.loan_costs,
             learn_loan_costs=self.core.learn_loan_costs,
+            pipeline=self.pipeline,
             # ticks come every tick_interval_s; ten missed in a row is the daemon stalling
             stall_s=max(10 * self.daemon.tick_interval_s, 0.5),
         )

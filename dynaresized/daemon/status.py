@@ -10,6 +10,7 @@ import msgspec
 import structlog
 
 from dynaresized.core import facts as f
+from dynaresized.core import costmodel
 from dynaresized.core.costmodel import FLOOR, measure
 from dynaresized.core.state import ClusterState
 from dynaresized.daemon.metrics import Metrics
@@ -54,19 +55,26 @@ def status_of(state: ClusterState, daemon: Daemon | None = None) -> dict[str, An
         "boot_id": daemon.boot_id if daemon else "",
         "idle": idle_status(state),
         "outcome": outcome_status(state),
-        "cost_model": cost_model_status(state),
+        "cost_model": cost_model_status(state, floor=daemon is None
+                                        or costmodel.tail_binds(daemon.cluster.core.config.pipeline)),
     }
 
 
-def cost_model_status(state: ClusterState) -> dict[str, Any]:
+def cost_model_status(state: ClusterState, *, floor: bool = True) -> dict[str, Any]:
     """Which stage model the policy predicts with on the steps measured on this split
     (`core.costmodel`), and why: the latency floor where step reports carry response lengths,
-    the linear model where none of them does (an older worker)."""
-    m = measure(state.recent, state.split)
+    the linear model where none of them does (an older worker) or where the job's pipeline
+    carries a step's tail over (`floor=False`: `[pipeline]` fully-async with partial rollout)."""
+    m = measure(state.recent, state.split, floor=floor)
     if m is None:
         return {"model": None, "why": "no step measured on this split yet", "floor_s": None, "steps": 0}
-    why = ("step reports carry response lengths: rollout on n devices = F + (T - F) x n0 / n" if m.model == FLOOR
-           else "no step report carries response lengths (timing.lengths): the linear model, rollout = T x n0 / n")
+    if m.model == FLOOR:
+        why = "step reports carry response lengths: rollout on n devices = F + (T - F) x n0 / n"
+    elif not floor:
+        why = ("[pipeline] carries an unfinished response into the next weight version (partial rollout): no "
+               "latency floor binds a step, the linear model, rollout = T x n0 / n")
+    else:
+        why = "no step report carries response lengths (timing.lengths): the linear model, rollout = T x n0 / n"
     return {"model": m.model, "why": why, "floor_s": m.floor_s if m.model == FLOOR else None, "steps": m.steps,
             "rollout_s": m.rollout_s, "rollout_devices": m.rollout_devices}
 

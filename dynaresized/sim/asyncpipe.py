@@ -42,6 +42,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from dynaresized.core import costmodel
 from dynaresized.core.cycles import cycle_timing
 from dynaresized.core.policy import LoanCosts, LoanView, load_policy
 from dynaresized.domain import PipelineSpec, Pool, Split, StepTiming
@@ -466,7 +467,8 @@ class AsyncPipeline:
                         training_devices=self.split.train - lent, mini_batch_done=trained,
                         mini_batch_total=self.spec.sync_every if step > 0 else 0, mini_batch_s=0.0,
                         queue_empty=False, costs=self.costs, rollout_costs=self.costs, rollout_step=step,
-                        samples_done=len(self.done), samples_total=total)
+                        samples_done=len(self.done), samples_total=total,
+                        tail_binds=costmodel.tail_binds(self.spec))
 
     def _decide_loan(self, now: float) -> None:
         """After a cycle's last mini-batch, before the sync (verl's `should_activate_after_step`,

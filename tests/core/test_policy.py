@@ -241,3 +241,23 @@ def test_hysteresis_proposals_are_always_improving_moves_toward_the_slower_stage
 def test_predicted_step_s() -> None:
     assert predicted_step_s(510.0, 600.0, Split(4, 4), sync_s=2.0) == pytest.approx(152.0)
     assert predicted_step_s(510.0, 600.0, Split(8, 0)) == float("inf")
+
+
+def test_the_jobs_pipeline_reaches_the_policys_views() -> None:
+    """`[pipeline]`: a job whose unfinished responses carry over (verl's fully-async pipeline with
+    partial rollout) gets views that say no tail binds a step, so the policy's cost model drops
+    the latency floor; any other pipeline keeps it."""
+    import msgspec
+
+    from dynaresized.core.loans import loan_view
+    from dynaresized.domain import PipelineSpec
+    from tests.core.cluster import boot, make_core
+
+    carried = PipelineSpec(mode="fully-async", staleness=0.5, partial_rollout=True, sync_every=4)
+    for pipeline, binds in ((PipelineSpec(), True), (PipelineSpec(mode="fully-async", staleness=0.5), True),
+                            (carried, False)):
+        core = make_core(policy="hysteresis")
+        core = type(core)(msgspec.structs.replace(core.config, pipeline=pipeline), core.policy)
+        d = boot(core, 2, 2)
+        assert core.view(d.state, 1.0).tail_binds is binds
+        assert loan_view(core, d.state, 1.0).tail_binds is binds

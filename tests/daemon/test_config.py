@@ -66,6 +66,8 @@ def test_example_config_is_valid() -> None:
     ({"daemon": {"stat_dir": "/tmp/x"}}, "unknown field `stat_dir` - at `daemon`; did you mean 'state_dir'?"),
     ({"guards": {"signalrun": 3}}, "unknown field `signalrun` - at `guards`; did you mean 'signal_run'?"),
     ({"polcy": {"name": "static"}}, "unknown field `polcy`; did you mean 'policy'?"),
+    ({"pipeline": {"mode": "fully-async", "staleness": -1.0}}, "staleness must be a finite number >= 0"),
+    ({"pipeline": {"partial_rollout": True}}, "use --pipeline fully-async"),
 ])
 def test_bad_values_name_the_key(raw: dict, expected: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(expected)):

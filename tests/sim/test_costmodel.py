@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from dynaresized.core.costmodel import FLOOR, LINEAR, measure, predicted_step_s
-from dynaresized.domain import ResponseLengths, Split, StepTiming
+from dynaresized.core.costmodel import FLOOR, LINEAR, measure, predicted_step_s, tail_binds
+from dynaresized.domain import PipelineSpec, ResponseLengths, Split, StepTiming
 from dynaresized.sim.profile import load_profile
 from dynaresized.sim.run import scenario_shape
 from dynaresized.sim.stages import StageModel
@@ -75,3 +75,21 @@ def test_bad_lengths_are_named() -> None:
     assert "non-decreasing" in (ResponseLengths(quantiles=(1, 5, 3, 9)).problem() or "")
     assert "non-negative" in (ResponseLengths(quantiles=(-1, 5, 6, 9)).problem() or "")
     assert "finite" in (ResponseLengths(quantiles=(1, 2, 3, 4), token_s=float("nan")).problem() or "")
+
+
+def test_where_the_pipeline_carries_the_tail_over_no_floor_binds_a_step() -> None:
+    """verl's fully-async pipeline with partial rollout: the longest response goes on under the
+    next weights, so the rollout is predicted without its floor even where steps report lengths
+    (the daemon's `[pipeline]`, `ObservedView.tail_binds`); every other pipeline keeps it."""
+    assert tail_binds(PipelineSpec())
+    assert tail_binds(PipelineSpec(mode="fully-async", staleness=0.5))
+    assert tail_binds(PipelineSpec(mode="synchronous", staleness=0.0))
+    assert not tail_binds(PipelineSpec(mode="fully-async", staleness=0.5, partial_rollout=True, sync_every=4))
+    model = _model("longtail-stationary", 64)
+    here = Split(train=32, rollout=32)
+    steps = [_timing(model, step, here) for step in range(model.steps)]
+    floor, carried = measure(steps, here), measure(steps, here, floor=False)
+    assert floor is not None and floor.model == FLOOR and floor.floor_s > 0
+    assert carried is not None and carried.model == LINEAR and carried.floor_s == 0.0
+    assert carried.rollout_on(64) == pytest.approx(carried.rollout_on(32) / 2)
+    assert floor.rollout_on(64) > carried.rollout_on(64)
