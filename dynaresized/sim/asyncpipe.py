@@ -46,7 +46,7 @@ from dynaresized.core import costmodel
 from dynaresized.core.cycles import cycle_timing
 from dynaresized.core.policy import LoanCosts, LoanView, load_policy
 from dynaresized.domain import PipelineSpec, Pool, Split, StepTiming
-from dynaresized.sim.stages import StageModel
+from dynaresized.sim.stages import StageModel, trained_tokens
 
 class SampleLedger(msgspec.Struct, frozen=True):
     """What the run proved about its samples (`AsyncRun.ledger`)."""
@@ -77,10 +77,9 @@ class _Engine:
     """One engine's continuous batch: an iteration clock (tokens every running request got so
     far) and, per running request, the clock at which it finishes."""
 
-    __slots__ = ("hybrid", "clock", "t", "heap", "n", "a", "epoch", "busy_s")
+    __slots__ = ("clock", "t", "heap", "n", "a", "epoch", "busy_s")
 
-    def __init__(self, hybrid: bool, t: float) -> None:
-        self.hybrid = hybrid
+    def __init__(self, t: float) -> None:
         self.clock = 0.0
         self.t = t
         self.heap: list[tuple[float, int]] = []
@@ -100,7 +99,7 @@ class AsyncPipeline:
         gpe = model.profile.rollout.gpus_per_engine
         if split.train < 1 or split.rollout < gpe:
             raise ValueError(f"split {split} needs a trainer and an engine of {gpe} device(s)")
-        self.model, self.split, self.spec = model, split, spec
+        self.split, self.spec = split, spec
         if loan_policy is not None and not hasattr(loan_policy, "propose_loan"):
             loan_policy = None  # a policy that never lends (`static`, `greedy`): the split stands
         self.policy, self.loan_safety = loan_policy, float(loan_safety)
@@ -119,18 +118,16 @@ class AsyncPipeline:
         n = int(self.cum[-1])
         self.P = np.concatenate([b.prompt_tokens for b in trace]).astype(np.float64)
         self.L = np.concatenate([b.response_tokens for b in trace]).astype(np.float64)
-        self.slots = np.concatenate([np.full(b.samples, model.batch_limit[i]) for i, b in enumerate(trace)])
-        attn = model.profile.training.attention_tokens
-        seq = self.P + self.L
-        tokens = seq * (1.0 + seq / attn) if attn > 0 else seq
-        trained = np.concatenate([b.trained_mask for b in trace])
         t = model.profile.training
-        per_token = 1.0 / t.update_tokens_per_s + 1.0 / t.logprob_tokens_per_s
-        self.train_work = np.where(trained, tokens, 0.0) * per_token  # device-seconds a sample adds
+        tokens = trained_tokens(self.P + self.L, t.attention_tokens)
+        trained = np.concatenate([b.trained_mask for b in trace])
+        # device-seconds a sample adds to its training step (filtered samples: none)
+        self.train_work = np.where(trained, tokens, 0.0) * model.train_s_per_token
         # per sample, as Python lists: the event loop reads them one at a time
         self.Pl: list[float] = self.P.tolist()
         self.Ll: list[float] = self.L.tolist()
-        self.slots_l: list[int] = self.slots.tolist()
+        self.slots_l: list[int] = np.concatenate(
+            [np.full(b.samples, model.batch_limit[i]) for i, b in enumerate(trace)]).tolist()
         self.train_rate = split.train * model.dp_efficiency(split.train)
         self.overhead = t.step_overhead_s
         self.sync_s = model.weight_sync_s
@@ -228,6 +225,14 @@ class AsyncPipeline:
             return self.next_new
         return None
 
+    def _take(self, i: int, e: _Engine, rid: int) -> None:
+        """Admit `rid`, the queue's next request (`_next_rid`), on engine i."""
+        if self.resume and self.resume[0] == rid:
+            self.resume.popleft()
+        else:
+            self.next_new += 1
+        self._admit(i, e, rid)
+
     def _fill(self, i: int, now: float) -> None:
         """Engine i pulls from the queue while it has a free slot."""
         if self.paused:
@@ -241,11 +246,7 @@ class AsyncPipeline:
             rid = self._next_rid()
             if rid is None or e.n >= self.slots_l[rid]:
                 break
-            if self.resume and self.resume[0] == rid:
-                self.resume.popleft()
-            else:
-                self.next_new += 1
-            self._admit(i, e, rid)
+            self._take(i, e, rid)
             changed = True
         if changed:
             self._schedule(i, e)
@@ -270,11 +271,7 @@ class AsyncPipeline:
             e = self.engines[i]
             if n >= self.slots_l[rid]:
                 continue  # full for this request (and, least loaded, every engine left is)
-            if self.resume and self.resume[0] == rid:
-                self.resume.popleft()
-            else:
-                self.next_new += 1
-            self._admit(i, e, rid)
+            self._take(i, e, rid)
             changed.add(i)
             heapq.heappush(heap, (e.n, i))
         for i in changed:
@@ -290,7 +287,7 @@ class AsyncPipeline:
 
     def run(self) -> AsyncRun:
         engines = self.split.rollout // self.gpe
-        self.engines: list[_Engine | None] = [_Engine(False, 0.0) for _ in range(engines)]
+        self.engines: list[_Engine | None] = [_Engine(0.0) for _ in range(engines)]
         self.events: list[tuple[float, int, int, Any]] = []
         self._seq_no = 0
         self.version = self.syncs = self.started = self.next_new = self.resumed = 0
@@ -491,9 +488,7 @@ class AsyncPipeline:
                 queued=len(self.done), home_at=home_at))
             view = msgspec.structs.replace(view, recent=tuple(self.recent[-8:]),
                                            step_started_at=self.cycle_train_began)
-            proposal = self.policy.propose_loan(view)
-        else:
-            proposal = self.policy.propose_loan(view)
+        proposal = self.policy.propose_loan(view)
         self._new_cycle(now)
         if proposal is None or proposal.to_pool != Pool.ROLLOUT.value:
             return
@@ -515,7 +510,7 @@ class AsyncPipeline:
         running request is aborted and resumed on the least-loaded engine."""
         self.activating = False
         for _ in range(self.split.train // self.gpe):
-            self.engines.append(_Engine(True, now))
+            self.engines.append(_Engine(now))
             self.hybrids.append(len(self.engines) - 1)
         self.hybrid_since = now
         if getattr(self.policy, "rebalances", False):

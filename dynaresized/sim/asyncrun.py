@@ -28,15 +28,10 @@ from dynaresized.domain import PipelineSpec, Split
 from dynaresized.sim.asyncpipe import AsyncPipeline, SampleLedger, async_best_static, async_fluid_bound
 from dynaresized.sim.plan import PILOT_STEPS
 from dynaresized.sim.profile import Profile
+from dynaresized.sim.run import BestStatic
 from dynaresized.sim.stages import StageModel
 from dynaresized.sim.workload import Trace
 
-
-
-class AsyncConfig(msgspec.Struct, frozen=True):
-    split: str
-    tp: int
-    total_time_s: float
 
 
 class AsyncReport(msgspec.Struct, frozen=True):
@@ -57,7 +52,7 @@ class AsyncReport(msgspec.Struct, frozen=True):
     mean_step_s: float
     loans: int
     hybrid_device_s: float
-    best_static: AsyncConfig
+    best_static: BestStatic  # as `simulate`'s one-step-off report gives it
     speedup_vs_best_static: float
     initial_split_total_time_s: float
     speedup_vs_initial_split: float
@@ -115,7 +110,7 @@ def simulate_async(trace: Trace, profile: Profile, policy: str, spec: PipelineSp
         sync_every=spec.sync_every, start=f"{split}/TP-{tp}", planned_start=planned,
         total_time_s=_r(total, 1), mean_step_s=_r(total / len(trace), 2), loans=ours.loans,
         hybrid_device_s=_r(ours.hybrid_device_s, 1),
-        best_static=AsyncConfig(split=str(best_split), tp=best_tp, total_time_s=_r(best_total, 1)),
+        best_static=BestStatic(best_split.train, best_split.rollout, _r(best_total, 1), best_tp),
         speedup_vs_best_static=_r(best_total / total, 4),
         initial_split_total_time_s=_r(still.total_time_s, 1),
         speedup_vs_initial_split=_r(still.total_time_s / total, 4),
@@ -134,7 +129,8 @@ def async_summary(r: AsyncReport) -> str:
                                 if r.planned_start else ""),
         f"  total_time_s {r.total_time_s:,.0f}  mean_step_s {r.mean_step_s:,.1f}  loans {r.loans} "
         f"(hybrid device-s {r.hybrid_device_s:,.0f}); no resizes: verl's trainer cannot resize",
-        f"  best_static {r.best_static.split}/TP-{r.best_static.tp} {r.best_static.total_time_s:,.0f}  "
+        f"  best_static {r.best_static.train}:{r.best_static.rollout}/TP-{r.best_static.tp} "
+        f"{r.best_static.total_time_s:,.0f}  "
         f"speedup_vs_best_static {r.speedup_vs_best_static:.3f}x",
         f"  initial_split_total_time_s {r.initial_split_total_time_s:,.0f}  speedup_vs_initial_split "
         f"{r.speedup_vs_initial_split:.3f}x",

@@ -86,6 +86,12 @@ def submitted_makespans(lengths: np.ndarray, placement: np.ndarray, engines: int
     return tau
 
 
+def trained_tokens(seq: np.ndarray, attention_tokens: float) -> np.ndarray:
+    """Per sample of `seq` (prompt + response tokens), the tokens its training step costs: its
+    sequence, weighted by `1 + seq / attention_tokens` where attention's quadratic term counts."""
+    return seq * (1.0 + seq / attention_tokens) if attention_tokens > 0 else seq
+
+
 def contexts(prompts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Per request, the context tokens read over its decode: its prompt at every generated
     token, and the tokens generated before each one."""
@@ -362,10 +368,11 @@ class StageModel:
                      + r.prefill_per_token_s * p)
             self.longest_request_s[i] = float(alone.max())
             seq = (p + length)[b.trained_mask]  # filtered samples (dynamic sampling) are not trained
-            train_tokens[i] = (seq * (1.0 + seq / attn)).sum() if attn > 0 else seq.sum()
+            train_tokens[i] = trained_tokens(seq, attn).sum()
         self.train_tokens = train_tokens
         t = profile.training
-        self._train_s_per_token = 1.0 / t.update_tokens_per_s + 1.0 / t.logprob_tokens_per_s
+        self.train_s_per_token = 1.0 / t.update_tokens_per_s + 1.0 / t.logprob_tokens_per_s
+        """Device-seconds of training (update and old log-probs) per trained token."""
         self._rollout_cache: dict[int, np.ndarray] = {}
         self._train_cache: dict[int, np.ndarray] = {}
         self._variants: dict[int, StageModel] = {self._gpe: self}
@@ -650,7 +657,7 @@ class StageModel:
 
     def train_work(self, step: int) -> float:
         """Device-seconds of step `step`'s training on one device (no data-parallel loss)."""
-        return float(self.train_tokens[step] * self._train_s_per_token)
+        return float(self.train_tokens[step] * self.train_s_per_token)
 
     def rollout_work(self, step: int) -> float:
         """Device-seconds of step `step`'s rollout at full utilisation: every iteration runs a
@@ -673,7 +680,7 @@ class StageModel:
                 cached = np.full(self.steps, math.inf)
             else:
                 rate = devices * self.dp_efficiency(devices)
-                cached = self.train_tokens * self._train_s_per_token / rate + self.profile.training.step_overhead_s
+                cached = self.train_tokens * self.train_s_per_token / rate + self.profile.training.step_overhead_s
             cached.setflags(write=False)
             self._train_cache[devices] = cached
         return cached

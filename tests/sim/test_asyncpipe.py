@@ -145,6 +145,7 @@ def test_simulate_in_verls_semantics_prints_ours_verls_rule_and_the_bound():
     assert report["speedup_vs_verl_dynamic"] == pytest.approx(
         report["verl_dynamic_total_time_s"] / report["total_time_s"], abs=1e-3)
     assert report["planned_start"] == report["start"] and report["resizes"] == 0
+    assert set(report["best_static"]) == {"train", "rollout", "total_time_s", "tp"}  # as one-step-off's
     assert report["ledger"]["trained_once"] and report["verl_ledger"]["trained_once"]
     code, text = cli("simulate", "--scenario", "noisy", "--steps", "12", "--pipeline", "fully-async",
                      "--staleness", "0.5", "--partial-rollout", "--sync-every", "4", "--pilot-steps", "4")
