@@ -167,11 +167,12 @@ class StepTiming(msgspec.Struct, frozen=True):
     samples: int = 0
     response_tokens: int = 0
     rollout_device_s: float = 0.0
-    """Device-seconds that served the rollout, devices lent to it for part of the step
-    included (0: not measured, `rollout_s × rollout_devices`)."""
+    """Device-seconds that served the rollout: the pool's engines for the step, and a device
+    lent to it for part of the step while its engine ran requests (0: not measured,
+    `rollout_s × rollout_devices`)."""
     train_device_s: float = 0.0
-    """Device-seconds that served the training, devices lent to it included (0: not
-    measured, `train_s × train_devices`)."""
+    """Device-seconds that served the training: the pool's for the step, and a device lent to
+    it from the mini-batch it joined at (0: not measured, `train_s × train_devices`)."""
     lengths: ResponseLengths | None = None
     """The step's response-length distribution (None: not reported, an older worker)."""
     loan_home_share: float | None = None

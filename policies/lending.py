@@ -12,8 +12,14 @@ steps' rollouts by the cost model, `core.costmodel`, less the time the step has 
 every rollout engine has run dry). The cost is what the loan adds to the critical path: the
 group change and the joiner's first mini-batch now (`to_training_s`), and its late return: the
 lent engines start the next rollout `return_s` late while the pull router hands the next
-step's requests to the engines that started on time, which costs up to the way home where the
-next rollout is the longer stage (spread over the rollout pool before anything is measured).
+step's requests to the engines that started on time. Where those may admit every request at
+once (engines with room for the whole step, as TP-1 engines of 256 sequences have for a step of
+1,024), the late ones serve nothing of it: unless every engine was lent (then all start late
+together, and the cost is the way home), the cost is the next rollout on the engines that stayed
+(the cost model's, at least the way home longer) where it then outlasts the training (spread
+over the rollout pool before anything is measured). The policy cannot see how much room an
+engine has, so it assumes the worst; measured in the simulator, a TP-1 engine 4 s late serves
+nothing of the next step and the rollout takes what it takes on one engine fewer.
 The core's `loan_payback` guard lends only when the saving exceeds the cost.
 
 The other way: trainers with nothing to train (the first window, where the training pool
@@ -208,14 +214,21 @@ class Lending:
     def _late_return_s(view: LoanView, model: Measure | None, k: int) -> float:
         """What engines lent to training cost the next rollout: they come home `return_s` late,
         and meanwhile the pull router hands the next step's requests to the engines that started
-        on time. It costs the step where the next rollout then ends after its training: up to
-        the whole way home where the rollout is the longer stage, nothing where training
-        outlasts it by more than that. Unmeasured: the way home spread over the rollout pool."""
+        on time, which may take them all. It costs the step where the next rollout then ends
+        after its training: with `k` of the pool's `n` devices lent, the rollout on the other
+        `n - k` (at least the way home longer), with every one lent the way home; nothing where
+        training outlasts it. Unmeasured: the way home spread over the rollout pool."""
         late = view.costs.return_s
         if model is None:
             return late / max(view.split.rollout, 1) * k
-        rollout = model.rollout_on(max(view.split.rollout, 1))
+        n = max(view.split.rollout, 1)
+        rollout = model.rollout_on(n)
         training = sum(t.train_s for t in view.recent[-RECENT_STEPS:]) / max(len(view.recent[-RECENT_STEPS:]), 1)
+        if k < n:
+            # the engines that start on time may take every request: the late ones then serve
+            # nothing of the next rollout, which runs on the others
+            slower = max(model.rollout_on(n - k), rollout + late)
+            return max(max(slower, training) - max(rollout, training), 0.0)
         return min(late, max(rollout + late - training, 0.0))
 
     def _lend_trainers(self, view: LoanView) -> LoanProposal | None:

@@ -63,8 +63,10 @@ class StepResult(msgspec.Struct, frozen=True):
     rollout_s: float  # from the step's start to its last sample, weight sync included
     weight_sync_s: float
     engines: tuple[str, ...]  # engines that produced at least one sample
-    # engine-seconds admitted during the step: an engine that joined mid-step (a trainer's
-    # device lent to the rollout) or left it (drained) counts for the part it was there
+    # engine-seconds that served the step: an engine there from the start counts until it left
+    # (drained) or the step ended; one that joined mid-step (a trainer's device lent to the
+    # rollout) only while it ran requests, since one that pulls a few and runs dry did not
+    # serve the rest of the step (the simulator counts a lent engine the same way)
     rollout_device_s: float = 0.0
 
     def timing(self, train_s: float = 0.0, train_devices: int = 0) -> StepTiming:
@@ -92,8 +94,10 @@ class _Step:
         self.finished = asyncio.Event()
         self.failure: BaseException | None = None
         self.told_dry: dict[str, int] = {}  # engine -> the running count its dry report said
-        self.admitted_since: dict[str, float] = {}  # engine -> when it was admitted (or the step began)
-        self.device_s = 0.0  # engine-seconds admitted, of engines no longer admitted
+        self.admitted_since: dict[str, float] = {}  # engine there from the step's start -> when it began
+        self.joined: set[str] = set()  # engines admitted mid-step: they count while they run requests
+        self.busy_since: dict[str, float] = {}  # such an engine -> since when it runs at least one
+        self.device_s = 0.0  # engine-seconds that served, of intervals already closed
         if not requests:
             self.finished.set()
 
@@ -179,8 +183,8 @@ class RequestRouter:
             if target is not None and engine.loaded_version != target:
                 seconds = await engine.reload(target, self.weights.path(target))
             self.admitted.add(engine_id)
-            if self._step is not None:
-                self._step.admitted_since.setdefault(engine_id, time.perf_counter())
+            if self._step is not None and engine_id not in self._step.admitted_since:
+                self._step.joined.add(engine_id)
         log.info("engine admitted", engine=engine_id, version=engine.loaded_version)
         self._dispatch()
         return seconds
@@ -225,6 +229,10 @@ class RequestRouter:
         step = self._step
         if step is not None and engine_id in step.admitted_since:
             step.device_s += time.perf_counter() - step.admitted_since.pop(engine_id)
+        if step is not None and engine_id in step.busy_since:
+            step.device_s += time.perf_counter() - step.busy_since.pop(engine_id)
+        if step is not None:
+            step.joined.discard(engine_id)
 
     def _tasks_on(self, step: _Step, engine_id: str) -> set[asyncio.Task[None]]:
         return {t for a, t in step.tasks.items() if a.engine_id == engine_id}
@@ -304,7 +312,8 @@ class RequestRouter:
             await self._reap()
         results = tuple(ledger.results())
         ended = time.perf_counter()
-        device_s = current.device_s + sum(ended - t for t in current.admitted_since.values())
+        device_s = current.device_s + sum(ended - t for t in current.admitted_since.values()) + sum(
+            ended - t for t in current.busy_since.values())
         return StepResult(
             step=step,
             policy_version=policy_version,
@@ -340,11 +349,24 @@ class RequestRouter:
         while step.pending:
             engine_id = self._pick(step)
             if engine_id is None:
-                return
+                break
             attempt = step.ledger.place(step.pending.popleft(), engine_id)
             step.progress[attempt] = 0
             step.tasks[attempt] = asyncio.create_task(self._run(step, attempt), name=attempt.request_id)
-        self._tell_dry(step)
+        self._clock(step)
+        if not step.pending:
+            self._tell_dry(step)
+
+    @staticmethod
+    def _clock(step: _Step) -> None:
+        """Engines that joined mid-step count while they run at least one request."""
+        now = time.perf_counter()
+        for engine_id in step.joined:
+            running = bool(step.ledger.in_flight(engine_id))
+            if running and engine_id not in step.busy_since:
+                step.busy_since[engine_id] = now
+            elif not running and engine_id in step.busy_since:
+                step.device_s += now - step.busy_since.pop(engine_id)
 
     def _tell_dry(self, step: _Step) -> None:
         """The queue is empty: tell each admitted engine's listeners what it still runs, once,

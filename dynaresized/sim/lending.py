@@ -37,14 +37,15 @@ class Lending(SimWorkers):
     _tail_landed: float | None
     tail_regroups: list[tuple[int, float]]
 
-    def _window_with_loans(self, w: int, start: float, split: Split) -> tuple[float, float, int, float]:
+    def _window_with_loans(self, w: int, start: float, split: Split) -> tuple[float, float, int, float, float]:
         """Window w with idle engines lent to training step w-1 at its mini-batch boundaries,
         and trainers with nothing to train (window 0, or after the last mini-batch) lent to the
         rollout while its queue lasts. Engines report when they run dry, the trainer when its
         step begins and after every mini-batch; the core and the policy decide; a loan's JOIN
         to training lands at the first boundary after its ops are done, one to the rollout
         pulls queued requests once its ops are done. Returns (rollout seconds, training
-        seconds, devices lent, device-seconds that served the rollout)."""
+        seconds, devices lent, device-seconds that served the rollout, device-seconds that
+        served the training: engines lent to it from when they joined)."""
         model, profile = self.model, self.model.profile
         mbs = profile.training.mini_batches_per_step
         if self.tracks_progress and w < model.steps:
@@ -78,7 +79,7 @@ class Lending(SimWorkers):
         served = rollout_s * len(rollout_devs)
         if w == 0:
             rollout_s, served, lent = self._lend_to_rollout(w, start, rollout_s, len(rollout_devs), late, 0.0)
-            return rollout_s, 0.0, lent, served
+            return rollout_s, 0.0, lent, served, 0.0
         idle_at = sorted((float(finish[e]), e) for e in range(engines))
         groups = {e: rollout_devs[e * gpe:(e + 1) * gpe] for e in range(engines)}
         self._tail_pending.clear()
@@ -106,6 +107,7 @@ class Lending(SimWorkers):
         t = profile.training.step_overhead_s + self._penalty[Pool.TRAINING]
         self._joined = []
         lent = 0
+        joins: list[tuple[float, int]] = []  # (seconds into the window, devices) of engines joining training
         reporter = self._reporter()
         first_fact = len(self.facts)
         for j in range(1, mbs + 1):
@@ -143,6 +145,7 @@ class Lending(SimWorkers):
                 lent += joined
                 n += joined
                 t += loan.group_change_s + loan.trainer_first_step_s if not self.naive else 0.0
+                joins.append((t, joined))
         for fact in self.facts[first_fact:]:
             # A device serves one pool at a time: only an engine that has run dry is lent.
             if (isinstance(fact, f.LoanStarted) and fact.plan.to_pool is Pool.TRAINING
@@ -155,7 +158,8 @@ class Lending(SimWorkers):
             rollout_s = tail.rollout_s()
             served = tail.served(rollout_s, len(rollout_devs))
         train_s = t
-        return rollout_s, train_s, lent, served
+        train_served = split.train * train_s + sum(k * max(train_s - at, 0.0) for at, k in joins)
+        return rollout_s, train_s, lent, served, train_served
 
     def _lend_to_rollout(self, w: int, start: float, rollout_s: float, home_devices: int,
                          late: np.ndarray, since: float) -> tuple[float, float, int]:
@@ -217,8 +221,10 @@ class Lending(SimWorkers):
         finish = finish + penalty
         busy = finish[home:] > ready + penalty
         rollout_s = float(max(finish[:home].max(), finish[home:][busy].max() if busy.any() else 0.0))
-        until = rollout_s if stops is None else float(finish[home:].max())
-        served = rollout_s * home_devices + (len(devices) * (until - ready) if busy.any() else 0.0)
+        # each lent engine served while it decoded what it pulled, not for the rest of the
+        # rollout: one that pulled a few requests and ran dry adds its busy seconds only
+        busy_s = np.maximum(finish[home:] - (ready + penalty), 0.0)
+        served = rollout_s * home_devices + gpe * float(busy_s.sum())
         return rollout_s, served, len(devices)
 
     def _report_progress(self, w: int, start: float, workers: list[str], schedule: EngineSchedule | None,

@@ -264,10 +264,10 @@ class DynamicPipeline(Lending, Regroups):
                 self._form_arrived_engines(now)
             split = self.state.split
             moving = self.gpus - split.total
-            rollout_s = train_s = served = 0.0
+            rollout_s = train_s = served = train_served = 0.0
             lent = 0
             if self.lending and moving == 0 and self.state.inflight is None:
-                rollout_s, train_s, lent, served = self._window_with_loans(w, now, split)
+                rollout_s, train_s, lent, served, train_served = self._window_with_loans(w, now, split)
             else:
                 if w < k:
                     rollout_s = self._mixed_rollout_s(w, split, now) + self._penalty[Pool.ROLLOUT]
@@ -299,6 +299,7 @@ class DynamicPipeline(Lending, Regroups):
                     rollout_devices=last_rollout[1],
                     rollout_device_s=last_rollout[2],
                     train_devices=split.train,
+                    train_device_s=train_served,
                     samples=int(model.samples[step]),
                     response_tokens=int(model.response_tokens[step]),
                     lengths=model.lengths(step),

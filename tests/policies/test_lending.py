@@ -155,3 +155,24 @@ def test_an_idle_engine_lent_to_training_saves_only_what_training_outlasts_the_r
     done = msgspec.structs.replace(later, idle_engines=("n0:gpu6", "n0:gpu7"))
     r = load_policy("hysteresis").propose_loan(done)
     assert r is not None and r.saves_s == pytest.approx(3 * 20.0 * 2 / 8)
+
+
+def test_an_engine_lent_to_training_is_priced_as_missing_the_next_rollout_unless_all_were_lent():
+    # rollout 300 s on 2 devices, training 200 s: one engine lent comes home 4 s late, and the
+    # engine that started on time may have taken every request of the next step: that rollout
+    # runs on one device (600 s, the linear model), 300 s more on the step. Both lent: they start
+    # late together, 4 s. Training that outlasts even the slower rollout: nothing.
+    steps = tuple(StepTiming(step=k, rollout_s=300.0, train_s=200.0, rollout_devices=2, train_devices=6)
+                  for k in range(3))
+    one = LoanView(now=400.0, split=Split(6, 2), idle_engines=("n0:gpu7",), free_trainers=(), training_devices=6,
+                   mini_batch_done=4, mini_batch_total=16, mini_batch_s=20.0, queue_empty=True, costs=COSTS,
+                   recent=steps, step_started_at=0.0)
+    p = load_policy("hysteresis").propose_loan(one)
+    assert p is not None and p.cost_s == pytest.approx(3.0 + 300.0)
+    assert check_loan(one, p, GuardConfig()) is not None
+    both = msgspec.structs.replace(one, idle_engines=("n0:gpu6", "n0:gpu7"))
+    q = load_policy("hysteresis").propose_loan(both)
+    assert q is not None and q.cost_s == pytest.approx(3.0 + 4.0)
+    long_training = tuple(msgspec.structs.replace(t, train_s=700.0) for t in steps)
+    r = load_policy("hysteresis").propose_loan(msgspec.structs.replace(one, recent=long_training))
+    assert r is not None and r.cost_s == pytest.approx(3.0)

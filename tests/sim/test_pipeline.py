@@ -162,3 +162,42 @@ def test_trainers_with_nothing_to_train_serve_the_first_rollout_and_say_so():
     assert initial.rollout < step0.rollout_devices_served < initial.total
     assert result.total_time_s < without.total_time_s
     assert fold(result.facts).durable() == result.state.durable()
+
+
+def test_lent_trainers_count_only_while_their_engines_decode():
+    # 16 devices from 12:4 (TP-1): in window 0 the twelve trainers, lent to the rollout, land
+    # after the four home engines admitted most of its requests; each lent engine decodes the few
+    # it pulls and runs dry. Step 0's device-seconds count each lent engine while it decoded, not
+    # for the rest of the rollout (which made the rollout look 16 devices wide, and the policy
+    # shrink the training pool to 5).
+    profile = PROFILE.with_gpus(16)
+    m = StageModel(profile, scenario_trace("longtail-stationary", scenario_shape(profile), steps=6))
+    result = run(m, "hysteresis", lending=True)
+    w0 = result.windows[0]
+    assert w0.lent == profile.initial_split.train
+    step0 = next(x.timing for x in result.facts if isinstance(x, f.StepObserved))
+    home = profile.initial_split.rollout
+    assert home * step0.rollout_s < step0.rollout_device_s < 0.75 * profile.cluster.gpus * step0.rollout_s
+
+
+def test_engines_lent_to_training_count_in_its_device_seconds():
+    # An engine lent to training step k serves it from the mini-batch it joins at: the step's
+    # report counts its device-seconds (train_device_s), so the training's measured work is the
+    # work done, not the home pool's time alone (which made training look cheap and the policy
+    # move trainers into the rollout).
+    m = StageModel(PROFILE, scenario_trace("longtail-stationary", scenario_shape(PROFILE), steps=30))
+    result = run(m, "hysteresis", lending=True)
+    lent_to_training = {x.at for x in result.facts if isinstance(x, f.LoanStarted) and x.plan.to_pool is Pool.TRAINING}
+    assert lent_to_training
+    steps = [x.timing for x in result.facts if isinstance(x, f.StepObserved)]
+    by_window = {w.window: w for w in result.windows}
+    served_more = 0
+    for t in steps:
+        w = by_window[t.step + 1]  # training of step k runs in window k + 1
+        lent = any(w.start_s <= at < w.end_s for at in lent_to_training)
+        if lent:
+            served_more += t.train_devices_served > t.train_devices
+        else:
+            assert t.train_devices_served == pytest.approx(t.train_devices)
+        assert t.train_devices_served <= PROFILE.cluster.gpus
+    assert served_more >= 1

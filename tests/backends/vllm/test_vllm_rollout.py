@@ -163,3 +163,30 @@ async def test_fifty_random_steps_with_drains_and_rejoins_lose_and_duplicate_not
     assert set(produced.values()) == {1}, "nothing duplicated"
     assert drains >= 10 and rejoins >= 5, (drains, rejoins)
     assert handed_over >= 1
+
+
+async def test_an_engine_admitted_mid_step_counts_only_while_it_runs_requests(rollout: Rollout) -> None:
+    # e1 joins a step whose requests e0 has all taken (8 < max_inflight): it serves none of
+    # them, and the step's device-seconds are e0's alone (an engine lent in for the rest of a
+    # step counted for all of it made the rollout look wider than it was)
+    await ready(rollout)
+    await rollout.router.drain("e1")
+    requests = make_requests(14, 8, random.Random(14), long=8, long_tokens=300)
+    step = asyncio.create_task(rollout.router.run_step(14, 0, requests))
+    await wait_for_progress(rollout, "e0")
+    await rollout.router.admit("e1")
+    assert not step.done(), "the step ended before e1 joined: the test proves nothing"
+    result = await step
+    assert_exactly_once(result, requests, 0)
+    assert result.engines == ("e0",)
+    assert result.rollout_device_s == pytest.approx(result.rollout_s, rel=1e-6)
+    # e1 admitted while requests are queued takes some and counts while it runs them
+    await rollout.router.drain("e1")
+    many = make_requests(15, 96, random.Random(15), long=96, long_tokens=40)
+    step = asyncio.create_task(rollout.router.run_step(15, 0, many))
+    await wait_for_progress(rollout, "e0")
+    await rollout.router.admit("e1")
+    result = await step
+    assert_exactly_once(result, many, 0)
+    assert "e1" in result.engines
+    assert result.rollout_s < result.rollout_device_s < 2 * result.rollout_s
