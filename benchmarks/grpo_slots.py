@@ -112,16 +112,27 @@ def write_trace(detail: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+ROUTER_SLOTS = 64
+"""Requests the example's router keeps in flight on one engine (`max_inflight`,
+examples/grpo_tiny/run.py): the replay's engines hold as many (`max_num_seqs`), so that an
+engine lent mid-step finds the rest of the step's queue, as it does on the slots."""
+
+
 def fit(static_runs: list[dict[str, Any]], phase_of: Any) -> dict[str, Any]:
     """Stage-time parameters of the slots, fitted from the static runs' measured step times.
 
-    Rollout: the simulator's decode cost `iter_base_s * iterations + iter_per_seq_s * tokens` per
-    engine, by least squares over every step of every static run (iterations = the step's
-    longest response: every request runs at once; tokens split evenly over the pool).
+    Rollout: the simulator's cost `iter_base_s * iterations + iter_per_seq_s * tokens +
+    prefill_per_token_s * prompt tokens` of the engine that finishes last, by non-negative least
+    squares over every step of every static run, the step's requests pulled from one queue by
+    the pool's engines of `ROUTER_SLOTS` slots each, as the simulator schedules them
+    (iterations: that engine's makespan; tokens: those it decoded; prompt tokens: of the
+    requests it ran).
     Training: device-seconds per trained token (prompt and answer), per phase of the workload
     (the first phase runs the teacher's forward pass too): measured device-seconds over trained
     tokens of every step but the first two of each run (the ranks' warm-up)."""
     import numpy as np
+
+    from dynaresized.sim.stages import pull_schedule
 
     rows, ys = [], []
     device_s: dict[int, float] = {}
@@ -130,7 +141,12 @@ def fit(static_runs: list[dict[str, Any]], phase_of: Any) -> dict[str, Any]:
         for d in run["_detail"][1:]:  # step 0: the engines' first step, and no training time
             if d["rollout_s"] <= 0:
                 continue  # not reported (the run's last step ends on training)
-            rows.append([max(d["response_tokens"]), sum(d["response_tokens"]) / d["rollout"]])
+            lengths = np.asarray(d["response_tokens"], dtype=np.int64)
+            placement, _, finish = pull_schedule(lengths, d["rollout"], ROUTER_SLOTS)
+            last = int(np.argmax(finish))
+            mine = placement == last
+            rows.append([float(finish[last]), float(lengths[mine].sum()),
+                         float(np.asarray(d["prompt_tokens"], dtype=np.float64)[mine].sum())])
             ys.append(d["rollout_s"])
             if d["train_s"] > 0 and d["step"] > 1:
                 phase = phase_of(d["step"] - 1)  # the training time reported at step k is step k-1's
@@ -142,9 +158,32 @@ def fit(static_runs: list[dict[str, Any]], phase_of: Any) -> dict[str, Any]:
     if missing:
         raise ValueError(f"no training step of phase(s) {missing} measured in the static runs (steps 2 on, the "
                          "last step's training unreported): too few --steps to fit the simulator's profile")
-    (base, per_seq), *_ = np.linalg.lstsq(np.array(rows, float), np.array(ys, float), rcond=None)
-    return {"iter_base_s": max(float(base), 1e-6), "iter_per_seq_s": max(float(per_seq), 1e-9),
+    base, per_seq, prefill = nonnegative_least_squares(np.array(rows, float), np.array(ys, float))
+    return {"iter_base_s": max(base, 1e-6), "iter_per_seq_s": max(per_seq, 1e-9), "prefill_per_token_s": prefill,
             "train_s_per_token": {ph: device_s[ph] / tokens[ph] for ph in sorted(device_s)}}
+
+
+def nonnegative_least_squares(x: Any, y: Any) -> list[float]:
+    """The coefficients >= 0 that fit `y` by `x` best in least squares: the best unconstrained
+    fit over every subset of the columns whose coefficients all come out >= 0 (a few columns)."""
+    import itertools
+
+    import numpy as np
+
+    best: tuple[float, list[float]] | None = None
+    n = x.shape[1]
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            c, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            if (c < 0).any():
+                continue
+            full = [0.0] * n
+            for i, v in zip(cols, c, strict=True):
+                full[i] = float(v)
+            r = float(np.sum((x @ np.array(full) - y) ** 2))
+            if best is None or r < best[0]:
+                best = (r, full)
+    return best[1] if best is not None else [0.0] * n
 
 
 def profile_text(params: dict[str, Any], s_per_token: float, devices: int, initial_train: int, samples: int,
@@ -171,12 +210,12 @@ gpus_per_node = {devices}
 
 [rollout]
 gpus_per_engine = 1
-max_num_seqs = 1024
+max_num_seqs = {ROUTER_SLOTS}
 kv_cache_tokens = 100000000
 iter_base_s = {params["iter_base_s"]:.6g}
 iter_per_seq_s = {params["iter_per_seq_s"]:.6g}
 iter_per_ctx_token_s = 0.0
-prefill_per_token_s = 0.0
+prefill_per_token_s = {params.get("prefill_per_token_s", 0.0):.6g}
 
 [training]
 update_tokens_per_s = {1.0 / s_per_token:.6g}
