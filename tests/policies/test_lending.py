@@ -135,13 +135,18 @@ def test_before_any_step_is_measured_a_trainer_loan_reads_the_live_progress_or_n
         load_policy("hysteresis", {"unmeasured_rollout_s": -1})
 
 
-def test_an_idle_engine_lent_to_training_saves_only_what_training_outlasts_the_rollout_by():
-    # the last steps: rollout 300 s on 2 devices, training 200 s on 6; the step began at t=0
-    steps = tuple(StepTiming(step=k, rollout_s=300.0, train_s=200.0, rollout_devices=2, train_devices=6)
+def engine_view(now: float, train_s: float = 200.0) -> LoanView:
+    """6:2, the last steps: rollout 300 s on 2 devices, training `train_s` on 6; the step began at
+    t=0, one engine idle at mini-batch 4 of 16 (20 s each)."""
+    steps = tuple(StepTiming(step=k, rollout_s=300.0, train_s=train_s, rollout_devices=2, train_devices=6)
                   for k in range(3))
-    view = LoanView(now=100.0, split=Split(6, 2), idle_engines=("n0:gpu7",), free_trainers=(), training_devices=6,
+    return LoanView(now=now, split=Split(6, 2), idle_engines=("n0:gpu7",), free_trainers=(), training_devices=6,
                     mini_batch_done=4, mini_batch_total=16, mini_batch_s=20.0, queue_empty=True, costs=COSTS,
                     recent=steps, step_started_at=0.0)
+
+
+def test_an_idle_engine_lent_to_training_saves_only_what_training_outlasts_the_rollout_by():
+    view = engine_view(now=100.0)
     # training: 12 x 20 = 240 s left; the rollout: 300 - 100 = 200 s left; the loan makes
     # training 11 mini-batches x 20 s x 1/7 = 31 s sooner, all of it within the 40 s it outlasts the rollout
     p = load_policy("hysteresis").propose_loan(view)
@@ -162,17 +167,12 @@ def test_an_engine_lent_to_training_is_priced_as_missing_the_next_rollout_unless
     # engine that started on time may have taken every request of the next step: that rollout
     # runs on one device (600 s, the linear model), 300 s more on the step. Both lent: they start
     # late together, 4 s. Training that outlasts even the slower rollout: nothing.
-    steps = tuple(StepTiming(step=k, rollout_s=300.0, train_s=200.0, rollout_devices=2, train_devices=6)
-                  for k in range(3))
-    one = LoanView(now=400.0, split=Split(6, 2), idle_engines=("n0:gpu7",), free_trainers=(), training_devices=6,
-                   mini_batch_done=4, mini_batch_total=16, mini_batch_s=20.0, queue_empty=True, costs=COSTS,
-                   recent=steps, step_started_at=0.0)
+    one = engine_view(now=400.0)
     p = load_policy("hysteresis").propose_loan(one)
     assert p is not None and p.cost_s == pytest.approx(3.0 + 300.0)
     assert check_loan(one, p, GuardConfig()) is not None
     both = msgspec.structs.replace(one, idle_engines=("n0:gpu6", "n0:gpu7"))
     q = load_policy("hysteresis").propose_loan(both)
     assert q is not None and q.cost_s == pytest.approx(3.0 + 4.0)
-    long_training = tuple(msgspec.structs.replace(t, train_s=700.0) for t in steps)
-    r = load_policy("hysteresis").propose_loan(msgspec.structs.replace(one, recent=long_training))
+    r = load_policy("hysteresis").propose_loan(engine_view(now=400.0, train_s=700.0))
     assert r is not None and r.cost_s == pytest.approx(3.0)
