@@ -28,9 +28,10 @@ engine pull work again; it is not told twice, and a loan drains it like any othe
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 import structlog
@@ -38,7 +39,7 @@ import structlog
 from dynaresized.backends.vllm.engine import EngineFailure, EngineState, RolloutEngine, SampleRequest
 from dynaresized.backends.vllm.ledger import Attempt, LedgerSummary, SampleResult, StepLedger
 from dynaresized.backends.vllm.weights import WeightStore
-from dynaresized.domain import StepTiming
+from dynaresized.domain import LENGTH_QUANTILES, ResponseLengths, StepTiming
 
 log = structlog.get_logger("dynaresized.backends.vllm")
 
@@ -68,6 +69,7 @@ class StepResult(msgspec.Struct, frozen=True):
     # rollout) only while it ran requests, since one that pulls a few and runs dry did not
     # serve the rest of the step (the simulator counts a lent engine the same way)
     rollout_device_s: float = 0.0
+    lengths: ResponseLengths | None = None  # the samples' response tokens and the longest's pace
 
     def timing(self, train_s: float = 0.0, train_devices: int = 0) -> StepTiming:
         """The step's timing as the daemon takes it; the trainer side supplies `train_s`."""
@@ -81,6 +83,7 @@ class StepResult(msgspec.Struct, frozen=True):
             samples=len(self.samples),
             response_tokens=self.ledger.response_tokens,
             rollout_device_s=self.rollout_device_s,
+            lengths=self.lengths,
         )
 
 
@@ -98,6 +101,8 @@ class _Step:
         self.joined: set[str] = set()  # engines admitted mid-step: they count while they run requests
         self.busy_since: dict[str, float] = {}  # such an engine -> since when it runs at least one
         self.device_s = 0.0  # engine-seconds that served, of intervals already closed
+        self.placed_at: dict[Attempt, float] = {}  # when each attempt went to its engine
+        self.decoded: dict[str, tuple[int, float]] = {}  # sample -> (response tokens, seconds on its engine)
         if not requests:
             self.finished.set()
 
@@ -323,6 +328,7 @@ class RequestRouter:
             weight_sync_s=weight_sync_s,
             engines=tuple(sorted({r.engine_id for r in results})),
             rollout_device_s=device_s,
+            lengths=response_lengths(current.decoded.values()),
         )
 
     async def _reap(self) -> None:
@@ -351,6 +357,7 @@ class RequestRouter:
             if engine_id is None:
                 break
             attempt = step.ledger.place(step.pending.popleft(), engine_id)
+            step.placed_at[attempt] = time.perf_counter()
             step.progress[attempt] = 0
             step.tasks[attempt] = asyncio.create_task(self._run(step, attempt), name=attempt.request_id)
         self._clock(step)
@@ -417,9 +424,27 @@ class RequestRouter:
             token_ids=generated.token_ids,
             finish_reason=generated.finish_reason,
         )
+        placed = step.placed_at.pop(attempt, None)
         if step.ledger.complete(attempt, result):
+            if placed is not None:
+                step.decoded[attempt.sample_id] = (len(generated.token_ids), time.perf_counter() - placed)
             for listener in self._sample_listeners:
                 listener(result, len(step.requests))
             if step.ledger.finished:
                 step.finished.set()
         self._dispatch()
+
+
+def response_lengths(decoded: Iterable[tuple[int, float]]) -> ResponseLengths | None:
+    """A step's `ResponseLengths` from each sample's (response tokens, seconds from its placement
+    on the engine that produced it to its last token): the tokens at `LENGTH_QUANTILES` (the
+    smallest count with at least that share of samples at or below it), and the seconds per
+    token of the longest response (of the longest, the slowest). None for no sample."""
+    done = sorted(decoded)
+    if not done:
+        return None
+    counts = [tokens for tokens, _ in done]
+    n = len(counts)
+    quantiles = tuple(counts[min(max(math.ceil(q * n) - 1, 0), n - 1)] for q in LENGTH_QUANTILES)
+    tokens, seconds = done[-1]
+    return ResponseLengths(quantiles=quantiles, token_s=seconds / tokens if tokens else 0.0)

@@ -36,6 +36,12 @@ async def test_a_step_spreads_over_both_engines(rollout: Rollout) -> None:
     timing = result.timing(train_s=1.5)
     assert (timing.samples, timing.rollout_devices, timing.train_s) == (32, 2, 1.5)
     assert timing.response_tokens == sum(r.max_tokens for r in requests)
+    # the step's response lengths as the router saw them: p50, p90, p99 and the longest of the
+    # samples' tokens, and the longest's seconds per token on its engine (the latency floor)
+    tokens = sorted(len(s.token_ids) for s in result.samples)
+    assert timing.lengths is not None and timing.lengths.problem() is None
+    assert timing.lengths.quantiles == (tokens[15], tokens[28], tokens[31], tokens[31])
+    assert 0 < timing.lengths.floor_s <= result.rollout_s
 
 
 async def test_drain_mid_generation_hands_requests_over(rollout: Rollout) -> None:
