@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 
 import msgspec
 
@@ -140,6 +141,19 @@ class ResponseLengths(msgspec.Struct, frozen=True):
         if not (self.token_s >= 0 and self.token_s < float("inf")):
             return f"lengths.token_s={self.token_s!r} must be a finite number of seconds >= 0"
         return None
+
+    @classmethod
+    def of(cls, tokens: Sequence[int], longest_s: float) -> ResponseLengths:
+        """The lengths of a step whose samples have `tokens` response tokens each, the longest
+        of them generated in `longest_s` seconds: the tokens at `LENGTH_QUANTILES` (the smallest
+        count with at least that share of the samples at or below it), and the longest's seconds
+        per token (0 for a step of no token)."""
+        counts = sorted(tokens)
+        n = len(counts)
+        if n == 0:
+            return cls(quantiles=(0,) * len(LENGTH_QUANTILES))
+        quantiles = tuple(int(counts[min(max(math.ceil(q * n) - 1, 0), n - 1)]) for q in LENGTH_QUANTILES)
+        return cls(quantiles=quantiles, token_s=longest_s / counts[-1] if counts[-1] else 0.0)
 
     @property
     def longest(self) -> int:

@@ -224,12 +224,12 @@ class Lending:
         n = max(view.split.rollout, 1)
         rollout = model.rollout_on(n)
         training = sum(t.train_s for t in view.recent[-RECENT_STEPS:]) / max(len(view.recent[-RECENT_STEPS:]), 1)
+        slower = rollout + late  # every engine lent: they all start late together
         if k < n:
             # the engines that start on time may take every request: the late ones then serve
             # nothing of the next rollout, which runs on the others
-            slower = max(model.rollout_on(n - k), rollout + late)
-            return max(max(slower, training) - max(rollout, training), 0.0)
-        return min(late, max(rollout + late - training, 0.0))
+            slower = max(model.rollout_on(n - k), slower)
+        return max(slower, training) - max(rollout, training)
 
     def _lend_trainers(self, view: LoanView) -> LoanProposal | None:
         n = max(view.split.rollout, 1)

@@ -81,3 +81,12 @@ def test_records_are_frozen_and_round_trip(record: msgspec.Struct) -> None:
         setattr(record, record.__struct_fields__[0], None)
     for codec in (msgspec.msgpack, msgspec.json):
         assert codec.decode(codec.encode(record), type=type(record)) == record
+
+
+def test_response_lengths_of_a_step_are_its_inverted_cdf_quantiles_and_the_longests_pace() -> None:
+    from dynaresized.domain import ResponseLengths
+
+    lengths = ResponseLengths.of([30, 5, 20, 10, 30], longest_s=6.0)
+    assert lengths.quantiles == (20, 30, 30, 30) and lengths.token_s == 0.2 and lengths.floor_s == 6.0
+    assert ResponseLengths.of(list(range(1, 11)), 1.0).quantiles == (5, 9, 10, 10)
+    assert ResponseLengths.of([], 0.0) == ResponseLengths(quantiles=(0, 0, 0, 0))

@@ -28,7 +28,6 @@ engine pull work again; it is not told twice, and a loan drains it like any othe
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -39,7 +38,7 @@ import structlog
 from dynaresized.backends.vllm.engine import EngineFailure, EngineState, RolloutEngine, SampleRequest
 from dynaresized.backends.vllm.ledger import Attempt, LedgerSummary, SampleResult, StepLedger
 from dynaresized.backends.vllm.weights import WeightStore
-from dynaresized.domain import LENGTH_QUANTILES, ResponseLengths, StepTiming
+from dynaresized.domain import ResponseLengths, StepTiming
 
 log = structlog.get_logger("dynaresized.backends.vllm")
 
@@ -232,12 +231,13 @@ class RequestRouter:
         """The engine admits nothing more; the step counts the time it was there."""
         self.admitted.discard(engine_id)
         step = self._step
-        if step is not None and engine_id in step.admitted_since:
-            step.device_s += time.perf_counter() - step.admitted_since.pop(engine_id)
-        if step is not None and engine_id in step.busy_since:
-            step.device_s += time.perf_counter() - step.busy_since.pop(engine_id)
-        if step is not None:
-            step.joined.discard(engine_id)
+        if step is None:
+            return
+        now = time.perf_counter()
+        for since in (step.admitted_since, step.busy_since):
+            if engine_id in since:
+                step.device_s += now - since.pop(engine_id)
+        step.joined.discard(engine_id)
 
     def _tasks_on(self, step: _Step, engine_id: str) -> set[asyncio.Task[None]]:
         return {t for a, t in step.tasks.items() if a.engine_id == engine_id}
@@ -437,14 +437,9 @@ class RequestRouter:
 
 def response_lengths(decoded: Iterable[tuple[int, float]]) -> ResponseLengths | None:
     """A step's `ResponseLengths` from each sample's (response tokens, seconds from its placement
-    on the engine that produced it to its last token): the tokens at `LENGTH_QUANTILES` (the
-    smallest count with at least that share of samples at or below it), and the seconds per
-    token of the longest response (of the longest, the slowest). None for no sample."""
+    on the engine that produced it to its last token), the longest's pace that of the slowest of
+    the longest (`ResponseLengths.of`). None for no sample."""
     done = sorted(decoded)
     if not done:
         return None
-    counts = [tokens for tokens, _ in done]
-    n = len(counts)
-    quantiles = tuple(counts[min(max(math.ceil(q * n) - 1, 0), n - 1)] for q in LENGTH_QUANTILES)
-    tokens, seconds = done[-1]
-    return ResponseLengths(quantiles=quantiles, token_s=seconds / tokens if tokens else 0.0)
+    return ResponseLengths.of([tokens for tokens, _ in done], done[-1][1])

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynaresized.domain import LENGTH_QUANTILES, ResponseLengths
+from dynaresized.domain import ResponseLengths
 from dynaresized.sim.profile import Profile, RolloutSpec
 from dynaresized.sim.workload import Trace
 
@@ -414,11 +414,8 @@ class StageModel:
         """Step `step`'s response lengths as a router reports them (`StepTiming.lengths`): the
         quantiles of its response tokens, and the seconds per token of its longest response
         decoded alone on one of this model's engines (its latency floor over its tokens)."""
-        tokens = self.trace.steps[step].response_tokens
-        q = np.quantile(tokens, LENGTH_QUANTILES, method="inverted_cdf") if tokens.size else np.zeros(4)
-        longest = int(tokens.max()) if tokens.size else 0
-        return ResponseLengths(quantiles=tuple(int(x) for x in q),
-                               token_s=float(self.longest_request_s[step]) / longest if longest else 0.0)
+        return ResponseLengths.of(self.trace.steps[step].response_tokens.tolist(),
+                                  float(self.longest_request_s[step]))
 
     def rollout_work_table(self) -> np.ndarray:
         """`rollout_work` of every step."""
