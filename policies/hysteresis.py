@@ -42,8 +42,9 @@ class HysteresisPolicy(Lending):
 
     def __init__(self, window: int = 3, max_move: int | None = None, lending: bool = True,
                  lend_trainers: bool = True, lend_engines: bool = True, tail_regroup: bool = False,
-                 unmeasured_rollout_s: float = 300.0) -> None:
+                 unmeasured_rollout_s: float = 300.0, lend_from_progress: bool = True) -> None:
         self.lends = bool(lending)
+        self.lends_from_progress = bool(lend_from_progress)
         self.unmeasured_rollout_s = checked_prior(unmeasured_rollout_s)
         self.regroups_tails = bool(tail_regroup)
         self.lends_trainers = bool(lend_trainers)

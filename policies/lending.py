@@ -28,8 +28,11 @@ while its queue still holds requests; as engines they pull the queued requests. 
 saving is the rollout still ahead, less the loan's lead, times the share the lent devices
 take over. The rollout ahead is the cost model's rollout on the home pool (the devices that
 served the last steps counted) less the time the step has run (where the view does not say
-when the step began, the training just done); before any step is measured, the step's own
-pace from the engines' live sample counts, and with no sample done yet the prior
+when the step began, the training just done), or, where the step's own pace from the
+engines' live sample counts says more is ahead (the workload turned: the last steps' model
+does not know it yet), that; the core asks again on every progress report while trainers
+are free and requests queued (`lends_from_progress`), so a loan starts on the first
+rollout-heavy step, not one step report later. Before any step is measured, the live pace, and with no sample done yet the prior
 `unmeasured_rollout_s` (a policy option), which the loan's reason names. A lent engine that
 finds the queue empty costs only its ways there and back. Where the job takes lent trainers
 back before the rollout ends and its last step report says when (`StepTiming.loan_home_share`:
@@ -71,6 +74,10 @@ class Lending:
     lends_engines: bool = True
     """Idle engines to the training step (`lend_engines=false` turns that way off alone: a job
     with one mini-batch per RL step has no boundary inside the step for a lent engine to join)."""
+    lends_from_progress: bool = True
+    """The core asks `propose_loan` again on every engine progress report while trainers are
+    free and the rollout's queue holds requests (a refusal there is not recorded: the one at the
+    trainer's last mini-batch was), so a loan the step's live pace pays for starts then."""
     unmeasured_rollout_s: float = 300.0
     """The rollout ahead, in seconds, before any step is measured and before any sample of the
     first step is done (a first RL rollout of long responses takes minutes; a job of short
@@ -231,6 +238,16 @@ class Lending:
             slower = max(model.rollout_on(n - k), slower)
         return max(slower, training) - max(rollout, training)
 
+    @staticmethod
+    def _live_ahead(view: LoanView, elapsed: float | None) -> float | None:
+        """Seconds of the step's rollout still ahead at the pace of its own samples so far (the
+        engines' live counts, lent devices included): `elapsed` x samples left / samples done;
+        None before a sample is done. While requests are queued, the engines finish samples at
+        about a steady pace, so this reads the queue's part of the rollout (the loan's share)."""
+        if not (elapsed and view.samples_total and 0 < view.samples_done <= view.samples_total):
+            return None
+        return elapsed * (view.samples_total - view.samples_done) / view.samples_done
+
     def _lend_trainers(self, view: LoanView) -> LoanProposal | None:
         n = max(view.split.rollout, 1)
         model = measure(view.recent[-RECENT_STEPS:], view.split, floor=view.tail_binds)
@@ -260,9 +277,17 @@ class Lending:
             # (above the latency floor) is what lent engines can take a share of
             ahead = max(model.rollout_on(n) - elapsed, 0.0)
             source = f"rollout ~{model.rollout_on(n) - elapsed:.0f} s ahead ({model.model} model)"
-        elif view.samples_total and view.samples_done and elapsed:
+            live = self._live_ahead(view, elapsed)
+            if live is not None and live > ahead:
+                # the step in progress is slower than the last ones (the workload turned): its
+                # own pace says so before its step report does
+                ahead = live
+                source = (f"{view.samples_done}/{view.samples_total} samples done in {elapsed:.1f} s: "
+                          f"~{live:.1f} s ahead at that pace (the {model.model} model of the last steps "
+                          f"says ~{max(model.rollout_on(n) - elapsed, 0.0):.1f} s)")
+        elif (live := self._live_ahead(view, elapsed)) is not None:
             # nothing measured yet: the step's own pace so far (live progress)
-            ahead = elapsed * (view.samples_total - view.samples_done) / view.samples_done
+            ahead = live
             source = f"{view.samples_done}/{view.samples_total} samples done in {elapsed:.0f} s"
         else:
             ahead = self.unmeasured_rollout_s

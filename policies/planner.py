@@ -88,8 +88,10 @@ class PlannerPolicy(Lending):
         lend_trainers: bool = True,
         lend_engines: bool = True,
         unmeasured_rollout_s: float = 300.0,
+        lend_from_progress: bool = True,
     ) -> None:
         self.lends = bool(lending)
+        self.lends_from_progress = bool(lend_from_progress)
         self.unmeasured_rollout_s = checked_prior(unmeasured_rollout_s)
         self.lends_trainers = bool(lend_trainers)
         self.lends_engines = bool(lend_engines)

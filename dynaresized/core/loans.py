@@ -100,10 +100,11 @@ def tail_open(s: ClusterState) -> bool:
 
 def proposed(core: CoreLike, tx: Tx, at: float, propose: Callable[[LoanView], _P | None] | None,
              check: Callable[[LoanView, _P, guards.GuardConfig], guards.Rejection | None],
-             kind: PlanKind) -> _P | None:
+             kind: PlanKind, quiet: bool = False) -> _P | None:
     """What the lending policy's `propose` (its `propose_loan` or `propose_tail`; None: it has
     none) proposes on what it sees now, where a loan or tail regroup may start and the proposal
-    passes its guard `check`; None otherwise (a proposal the guard refuses is recorded so)."""
+    passes its guard `check`; None otherwise (a proposal the guard refuses is recorded so,
+    unless `quiet`)."""
     if propose is None or not free_to_plan(tx.state):
         return None
     view = loan_view(core, tx.state, at)
@@ -112,20 +113,24 @@ def proposed(core: CoreLike, tx: Tx, at: float, propose: Callable[[LoanView], _P
         return None
     rejection = check(view, proposal, core.config.guards)
     if rejection is not None:
-        reject(tx, at, core.policy.name, None, rejection.guard, rejection.reason, kind)
+        if not quiet:
+            reject(tx, at, core.policy.name, None, rejection.guard, rejection.reason, kind)
         return None
     return proposal
 
 
-def consider_loan(core: CoreLike, tx: Tx, at: float) -> None:
+def consider_loan(core: CoreLike, tx: Tx, at: float, quiet: bool = False) -> None:
     """Ask the lending policy whether to lend idle devices to the other stage for the rest of the
-    step (`propose_loan`), and start the loan when its guard lets it."""
-    proposal = proposed(core, tx, at, getattr(core.policy, "propose_loan", None), guards.check_loan, PlanKind.LOAN)
+    step (`propose_loan`), and start the loan when its guard lets it (`quiet`: a refusal is not
+    recorded; the same question was asked, and its refusal recorded, before)."""
+    proposal = proposed(core, tx, at, getattr(core.policy, "propose_loan", None), guards.check_loan, PlanKind.LOAN,
+                        quiet)
     if proposal is None:
         return
     plan = plan_loan(tx.state, proposal.devices, Pool(proposal.to_pool), PlanKind.LOAN)
     if isinstance(plan, str):
-        reject(tx, at, core.policy.name, None, "capacity", plan, PlanKind.LOAN)
+        if not quiet:
+            reject(tx, at, core.policy.name, None, "capacity", plan, PlanKind.LOAN)
         return
     tx.emit(f.LoanStarted(at=at, plan=plan, source=core.policy.name, reason=proposal.reason,
                           op_deadline=at + core.config.op_timeout_s, saves_s=proposal.saves_s,
@@ -189,11 +194,26 @@ def on_progress(core: CoreLike, tx: Tx, e: ev.ProgressReported) -> None:
     # once enough samples are done) is asked after every report.
     s = tx.state
     ask = getattr(core.policy, "observe_progress", None)
-    if ask is None or not free_to_plan(s):
-        return
-    why = ask(loan_view(core, s, e.at))
-    if why and s.lent_devices():
-        return_loans(core, tx, e.at, None, "", why=why)
+    if ask is not None and free_to_plan(s):
+        why = ask(loan_view(core, s, e.at))
+        if why and s.lent_devices():
+            return_loans(core, tx, e.at, None, "", why=why)
+            return
+    if getattr(core.policy, "lends_from_progress", False) and trainers_wait(s):
+        # A policy that prices a trainer loan with the step's own pace (`lends_from_progress`)
+        # is asked again while the trainers wait and requests are queued: the pace it reads
+        # changes with every report, the first rollout-heavy step shows itself here.
+        consider_loan(core, tx, e.at, quiet=True)
+
+
+def trainers_wait(s: ClusterState) -> bool:
+    """The training step is done (or there is nothing to train yet), the rollout step its
+    trainers wait for still has queued requests, and a loan may start: what a trainer loan
+    needs, checked without building the view."""
+    mb = s.mini_batch
+    if mb is None or mb.done < mb.total or not free_to_plan(s):
+        return False
+    return s.dry_step < (mb.step if mb.total == 0 else mb.step + 1)
 
 
 def return_loans(core: CoreLike, tx: Tx, at: float, proposal: Proposal | None, source: str, why: str = "",

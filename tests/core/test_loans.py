@@ -8,7 +8,7 @@ from msgspec.structs import replace
 
 from dynaresized.core import Core, IllegalTransition, Phase, Refused, fold
 from dynaresized.core.machine import loan_view
-from dynaresized.core.policy import LoanCosts
+from dynaresized.core.policy import LoanCosts, load_policy
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
 from dynaresized.domain import ActualState, Holding, OpKind, PlanKind, Pool, Split, StepTiming, WorkerKind, placed
@@ -486,3 +486,46 @@ def test_a_step_reported_as_the_next_training_begins_started_at_the_report():
     report_step(d, 0)
     d.send(ev.MiniBatchDone(at=d.state.last_step_at, worker_id=trainer(0), step=1, done=0, total=8))
     assert loan_view(d.core, d.state, d.at()).step_started_at == d.state.last_step_at
+
+
+
+def turned(d: Driver) -> list[f.Fact]:
+    """Three steps whose rollout took half the training, then training step 3 done (rollout 4
+    runs): the facts of its last mini-batch."""
+    for step in range(4):
+        d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=step, done=0, total=1))
+        d.finish()
+        d.at(100.0)
+        if step < 3:
+            report_step(d, step, rollout_s=50.0, train_s=100.0)
+        facts, _ = d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=step, done=1, total=1))
+        assert not any(isinstance(x, f.LoanStarted) for x in facts)
+    return facts
+
+
+def test_a_trainer_loan_refused_on_the_last_steps_is_asked_again_as_the_step_in_progress_shows_its_pace():
+    """Issue 43, item 2: the workload turns (three steps whose rollout took half the training,
+    then a long one): at the trainer's last mini-batch the last steps' model says the rollout is
+    done, and the loan is refused; the engines' progress reports then show the step's own pace,
+    the core asks again on each, and the loan starts on the first that pays, named after it.
+    The refusals on progress reports write nothing."""
+    d = lending_cluster()
+    refused = [x for x in turned(d) if isinstance(x, f.ProposalRejected)]
+    assert refused and refused[0].guard == "loan_payback" and d.state.inflight is None
+    written = len(d.log)
+    # rollout 4 (one step off) nearly done at its pace: nothing pays, nothing is written
+    facts, _ = d.send(ev.ProgressReported(at=d.at(), worker_id=engine(2), step=4, done=63, total=64))
+    assert facts == [] and len(d.log) == written and d.state.inflight is None
+    # a quarter done in ~100 s: ~300 s ahead at that pace
+    facts, _ = d.send(ev.ProgressReported(at=d.at(), worker_id=engine(2), step=4, done=16, total=64))
+    started = [x for x in facts if isinstance(x, f.LoanStarted)]
+    assert started and started[0].plan.to_pool is Pool.ROLLOUT and started[0].plan.devices == TRAINERS
+    assert "16/64 samples done in" in started[0].reason and "at that pace" in started[0].reason
+    assert started[0].saves_s > started[0].cost_s
+    d.finish()
+    assert isinstance(d.log[-1], f.LoanLanded) and d.replayed().durable() == d.state.durable()
+    # turned off (the policy option `lend_from_progress = false`): the same reports lend nothing
+    off = boot(Core(d.core.config, load_policy("hysteresis", {"lend_from_progress": False})), TRAIN, ROLLOUT)
+    turned(off)
+    facts, _ = off.send(ev.ProgressReported(at=off.at(), worker_id=engine(2), step=4, done=16, total=64))
+    assert facts == [] and off.state.inflight is None

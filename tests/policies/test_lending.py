@@ -176,3 +176,20 @@ def test_an_engine_lent_to_training_is_priced_as_missing_the_next_rollout_unless
     assert q is not None and q.cost_s == pytest.approx(3.0 + 4.0)
     r = load_policy("hysteresis").propose_loan(engine_view(now=400.0, train_s=700.0))
     assert r is not None and r.cost_s == pytest.approx(3.0)
+
+
+def test_a_step_slower_than_the_last_ones_is_priced_at_its_own_pace():
+    # the last step: rollout 100 s on 2 devices, training 200 s: by the model the rollout in
+    # progress (begun at 0) is done at 100 s; but at 100 s only 256 of its 1,024 samples are
+    step = StepTiming(step=0, rollout_s=100.0, train_s=200.0, rollout_devices=2, train_devices=6)
+    seen = msgspec.structs.replace(trainers_view(total=8, done=8, recent=(step,)), step_started_at=0.0,
+                                   samples_done=256, samples_total=1024, rollout_step=1)
+    p = load_policy("hysteresis").propose_loan(seen)
+    assert p is not None and p.saves_s == pytest.approx((100.0 * 768 / 256 - 6.0) * 2 / 4)
+    assert "256/1024 samples done in 100.0 s: ~300.0 s ahead at that pace" in p.reason
+    assert "linear model of the last steps says ~0.0 s" in p.reason
+    # where the model sees more ahead than the pace does, the model decides (it knows the floor)
+    long = msgspec.structs.replace(seen, recent=(msgspec.structs.replace(step, rollout_s=400.0),))
+    q = load_policy("hysteresis").propose_loan(long)
+    assert q is not None and q.saves_s == pytest.approx((300.0 - 6.0) * 2 / 4)
+    assert "rollout ~300 s ahead (linear model)" in q.reason
