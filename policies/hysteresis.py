@@ -42,7 +42,9 @@ class HysteresisPolicy(Lending):
 
     def __init__(self, window: int = 3, max_move: int | None = None, lending: bool = True,
                  lend_trainers: bool = True, lend_engines: bool = True, tail_regroup: bool = False,
-                 unmeasured_rollout_s: float = 300.0, lend_from_progress: bool = True) -> None:
+                 unmeasured_rollout_s: float = 300.0, lend_from_progress: bool = True,
+                 agree: bool = True) -> None:
+        self.agrees = bool(agree)
         self.lends = bool(lending)
         self.lends_from_progress = bool(lend_from_progress)
         self.unmeasured_rollout_s = checked_prior(unmeasured_rollout_s)
@@ -54,6 +56,23 @@ class HysteresisPolicy(Lending):
         self.window = window
         self.max_move = max_move
         self.last_reason = ""  # why the last call proposed nothing (read by the simulator)
+
+    def _doubted_by(self, view: ObservedView, target: Split, lend: float | None, grow_rollout: bool) -> str:
+        """The steps of the window's latest run of steps slower on the same side (those that
+        ask for this move) on which the move, predicted from that step alone, saves nothing:
+        a mean over a few noisy steps predicts gains each step contradicts (iid noise of a
+        stationary workload), where a real shift shows in every step of the run. "" if none."""
+        if not self.agrees:
+            return ""
+        run = []
+        for t in reversed(view.recent[-self.window:]):
+            if (t.rollout_s > t.train_s) != grow_rollout:
+                break
+            run.append(t)
+        against = [t.step for t in reversed(run)
+                   if (m := measure((t,), view.split, floor=view.tail_binds)) is not None
+                   and m.step_on(target, lend_after_s=lend) >= m.step_on(view.split, lend_after_s=lend)]
+        return ", ".join(str(s) for s in against)
 
     def __call__(self, view: ObservedView) -> Proposal | None:
         if not view.recent:
@@ -80,9 +99,15 @@ class HysteresisPolicy(Lending):
             self.last_reason = (f"{slower} is slower at step {last.step}, but no allowed split that grows it "
                                 f"predicts less than {now:.1f}s per step")
             return None
-        self.last_reason = ""
         after, target = best
         slower = "rollout" if grow_rollout else "training"
+        doubt = self._doubted_by(view, target, lend, grow_rollout)
+        if doubt:
+            self.last_reason = (f"{slower} is slower at step {last.step} and the window's mean predicts {view.split} -> "
+                                f"{target} saves {now - after:.1f}s per step, but step(s) {doubt} alone predict no "
+                                f"saving: within the steps' noise")
+            return None
+        self.last_reason = ""
         reason = (
             f"{slower} is the slower stage (rollout {last.rollout_s:.1f}s vs train {last.train_s:.1f}s at step "
             f"{last.step}); {view.split} -> {target} predicts {now:.1f}s -> {after:.1f}s per step "

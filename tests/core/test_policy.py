@@ -198,6 +198,21 @@ def test_hysteresis_window() -> None:
     assert p is not None and p.target == Split(2, 6)
 
 
+def test_hysteresis_does_not_move_on_a_mean_its_own_steps_contradict() -> None:
+    # 6:2, each step rollout-bound; the window's mean says 5:3 saves time, but the middle step
+    # alone (rollout 110 s vs training 100 s: 5:3 would make training the bottleneck) says not
+    noisy = view(Split(6, 2), [(300.0, 100.0), (110.0, 100.0), (300.0, 100.0)], candidates=(Split(6, 2), Split(5, 3)))
+    policy = HysteresisPolicy()
+    assert policy(noisy) is None
+    assert "step(s) 1 alone predict no saving: within the steps' noise" in policy.last_reason
+    assert HysteresisPolicy(agree=False)(noisy) is not None  # the option turns the check off
+    # a shift shows in every step of the latest run that asks for the move: the steps before it
+    # asked the other way, and do not hold it back
+    shifted = view(Split(6, 2), [(50.0, 200.0), (50.0, 200.0), (600.0, 100.0)], candidates=(Split(6, 2), Split(5, 3)))
+    p = HysteresisPolicy(window=3)(shifted)
+    assert p is not None and p.target == Split(5, 3)
+
+
 splits = st.integers(2, 10).flatmap(lambda n: st.integers(1, n - 1).map(lambda t: Split(train=t, rollout=n - t)))
 
 
