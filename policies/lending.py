@@ -30,8 +30,9 @@ take over. The rollout ahead is the cost model's rollout on the home pool (the d
 served the last steps counted) less the time the step has run (where the view does not say
 when the step began, the training just done), or, where the step's own pace from the
 engines' live sample counts says more is ahead (the workload turned: the last steps' model
-does not know it yet), that; the core asks again on every progress report while trainers
-are free and requests queued (`lends_from_progress`), so a loan starts on the first
+does not know it yet), that; the core asks again on progress reports while trainers are free
+and requests queued (at the first sample done and every 1/64 after: `core.loans.paced`;
+`lends_from_progress`), so a loan starts on the first
 rollout-heavy step, not one step report later. Before any step is measured, the live pace, and with no sample done yet the prior
 `unmeasured_rollout_s` (a policy option), which the loan's reason names. A lent engine that
 finds the queue empty costs only its ways there and back. Where the job takes lent trainers
@@ -75,8 +76,9 @@ class Lending:
     """Idle engines to the training step (`lend_engines=false` turns that way off alone: a job
     with one mini-batch per RL step has no boundary inside the step for a lent engine to join)."""
     lends_from_progress: bool = True
-    """The core asks `propose_loan` again on every engine progress report while trainers are
-    free and the rollout's queue holds requests (a refusal there is not recorded: the one at the
+    """The core asks `propose_loan` again on engine progress reports (the step's first sample
+    done, then every 1/64 of its samples) while trainers are free and the rollout's queue holds
+    requests (a refusal there is not recorded: the one at the
     trainer's last mini-batch was), so a loan the step's live pace pays for starts then."""
     unmeasured_rollout_s: float = 300.0
     """The rollout ahead, in seconds, before any step is measured and before any sample of the

@@ -189,6 +189,7 @@ def on_progress(core: CoreLike, tx: Tx, e: ev.ProgressReported) -> None:
     require_worker(tx.state, e.worker_id)
     if not (0 <= e.done <= e.total) or e.tokens < 0 or e.step < 0:
         raise Refused("bad_value", f"progress done={e.done} total={e.total} tokens={e.tokens} is impossible")
+    before = tx.state
     tx.state = progressed(tx.state, e.worker_id, Progress(e.step, e.done, e.total, e.tokens))  # soft: no fact
     # A lending policy that sends its loans home on the rollout's progress (verl's rules go home
     # once enough samples are done) is asked after every report.
@@ -199,21 +200,34 @@ def on_progress(core: CoreLike, tx: Tx, e: ev.ProgressReported) -> None:
         if why and s.lent_devices():
             return_loans(core, tx, e.at, None, "", why=why)
             return
-    if getattr(core.policy, "lends_from_progress", False) and trainers_wait(s):
+    if getattr(core.policy, "lends_from_progress", False) and paced(before, s):
         # A policy that prices a trainer loan with the step's own pace (`lends_from_progress`)
-        # is asked again while the trainers wait and requests are queued: the pace it reads
-        # changes with every report, the first rollout-heavy step shows itself here.
+        # is asked again while the trainers wait and requests are queued: the first rollout-heavy
+        # step shows itself here, before its step report.
         consider_loan(core, tx, e.at, quiet=True)
 
 
-def trainers_wait(s: ClusterState) -> bool:
+PACE_POINTS = 64
+"""While trainers wait, a trainer loan is asked again at the step's first sample done and at
+every 1/64 of its samples after: the pace is known by then, and a thousand engines' reports a
+second ask at most 64 times a step (each ask builds the loan view: tens of microseconds at 1,024
+devices)."""
+
+
+def paced(before: ClusterState, s: ClusterState) -> bool:
     """The training step is done (or there is nothing to train yet), the rollout step its
-    trainers wait for still has queued requests, and a loan may start: what a trainer loan
-    needs, checked without building the view."""
+    trainers wait for still has queued requests, a loan may start, and the step's samples done
+    went from none to some or crossed a 1/`PACE_POINTS` mark since `before`."""
     mb = s.mini_batch
     if mb is None or mb.done < mb.total or not free_to_plan(s):
         return False
-    return s.dry_step < (mb.step if mb.total == 0 else mb.step + 1)
+    step = mb.step if mb.total == 0 else mb.step + 1
+    if s.dry_step >= step:
+        return False
+    (was, _), (done, total) = before.samples(step), s.samples(step)
+    if done <= was or total <= 0:
+        return False
+    return was == 0 or was * PACE_POINTS // total != done * PACE_POINTS // total
 
 
 def return_loans(core: CoreLike, tx: Tx, at: float, proposal: Proposal | None, source: str, why: str = "",

@@ -507,23 +507,30 @@ def test_a_trainer_loan_refused_on_the_last_steps_is_asked_again_as_the_step_in_
     """Issue 43, item 2: the workload turns (three steps whose rollout took half the training,
     then a long one): at the trainer's last mini-batch the last steps' model says the rollout is
     done, and the loan is refused; the engines' progress reports then show the step's own pace,
-    the core asks again on each, and the loan starts on the first that pays, named after it.
-    The refusals on progress reports write nothing."""
+    the core asks again at the first sample done and at every 1/64 of the step's samples after,
+    and the loan starts on the first ask that pays, named after it. Refusals there write nothing."""
     d = lending_cluster()
     refused = [x for x in turned(d) if isinstance(x, f.ProposalRejected)]
     assert refused and refused[0].guard == "loan_payback" and d.state.inflight is None
     written = len(d.log)
-    # rollout 4 (one step off) nearly done at its pace: nothing pays, nothing is written
-    facts, _ = d.send(ev.ProgressReported(at=d.at(), worker_id=engine(2), step=4, done=63, total=64))
+    # rollout 4 (one step off) nearly done at its pace (600 of 640): nothing pays, nothing is written
+    facts, _ = d.send(ev.ProgressReported(at=d.at(), worker_id=engine(2), step=4, done=600, total=640))
     assert facts == [] and len(d.log) == written and d.state.inflight is None
-    # a quarter done in ~100 s: ~300 s ahead at that pace
-    facts, _ = d.send(ev.ProgressReported(at=d.at(), worker_id=engine(2), step=4, done=16, total=64))
+    # much later, one sample more: that pace would pay, but no 1/64 mark (10 samples) is crossed
+    facts, _ = d.send(ev.ProgressReported(at=d.at(10_000.0), worker_id=engine(2), step=4, done=601, total=640))
+    assert facts == [] and d.state.inflight is None
+    facts, _ = d.send(ev.ProgressReported(at=d.at(), worker_id=engine(2), step=4, done=610, total=640))
     started = [x for x in facts if isinstance(x, f.LoanStarted)]
     assert started and started[0].plan.to_pool is Pool.ROLLOUT and started[0].plan.devices == TRAINERS
-    assert "16/64 samples done in" in started[0].reason and "at that pace" in started[0].reason
+    assert "610/640 samples done in" in started[0].reason and "at that pace" in started[0].reason
     assert started[0].saves_s > started[0].cost_s
     d.finish()
     assert isinstance(d.log[-1], f.LoanLanded) and d.replayed().durable() == d.state.durable()
+    # the step's first samples ask at once: a quarter done in ~100 s, ~300 s ahead at that pace
+    first = lending_cluster()
+    turned(first)
+    facts, _ = first.send(ev.ProgressReported(at=first.at(), worker_id=engine(2), step=4, done=16, total=64))
+    assert any(isinstance(x, f.LoanStarted) for x in facts)
     # turned off (the policy option `lend_from_progress = false`): the same reports lend nothing
     off = boot(Core(d.core.config, load_policy("hysteresis", {"lend_from_progress": False})), TRAIN, ROLLOUT)
     turned(off)
