@@ -290,7 +290,7 @@ class Lending:
         elif (live := self._live_ahead(view, elapsed)) is not None:
             # nothing measured yet: the step's own pace so far (live progress)
             ahead = live
-            source = f"{view.samples_done}/{view.samples_total} samples done in {elapsed:.0f} s"
+            source = f"{view.samples_done}/{view.samples_total} samples done in {elapsed:.1f} s"
         else:
             ahead = self.unmeasured_rollout_s
             source = f"no step measured and no sample done yet: prior unmeasured_rollout_s={ahead:g}"

@@ -127,7 +127,7 @@ def test_before_any_step_is_measured_a_trainer_loan_reads_the_live_progress_or_n
     p = load_policy("hysteresis").propose_loan(live)
     # 256 of 1024 samples in 60 s: 180 s ahead at that pace
     assert p is not None and p.saves_s == pytest.approx((180.0 - 6.0) * 2 / 4)
-    assert "256/1024 samples done in 60 s" in p.reason
+    assert "256/1024 samples done in 60.0 s" in p.reason
     q = load_policy("hysteresis", {"unmeasured_rollout_s": 2.0}).propose_loan(trainers_view())
     assert q is not None and q.saves_s == 0.0 and "prior unmeasured_rollout_s=2" in q.reason
     assert check_loan(trainers_view(), q, GuardConfig()) is not None  # a 2 s prior does not pay a loan
