@@ -75,19 +75,20 @@ def test_the_request_schedule_agrees_with_the_engine_finish_times(router):
 def test_verl_default_lends_trainers_after_training_and_sends_them_home_on_its_sample_count(noisy, monkeypatch):
     # Progress reports are soft state (no fact): each engine's report is taken as it is fed to
     # the core, placed before the facts it led to (simulate runs verl's rules in pipelines of
-    # their own beside this one: each keeps its own marks).
-    marks: dict[int, tuple[list[f.Fact], list[tuple[int, ev.ProgressReported]]]] = {}
+    # their own beside this one: each keeps its own marks). Each pipeline is held here, so that
+    # no later one takes the id of one that is gone (and its marks with it).
+    marks: dict[int, tuple[DynamicPipeline, list[tuple[int, ev.ProgressReported]]]] = {}
     feed = DynamicPipeline._feed
 
     def recorded(self: DynamicPipeline, event: ev.Event) -> None:
         if isinstance(event, ev.ProgressReported):
-            marks.setdefault(id(self), (self.facts, []))[1].append((len(self.facts), event))
+            marks.setdefault(id(self), (self, []))[1].append((len(self.facts), event))
         feed(self, event)
 
     monkeypatch.setattr(DynamicPipeline, "_feed", recorded)
     result = simulate(noisy, PROFILE, "verl-default", seed=0)
     facts = result.run.facts
-    [reports] = [r for run_facts, r in marks.values() if tuple(run_facts) == tuple(facts)]
+    [reports] = [r for pipeline, r in marks.values() if tuple(pipeline.facts) == tuple(facts)]
     loans = [x for x in facts if isinstance(x, f.LoanStarted)]
     assert loans and all(x.plan.to_pool is Pool.ROLLOUT for x in loans)
     assert result.report.resizes_started == 0
