@@ -32,8 +32,8 @@ when the step began, the training just done), or, where the step's own pace from
 engines' live sample counts says more is ahead (the workload turned: the last steps' model
 does not know it yet), that; the core asks again on progress reports while trainers are free
 and requests queued (at the first sample done and every 1/64 after: `core.loans.paced`;
-`lends_from_progress`), so a loan starts on the first
-rollout-heavy step, not one step report later. Before any step is measured, the live pace, and with no sample done yet the prior
+`lends_from_progress`), so a loan starts on the first rollout-heavy step, not one step report
+later. Before any step is measured, the live pace, and with no sample done yet the prior
 `unmeasured_rollout_s` (a policy option), which the loan's reason names. A lent engine that
 finds the queue empty costs only its ways there and back. Where the job takes lent trainers
 back before the rollout ends and its last step report says when (`StepTiming.loan_home_share`:
@@ -78,8 +78,8 @@ class Lending:
     lends_from_progress: bool = True
     """The core asks `propose_loan` again on engine progress reports (the step's first sample
     done, then every 1/64 of its samples) while trainers are free and the rollout's queue holds
-    requests (a refusal there is not recorded: the one at the
-    trainer's last mini-batch was), so a loan the step's live pace pays for starts then."""
+    requests (a refusal there is not recorded: the one at the trainer's last mini-batch was), so
+    a loan the step's live pace pays for starts then."""
     unmeasured_rollout_s: float = 300.0
     """The rollout ahead, in seconds, before any step is measured and before any sample of the
     first step is done (a first RL rollout of long responses takes minutes; a job of short

@@ -236,7 +236,7 @@ def check_tail(view: LoanView, p: TailProposal, cfg: GuardConfig) -> Rejection |
 
 def check_loan(view: LoanView, p: LoanProposal, cfg: GuardConfig) -> Rejection | None:
     """Why a loan may not go ahead, or None: only idle devices, and only when it pays."""
-    # a set: a loan of hundreds of devices is checked up to 64 times a step while trainers wait
+    # a set: a loan of hundreds of devices is checked up to 65 times a step while trainers wait
     free = set(view.idle_engines if p.to_pool == Pool.TRAINING.value else view.free_trainers)
     if not p.devices:
         return Rejection("loan_idle", "a loan names no device")

@@ -210,8 +210,8 @@ def on_progress(core: CoreLike, tx: Tx, e: ev.ProgressReported) -> None:
 PACE_POINTS = 64
 """While trainers wait, a trainer loan is asked again at the step's first sample done and at
 every 1/64 of its samples after: the pace is known by then, and a thousand engines' reports a
-second ask at most 64 times a step (each ask builds the loan view: tens of microseconds at 1,024
-devices)."""
+second ask at most 65 times a step (each ask builds the loan view and a proposal: ~0.16 ms at
+512 + 512 devices, `benchmarks/loan_ask.py`)."""
 
 
 def paced(before: ClusterState, s: ClusterState) -> bool:
