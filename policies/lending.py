@@ -277,16 +277,17 @@ class Lending:
         elif model is not None and elapsed is not None:
             # the cost model's rollout less the time the step has run: the queue's part of it
             # (above the latency floor) is what lent engines can take a share of
-            ahead = max(model.rollout_on(n) - elapsed, 0.0)
-            source = f"rollout ~{model.rollout_on(n) - elapsed:.0f} s ahead ({model.model} model)"
+            left = model.rollout_on(n) - elapsed
+            ahead = max(left, 0.0)
+            source = f"rollout ~{left:.0f} s ahead ({model.model} model)"
             live = self._live_ahead(view, elapsed)
             if live is not None and live > ahead:
                 # the step in progress is slower than the last ones (the workload turned): its
                 # own pace says so before its step report does
-                ahead = live
                 source = (f"{view.samples_done}/{view.samples_total} samples done in {elapsed:.1f} s: "
                           f"~{live:.1f} s ahead at that pace (the {model.model} model of the last steps "
-                          f"says ~{max(model.rollout_on(n) - elapsed, 0.0):.1f} s)")
+                          f"says ~{ahead:.1f} s)")
+                ahead = live
         elif (live := self._live_ahead(view, elapsed)) is not None:
             # nothing measured yet: the step's own pace so far (live progress)
             ahead = live

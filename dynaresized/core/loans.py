@@ -27,12 +27,7 @@ def loan_view(core: CoreLike, state: ClusterState, now: float) -> LoanView:
     and the trainer's measured mini-batch pace."""
     mb = state.mini_batch
     done = mb is not None and mb.done >= mb.total
-    # One-step off-policy: while the trainer trains step s the rollout generates s + 1; with
-    # nothing to train (0 of 0) it waits for the rollout of step s itself.
-    if mb is None:
-        rollout_step = state.last_step + 2
-    else:
-        rollout_step = mb.step if mb.total == 0 else mb.step + 1
+    rollout_step = rollout_in_progress(state)
     idle, trainers = state.lendable()
     # no rollout step left to serve (the run's last training step): no trainer is free to lend
     last = core.config.steps_total is not None and rollout_step >= core.config.steps_total
@@ -67,6 +62,16 @@ def loan_view(core: CoreLike, state: ClusterState, now: float) -> LoanView:
         lent_to_rollout=tuple(d for d in state.lent_devices() if state.devices[d].pool is Pool.ROLLOUT),
         tail_open=tail_open(state),
     )
+
+
+def rollout_in_progress(state: ClusterState) -> int:
+    """The rollout step in progress, the one the loan view's engines and samples are of.
+    One-step off-policy: while the trainer trains step s the rollout generates s + 1; with
+    nothing to train (0 of 0) it waits for the rollout of step s itself."""
+    mb = state.mini_batch
+    if mb is None:
+        return state.last_step + 2
+    return mb.step if mb.total == 0 else mb.step + 1
 
 
 def step_started_at(state: ClusterState) -> float:
@@ -221,7 +226,7 @@ def paced(before: ClusterState, s: ClusterState) -> bool:
     mb = s.mini_batch
     if mb is None or mb.done < mb.total or not free_to_plan(s):
         return False
-    step = mb.step if mb.total == 0 else mb.step + 1
+    step = rollout_in_progress(s)
     if s.dry_step >= step:
         return False
     (was, _), (done, total) = before.samples(step), s.samples(step)
