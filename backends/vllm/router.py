@@ -18,6 +18,12 @@ engine glued to a suffix from another. The cost is recomputing the dropped token
 Every placement goes through the step's `StepLedger`; `run_step` checks it at the step
 boundary and raises `LedgerError` if any sample is missing, duplicated or off-version.
 
+An engine coming home from a loan is expected (`expect`): until it is admitted (or gives up,
+or its time runs out), each admitted engine holds at most its share of the step,
+ceil(samples / (admitted + expected engines)), so the one that wakes a few seconds late finds
+its share still queued rather than the engines on time running all of it in batches twice as
+wide (the simulator's pull router holds the same, `sim.stages.hold_share`).
+
 Once every sample of the step has been placed, the step's queue holds nothing for anyone:
 each admitted engine's `on_dry` listeners hear so once, with the requests it still runs and
 an upper bound on their tokens left, and once more when its last one finished (running 0).
@@ -133,6 +139,7 @@ class RequestRouter:
         self._dry_listeners: list[DryListener] = []
         self._start_listeners: list[StartListener] = []
         self._cancelled: list[asyncio.Task[None]] = []
+        self._expected: dict[str, float] = {}  # engine coming home -> until when (perf_counter) it is waited for
 
     # -- membership --------------------------------------------------------------------
     def add(self, engine: RolloutEngine) -> None:
@@ -173,6 +180,34 @@ class RequestRouter:
         for an admitted engine, and again with running 0 when that engine is idle."""
         self._dry_listeners.append(listener)
 
+    def expect(self, engine_id: str, within_s: float) -> None:
+        """`engine_id` is coming home and should be admitted within `within_s` seconds: hold its
+        share of the step for it until then (or until it is admitted or `unexpect`ed)."""
+        self._engine(engine_id)
+        if engine_id in self.admitted or within_s <= 0:
+            return
+        self._expected[engine_id] = time.perf_counter() + within_s
+        try:
+            asyncio.get_running_loop().call_later(within_s, self._dispatch)  # the hold lapses: place again
+        except RuntimeError:  # no loop: the next dispatch sees it lapsed
+            pass
+
+    def unexpect(self, engine_id: str) -> None:
+        """`engine_id` is not coming after all (its wake failed): stop holding its share."""
+        if self._expected.pop(engine_id, None) is not None:
+            self._dispatch()
+
+    def _share(self, step: _Step) -> int:
+        """How many samples of the step an admitted engine may hold now (`max_inflight`, or its
+        share while an engine coming home is expected)."""
+        now = time.perf_counter()
+        for engine_id in [e for e, until in self._expected.items() if until <= now or e in self.admitted]:
+            del self._expected[engine_id]
+        if not self._expected or not self.admitted:
+            return self.max_inflight
+        share = -(-len(step.requests) // (len(self.admitted) + len(self._expected)))
+        return min(self.max_inflight, max(share, 1))
+
     async def admit(self, engine_id: str) -> float:
         """Let an engine take samples, after loading the current policy version into it.
 
@@ -187,6 +222,7 @@ class RequestRouter:
             if target is not None and engine.loaded_version != target:
                 seconds = await engine.reload(target, self.weights.path(target))
             self.admitted.add(engine_id)
+            self._expected.pop(engine_id, None)
             if self._step is not None and engine_id not in self._step.admitted_since:
                 self._step.joined.add(engine_id)
         log.info("engine admitted", engine=engine_id, version=engine.loaded_version)
@@ -345,7 +381,8 @@ class RequestRouter:
         for attempt in step.tasks:
             if attempt.engine_id in load:
                 load[attempt.engine_id] += 1
-        open_ = [(n, e) for e, n in load.items() if n < self.max_inflight]
+        cap = self._share(step)
+        open_ = [(n, e) for e, n in load.items() if n < cap]
         return min(open_)[1] if open_ else None
 
     def _dispatch(self) -> None:

@@ -112,6 +112,7 @@ class EngineWorker:
         drain_timeout_s: float | None = None,
         keep_loaded: bool = False,
         device_cores: dict[str, int] | None = None,
+        return_hold_s: float = 30.0,
     ) -> None:
         if not devices:
             raise ValueError(f"engine {engine.engine_id}: a worker needs at least one device")
@@ -125,6 +126,9 @@ class EngineWorker:
         self.missed_heartbeats = missed_heartbeats
         self.drain_timeout_s = drain_timeout_s
         self.keep_loaded = keep_loaded
+        self.return_hold_s = return_hold_s
+        """Coming home from a loan, at most this long the router holds the engine's share of
+        the step (`RequestRouter.expect`); 0: never held."""
         self.device_cores = dict(device_cores or {})  # CPU: the core of each device, for a wide engine's ranks
         self.runs: tuple[str, ...] = ()  # the devices of the wide engine this worker's engine is shaped as (): its own
         self.lost_reason: str | None = None
@@ -261,8 +265,14 @@ class EngineWorker:
         if self.engine.engine_id in self.router.admitted:
             return f"{self.engine.engine_id} already {how} and admitting"
         was = self.engine.state.value
-        seconds, restored = await self._start_at_current_version()
-        await self.router.admit(self.engine.engine_id)
+        if plan is PlanKind.RETURN:  # the step's own engine: the router holds its share until it is in
+            self.router.expect(self.engine.engine_id, within_s=max(self.return_hold_s, 0.0))
+        try:
+            seconds, restored = await self._start_at_current_version()
+            await self.router.admit(self.engine.engine_id)
+        except BaseException:
+            self.router.unexpect(self.engine.engine_id)
+            raise
         return f"{self.engine.engine_id} {how} (it was {was}) in {seconds:.3f}s; {restored}; admitting"
 
     async def restore(self, op: Any) -> str:

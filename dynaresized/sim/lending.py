@@ -201,7 +201,7 @@ class Lending(SimWorkers):
             # (partial rollout: the home engines resume it)
             workers = self._home_engines + lent_engines
             rebalance = ready if getattr(self.policy, "rebalances", False) else None
-            schedule = model.engine_schedule(w, home + extra, offsets, rebalance_at_s=rebalance)
+            schedule = model.engine_schedule(w, home + extra, offsets, rebalance_at_s=rebalance, home=home)
             # what was done by the time they are in, then as it comes
             back = self._report_progress(w, start, workers, schedule, penalty, -math.inf, ready, snapshot=True,
                                          watch=True)
@@ -210,14 +210,14 @@ class Lending(SimWorkers):
             if back is not None:
                 stops = frozenset(range(home, home + extra))
                 schedule = model.engine_schedule(w, home + extra, offsets, rebalance_at_s=rebalance,
-                                                 stop_at_s=back - penalty, stopping=stops)
+                                                 stop_at_s=back - penalty, stopping=stops, home=home)
                 self._report_rest(w, start, workers, schedule, penalty, back)
                 lent_done = start + float(schedule.finish_s[home:].max()) + penalty
                 at_home, paid = self._early_home or (start + back, 0.0)
                 self._early_home = (max(at_home, lent_done), paid)
             finish = schedule.finish_s
         else:
-            finish = model.engine_finish(w, home + extra, offsets)
+            finish = model.engine_finish(w, home + extra, offsets, home=home)
         finish = finish + penalty
         busy = finish[home:] > ready + penalty
         rollout_s = float(max(finish[:home].max(), finish[home:][busy].max() if busy.any() else 0.0))

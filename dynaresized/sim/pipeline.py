@@ -226,7 +226,7 @@ class DynamicPipeline(Lending, Regroups):
             return model.rollout_seconds(w, split.rollout)  # too few devices moving for one engine
         late = np.concatenate([np.zeros(home), np.full(extra, ready)])
         self._served_early.add(fl.plan.resize_id)
-        return float(model.engine_finish(w, home + extra, late).max())
+        return float(model.engine_finish(w, home + extra, late, home=home).max())
 
     def _candidates(self) -> tuple[Split, ...]:
         """The splits the policy may pick: the profile's, and with engines of several devices

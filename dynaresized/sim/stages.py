@@ -108,17 +108,38 @@ def busy_s(r: RolloutSpec, iterations: np.ndarray, tokens: np.ndarray, ctx: np.n
 
 
 def pull_placement(lengths: Sequence[int] | np.ndarray, engines: int, slots: int,
-                   offsets: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                   offsets: list[int] | None = None, home: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The engine each request lands on, and each engine's makespan in iterations, when
     `engines` engines of `slots` slots pull from one FIFO queue. Every running request advances
     one token per iteration on every engine (the same lock-step the FIFO model assumes);
-    `offsets[e]` is the iteration at which engine e starts pulling (a late-waking engine)."""
-    placement, _, finish = pull_schedule(lengths, engines, slots, offsets)
+    `offsets[e]` is the iteration at which engine e starts pulling (a late-waking engine);
+    `home`: `hold_share`."""
+    placement, _, finish = pull_schedule(lengths, engines, slots, offsets, home)
     return placement, finish
 
 
+def hold_share(n: int, offsets: Sequence[float] | None, slots: int, home: int | None) -> tuple[float, int] | None:
+    """What the router holds for the step's own engines that start late (coming home from a
+    loan): (until, share). The first `home` engines (all, if None) are the step's own; until
+    the last of them starts (`until`, an iteration), an engine takes at most `share` =
+    ceil(n / home) requests, so that one woken a few seconds late finds its share of the
+    step still queued instead of the engines on time holding all of it in batches twice as
+    wide (`backends/vllm/router.py` holds it the same way). Engines that join later than
+    `home` (trainers lent mid-step) are not waited for. None: nothing held (nobody late, or
+    the step's requests fill every slot anyway)."""
+    if offsets is None:
+        return None
+    home = len(offsets) if home is None else home
+    until = max(offsets[:home], default=0)
+    if until <= 0 or home < 1:
+        return None
+    share = -(-n // home)
+    return (float(until), share) if share < slots else None
+
+
 def pull_schedule(lengths: Sequence[int] | np.ndarray, engines: int, slots: int,
-                  offsets: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  offsets: list[int] | None = None, home: int | None = None) -> tuple[np.ndarray, np.ndarray,
+                                                                                      np.ndarray]:
     """`pull_placement`, with the iteration each request finishes at: (placement, done_at,
     finish), in iterations. `lengths` as an array costs no conversion where everything fits in
     the first wave (the static searches ask that of every split and step)."""
@@ -158,10 +179,11 @@ def pull_schedule(lengths: Sequence[int] | np.ndarray, engines: int, slots: int,
         # entry (the lowest) until it takes a request, so that n requests cost O(n log engines)
         # however wide the engines are (see `pull_segments`).
         busy: list[tuple[int, int]] = []  # (finishes, slot)
+        hold = hold_share(n, offsets, slots, home)
         fresh = _fresh_slots(offsets, slots)
         for j in range(n):
             if fresh and (not busy or fresh[0][:2] < busy[0]):
-                t, s = _take_fresh(fresh, engines, slots)
+                t, s = _take_fresh(fresh, engines, slots, hold)
             else:
                 t, s = heapq.heappop(busy)
             placement[j] = s % engines
@@ -181,11 +203,14 @@ def _fresh_slots(offsets: Sequence[float], slots: int) -> list[tuple[float, int,
     return fresh
 
 
-def _take_fresh(fresh: list[tuple[float, int, int, int]], engines: int, slots: int) -> tuple[float, int]:
-    """(when, slot) of the first never-used slot; its engine's next level takes its place."""
+def _take_fresh(fresh: list[tuple[float, int, int, int]], engines: int, slots: int,
+                hold: tuple[float, int] | None = None) -> tuple[float, int]:
+    """(when, slot) of the first never-used slot; its engine's next level takes its place,
+    from `hold`'s `until` on where that level is beyond the held share (`hold_share`)."""
     t, slot, e, k = heapq.heappop(fresh)
     if k + 1 < slots:
-        heapq.heappush(fresh, (t, slot + engines, e, k + 1))
+        nxt = t if hold is None or k + 1 < hold[1] else max(t, hold[0])
+        heapq.heappush(fresh, (nxt, slot + engines, e, k + 1))
     return t, slot
 
 
@@ -203,7 +228,8 @@ class Intervention:
 
 
 def pull_segments(lengths: list[int], engines: int, slots: int, offsets: list[int],
-                  interventions: list[Intervention]) -> tuple[np.ndarray, list[tuple[int, int, float, float, int, int]]]:
+                  interventions: list[Intervention],
+                  home: int | None = None) -> tuple[np.ndarray, list[tuple[int, int, float, float, int, int]]]:
     """The pull router's FIFO queue with `interventions`, run segment by segment. Returns each
     request's finishing iteration and the segments: (request, engine, from, to, tokens generated
     before, after), in iterations.
@@ -223,10 +249,12 @@ def pull_segments(lengths: list[int], engines: int, slots: int, offsets: list[in
     heap: list[tuple[float, int, int]] = []  # (when, slot, version): a running request finishes
     fresh = _fresh_slots([float(o) for o in offsets], slots)
     idle: set[int] = set()  # slots that ran something and found the queue empty
-    idle_from: dict[int, int] = {}  # engine -> every slot of it from this level on is idle
+    idle_from: dict[int, int] = {}  # engine -> every slot of it from this level on is idle...
+    idle_to: dict[int, int] = {}  # ...up to this level (the held share's, `hold_share`, or `slots`)
     done_at = np.full(n, np.nan)
     segments: list[tuple[int, int, float, float, int, int]] = []
     pending = sorted(interventions, key=lambda x: x.at)
+    hold = hold_share(n, offsets, slots, home)
 
     def begin(slot: int, t: float) -> None:
         j, gen = queue.popleft()
@@ -251,10 +279,10 @@ def pull_segments(lengths: list[int], engines: int, slots: int, offsets: list[in
             if levels and (i == len(listed) or levels[0][0] < listed[i]):
                 slot, e = heapq.heappop(levels)
                 k = idle_from[e] = idle_from[e] + 1
-                if k < slots:
+                if k < idle_to[e]:
                     heapq.heappush(levels, (slot + engines, e))
                 else:
-                    del idle_from[e]
+                    del idle_from[e], idle_to[e]
             else:
                 slot = listed[i]
                 i += 1
@@ -274,21 +302,27 @@ def pull_segments(lengths: list[int], engines: int, slots: int, offsets: list[in
             # the engines' never-used slots free before now found the queue empty: idle
             while fresh and fresh[0][0] < x.at:
                 _, _, e, k = heapq.heappop(fresh)
-                idle_from[e] = k
+                if hold is not None and k < hold[1] and hold[0] >= x.at:
+                    # the levels beyond the held share open later: idle up to it, the rest still fresh
+                    heapq.heappush(fresh, (max(float(offsets[e]), hold[0]), e + hold[1] * engines, e, hold[1]))
+                    idle_from[e], idle_to[e] = k, hold[1]
+                else:  # joined to the levels below it still idle, if any
+                    idle_from[e] = idle_from[e] if idle_to.get(e) == k else k
+                    idle_to[e] = slots
             if x.rebalance:  # every slot that has started takes from the queue again, engine by engine
                 again = {e for e in range(engines) if alive[e] and offsets[e] <= x.at}
                 fresh = [entry for entry in fresh if entry[2] not in again]
                 heapq.heapify(fresh)
                 idle = {s for s in idle if s % engines not in again}
                 for e in again:
-                    idle_from[e] = 0
+                    idle_from[e], idle_to[e] = 0, slots
             fill(x.at)
             continue
         if t_new < t_run or (t_new == t_run and fresh[0][1] < heap[0][1]):
             if not alive[fresh[0][2]]:
                 heapq.heappop(fresh)  # a stopped engine's slots take nothing more
                 continue
-            t, slot = _take_fresh(fresh, engines, slots)
+            t, slot = _take_fresh(fresh, engines, slots, hold)
             begin(slot, t)
             continue
         t, slot, ver = heapq.heappop(heap)
@@ -513,12 +547,14 @@ class StageModel:
         tau = submitted_makespans(length, placement, engines, slots)
         return busy_s(r, tau, sum_l, ctx, sum_p)
 
-    def engine_finish(self, i: int, engines: int, late_s: np.ndarray | None = None) -> np.ndarray:
+    def engine_finish(self, i: int, engines: int, late_s: np.ndarray | None = None,
+                      home: int | None = None) -> np.ndarray:
         """Seconds after the step starts at which each engine of the pull router has generated
         its last response. `late_s[e]`: engine e starts that late (woken after a loan); with the
         pull router its start is converted to iterations at the step's full-batch iteration
-        time (the others pull its share meanwhile); a router that places at submission placed its
-        requests already."""
+        time, and the router holds its share of the step for it if it is one of the step's first
+        `home` engines (`hold_share`; the others pull the rest meanwhile); a router that places
+        at submission placed its requests already."""
         if self.router != "pull":
             busy = self._submitted_busy(i, engines)
             return busy if late_s is None else busy + np.asarray(late_s, dtype=np.float64)
@@ -530,7 +566,7 @@ class StageModel:
             mean_ctx = self._ctx[i] / max(self._sum_l[i], 1.0)
             full_iter = r.iter_base_s + slots * (r.iter_per_seq_s + r.iter_per_ctx_token_s * mean_ctx)
             offsets = [int(x / full_iter) for x in late_s]
-        placement, tau = pull_placement(b.response_tokens, engines, slots, offsets)
+        placement, tau = pull_placement(b.response_tokens, engines, slots, offsets, home)
         lf = b.response_tokens.astype(np.float64)
         pf = b.prompt_tokens.astype(np.float64)
         sum_l = np.bincount(placement, lf, engines)
@@ -549,18 +585,18 @@ class StageModel:
 
     def engine_schedule(self, i: int, engines: int, late_s: np.ndarray | None = None, *,
                         stop_at_s: float | None = None, stopping: frozenset[int] = frozenset(),
-                        rebalance_at_s: float | None = None) -> EngineSchedule:
+                        rebalance_at_s: float | None = None, home: int | None = None) -> EngineSchedule:
         """Step i's rollout request by request: the engine each lands on (finishes on), the
         second after the step starts at which each finishes, and each engine's finish
         (`engine_finish`). With the pull router, the engines in `stopping` go home at
         `stop_at_s` and every running request is redistributed at `rebalance_at_s`
         (`Intervention`). A request's finish is interpolated over its engine's busy time by the
-        iteration it finishes at."""
+        iteration it finishes at; `home` as `engine_finish`'s."""
         start = np.zeros(engines) if late_s is None else np.asarray(late_s, dtype=np.float64)
         if self.router == "pull":
             if stop_at_s is not None or rebalance_at_s is not None:
-                return self._intervened(i, engines, start, stop_at_s, stopping, rebalance_at_s)
-            return self._pull_schedule(i, engines, start)[0]
+                return self._intervened(i, engines, start, stop_at_s, stopping, rebalance_at_s, home)
+            return self._pull_schedule(i, engines, start, home)[0]
         lengths = self.trace.steps[i].response_tokens
         slots = int(self.batch_limit[i])
         placement = placement_at_submission(lengths.shape[0], engines, self.router)
@@ -575,7 +611,8 @@ class StageModel:
         done_s = start[placement] + done_at / span[placement] * busy[placement]
         return EngineSchedule(placement=placement, done_s=done_s, finish_s=start + busy)
 
-    def _pull_schedule(self, i: int, engines: int, start: np.ndarray) -> tuple[EngineSchedule, np.ndarray, float]:
+    def _pull_schedule(self, i: int, engines: int, start: np.ndarray,
+                       home: int | None = None) -> tuple[EngineSchedule, np.ndarray, float]:
         """`engine_schedule` with the pull router and no intervention, with each engine's
         iterations (from its offset to its last request's end, at least 1e-12) and the
         iteration at which the step's last request is pulled."""
@@ -583,7 +620,7 @@ class StageModel:
         lengths = b.response_tokens
         full_iter = self._full_iter_s(i)
         offsets_list = [int(x / full_iter) for x in start] if start.any() else None
-        placement, done_int, tau = pull_schedule(lengths, engines, int(self.batch_limit[i]), offsets_list)
+        placement, done_int, tau = pull_schedule(lengths, engines, int(self.batch_limit[i]), offsets_list, home)
         done_at = done_int.astype(np.float64)
         offsets = np.zeros(engines) if offsets_list is None else np.array(offsets_list, dtype=np.float64)
         lf = lengths.astype(np.float64)
@@ -609,7 +646,8 @@ class StageModel:
         return schedule, start_s, pace, (last_pulled + 1.0) * self._full_iter_s(i)
 
     def _intervened(self, i: int, engines: int, start: np.ndarray, stop_at_s: float | None,
-                    stopping: frozenset[int], rebalance_at_s: float | None) -> EngineSchedule:
+                    stopping: frozenset[int], rebalance_at_s: float | None,
+                    home: int | None = None) -> EngineSchedule:
         """`engine_schedule` with the pull router's running requests aborted and requeued at
         `rebalance_at_s` (all of them) or `stop_at_s` (those of the engines in `stopping`, which
         go home). An engine's busy seconds: `base` for every iteration it runs anything, the
@@ -625,7 +663,7 @@ class StageModel:
             plan.append(Intervention(at=float(int(rebalance_at_s / full_iter)), rebalance=True))
         if stop_at_s is not None:
             plan.append(Intervention(at=float(int(stop_at_s / full_iter)), stop=stopping))
-        done_at, segments = pull_segments(lengths, engines, int(self.batch_limit[i]), offsets, plan)
+        done_at, segments = pull_segments(lengths, engines, int(self.batch_limit[i]), offsets, plan, home)
         seg = np.array(segments, dtype=np.float64)
         j, e = seg[:, 0].astype(np.int64), seg[:, 1].astype(np.int64)
         t0, t1, g0, g1 = seg[:, 2], seg[:, 3], seg[:, 4], seg[:, 5]

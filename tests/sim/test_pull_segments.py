@@ -12,7 +12,15 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynaresized.sim.stages import Intervention, pull_schedule, pull_segments
+from dynaresized.sim.stages import Intervention, hold_share, pull_schedule, pull_segments
+
+
+def starts(lengths, engines, slots, offsets):
+    """When each slot first takes a request: its engine's offset, and for a slot beyond the
+    engine's share of the step, not before the last late engine starts (`hold_share`)."""
+    hold = hold_share(len(lengths), offsets, slots, None)
+    return {s: offsets[s % engines] if hold is None or s // engines < hold[1] else max(offsets[s % engines], hold[0])
+            for s in range(engines * slots)}
 
 
 def tick_by_tick(lengths, engines, slots, offsets, interventions):
@@ -23,7 +31,7 @@ def tick_by_tick(lengths, engines, slots, offsets, interventions):
     n, width = len(lengths), engines * slots
     queue = deque((j, 0) for j in range(n))
     running = {}  # slot -> (request, started, generated before)
-    free_at = {s: offsets[s % engines] for s in range(width)}  # slots that will come free, and when
+    free_at = starts(lengths, engines, slots, offsets)  # slots that will come free, and when
     idle, alive = set(), [True] * engines
     done_at, segments = np.full(n, np.nan), []
     pending = sorted(interventions, key=lambda x: x.at)
@@ -83,8 +91,8 @@ def tick_by_tick(lengths, engines, slots, offsets, interventions):
 
 
 def every_slot(lengths, engines, slots, offsets):
-    """`pull_schedule` with every slot a heap entry from its engine's offset."""
-    heap = [(offsets[s % engines], s) for s in range(engines * slots)]
+    """`pull_schedule` with every slot a heap entry from when it starts (`starts`)."""
+    heap = [(t, s) for s, t in starts(lengths, engines, slots, offsets).items()]
     heapq.heapify(heap)
     placement, done_at = [], []
     for length in lengths:
@@ -143,3 +151,19 @@ def test_a_wide_cluster_with_few_requests_costs_the_requests_not_the_slots():
     assert segments == want_segments and np.array_equal(done, want_done)
     placement, done_at, _ = pull_schedule(lengths, 64, 64, offsets)
     assert (placement.tolist(), done_at.tolist()) == every_slot(lengths, 64, 64, offsets)
+
+
+def test_an_engine_coming_home_late_finds_its_share_still_queued():
+    """Two engines, eight requests of 100 tokens, slots for all of them on one engine: engine 1
+    comes home 10 iterations late. The router holds its share (4) for it instead of engine 0
+    running all eight; an engine lent in mid-step (not one of the step's `home` engines) is
+    not waited for."""
+    lengths = [100] * 8
+    placement, _, finish = pull_schedule(lengths, 2, 8, [0, 10])
+    assert placement.tolist() == [0, 0, 0, 0, 1, 1, 1, 1] and finish.tolist() == [100.0, 110.0]
+    assert hold_share(8, [0, 10], 8, None) == (10.0, 4)
+    placement, _, finish = pull_schedule(lengths, 2, 8, [0, 10], home=1)
+    assert placement.tolist() == [0] * 8 and finish.tolist() == [100.0, 10.0]
+    assert hold_share(8, [0, 10], 4, None) is None, "a share that fills every slot holds nothing"
+    done, _ = pull_segments(lengths, 2, 8, [0, 10], [])
+    assert done.tolist() == [100.0] * 4 + [110.0] * 4

@@ -49,13 +49,13 @@ def test_aborted_requests_resume_where_they_stopped_and_finish_once():
 
 def test_a_rebalance_spreads_the_running_requests_over_the_new_engines():
     model = StageModel(PROFILE, scenario_trace("noisy", scenario_shape(PROFILE), seed=0, steps=2))
-    late = np.array([0.0, 0.0] + [20.0] * 6)
-    plain = model.engine_schedule(1, 8, late)
-    spread = model.engine_schedule(1, 8, late, rebalance_at_s=20.0)
+    late = np.array([0.0, 0.0] + [20.0] * 6)  # two home engines, six lent in at 20 s (not waited for: home=2)
+    plain = model.engine_schedule(1, 8, late, home=2)
+    spread = model.engine_schedule(1, 8, late, rebalance_at_s=20.0, home=2)
     assert np.bincount(spread.placement, minlength=8).std() < np.bincount(plain.placement, minlength=8).std()
     assert spread.finish_s.max() < plain.finish_s.max()
     home = model.engine_schedule(1, 2)
-    stopped = model.engine_schedule(1, 8, late, stop_at_s=60.0, stopping=frozenset(range(2, 8)))
+    stopped = model.engine_schedule(1, 8, late, stop_at_s=60.0, stopping=frozenset(range(2, 8)), home=2)
     # lent engines gone home after 40 s, their running requests back on the home engines
     assert stopped.finish_s[2:].max() < 100.0
     assert plain.finish_s.max() < stopped.finish_s.max() < home.finish_s.max() + 60.0

@@ -253,3 +253,44 @@ async def test_a_kept_loaded_engine_moves_at_step_boundaries_without_a_restart(r
     detail = await worker.release(resize_op(OpKind.RELEASE, leaving=True))
     assert detail.startswith("released e1 (stopped)"), detail
     await ready(rollout)
+
+
+async def test_the_router_holds_a_returning_engines_share_of_the_step(rollout: Rollout) -> None:
+    """An engine coming home from a loan is expected: until it is admitted, the engine on time
+    holds only its share of the step (ceil(16 / 2) = 8), and the returning one pulls the rest
+    once home. Without the hold e0 would run all 16 (max_inflight 64) and e1 find nothing; a
+    hold whose engine never comes lapses, and a wake that fails stops holding at once."""
+    worker, engine, _ = await lent_e1(rollout)
+    requests = make_requests(49, 16, random.Random(49), short=(30, 60))
+    rollout.router.expect("e1", within_s=30.0)
+    step = asyncio.create_task(rollout.router.run_step(49, 1, requests))
+    await wait_for_progress(rollout, "e0", tokens=3)
+    assert len(rollout.router.in_flight("e0")) == 8, "e0 holds its share while e1 is on its way home"
+    detail = await worker.join(loan_op(OpKind.JOIN, PlanKind.RETURN))
+    assert detail.startswith("e1 home (it was paused)"), detail
+    result = await step
+    assert_exactly_once(result, requests, 1)
+    by = {e: sum(s.engine_id == e for s in result.samples) for e in ("e0", "e1")}
+    assert by["e1"] >= 8 and by["e0"] + by["e1"] == 16, by
+
+    # an engine that never comes: the hold lapses and e0 takes the rest
+    worker, engine, _ = await lent_e1(rollout)
+    rollout.router.expect("e1", within_s=0.5)
+    requests = make_requests(50, 16, random.Random(50), short=(30, 60))
+    step = asyncio.create_task(rollout.router.run_step(50, 1, requests))
+    await wait_for_progress(rollout, "e0", tokens=3)
+    assert len(rollout.router.in_flight("e0")) <= 8
+    result = await asyncio.wait_for(step, 60.0)
+    assert_exactly_once(result, requests, 1)
+    assert result.engines == ("e0",)
+    # a wake that failed: unexpect releases the hold at once
+    rollout.router.expect("e1", within_s=60.0)
+    requests = make_requests(51, 16, random.Random(51), short=(30, 60))
+    step = asyncio.create_task(rollout.router.run_step(51, 1, requests))
+    await wait_for_progress(rollout, "e0", tokens=3)
+    assert len(rollout.router.in_flight("e0")) == 8
+    rollout.router.unexpect("e1")
+    result = await asyncio.wait_for(step, 60.0)
+    assert_exactly_once(result, requests, 1)
+    assert result.engines == ("e0",)
+    await ready(rollout)
