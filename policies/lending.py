@@ -11,15 +11,13 @@ what training would outlast the rollout by (the rollout still ahead: the shortes
 steps' rollouts by the cost model, `core.costmodel`, less the time the step has run; none once
 every rollout engine has run dry). The cost is what the loan adds to the critical path: the
 group change and the joiner's first mini-batch now (`to_training_s`), and its late return: the
-lent engines start the next rollout `return_s` late while the pull router hands the next
-step's requests to the engines that started on time. Where those may admit every request at
-once (engines with room for the whole step, as TP-1 engines of 256 sequences have for a step of
-1,024), the late ones serve nothing of it: unless every engine was lent (then all start late
-together, and the cost is the way home), the cost is the next rollout on the engines that stayed
-(the cost model's, at least the way home longer) where it then outlasts the training (spread
-over the rollout pool before anything is measured). The policy cannot see how much room an
-engine has, so it assumes the worst; measured in the simulator, a TP-1 engine 4 s late serves
-nothing of the next step and the rollout takes what it takes on one engine fewer.
+lent engines start the next rollout `return_s` late, the router holding their share of the
+step for them meanwhile (`backends/vllm/router.py`, `RequestRouter.expect`), so the next
+rollout ends up to the way home later, which costs the step where it then outlasts the
+training (spread over the rollout pool before anything is measured). Before the router held
+that share, the engines on time took every request they had room for (TP-1 engines of 256
+sequences, a step of 1,024) and the late ones served nothing of the step: the policy priced a
+loan as the next rollout on the engines that stayed, and lent less.
 The core's `loan_payback` guard lends only when the saving exceeds the cost.
 
 The other way: trainers with nothing to train (the first window, where the training pool
@@ -221,23 +219,17 @@ class Lending:
 
     @staticmethod
     def _late_return_s(view: LoanView, model: Measure | None, k: int) -> float:
-        """What engines lent to training cost the next rollout: they come home `return_s` late,
-        and meanwhile the pull router hands the next step's requests to the engines that started
-        on time, which may take them all. It costs the step where the next rollout then ends
-        after its training: with `k` of the pool's `n` devices lent, the rollout on the other
-        `n - k` (at least the way home longer), with every one lent the way home; nothing where
-        training outlasts it. Unmeasured: the way home spread over the rollout pool."""
+        """What `k` engines lent to training cost the next rollout: they come home `return_s`
+        late, the router holding their share of the step for them, so the rollout ends up to
+        that much later. It costs the step where the next rollout then ends after its training;
+        nothing where training outlasts it. Unmeasured: the way home spread over the rollout pool."""
         late = view.costs.return_s
         if model is None:
             return late / max(view.split.rollout, 1) * k
         n = max(view.split.rollout, 1)
         rollout = model.rollout_on(n)
         training = sum(t.train_s for t in view.recent[-RECENT_STEPS:]) / max(len(view.recent[-RECENT_STEPS:]), 1)
-        slower = rollout + late  # every engine lent: they all start late together
-        if k < n:
-            # the engines that start on time may take every request: the late ones then serve
-            # nothing of the next rollout, which runs on the others
-            slower = max(model.rollout_on(n - k), slower)
+        slower = rollout + late
         return max(slower, training) - max(rollout, training)
 
     @staticmethod

@@ -162,20 +162,22 @@ def test_an_idle_engine_lent_to_training_saves_only_what_training_outlasts_the_r
     assert r is not None and r.saves_s == pytest.approx(3 * 20.0 * 2 / 8)
 
 
-def test_an_engine_lent_to_training_is_priced_as_missing_the_next_rollout_unless_all_were_lent():
-    # rollout 300 s on 2 devices, training 200 s: one engine lent comes home 4 s late, and the
-    # engine that started on time may have taken every request of the next step: that rollout
-    # runs on one device (600 s, the linear model), 300 s more on the step. Both lent: they start
-    # late together, 4 s. Training that outlasts even the slower rollout: nothing.
+def test_an_engine_lent_to_training_is_priced_with_its_late_way_home():
+    # rollout 300 s on 2 devices, training 200 s: one engine lent comes home 4 s late, the
+    # router holding its share of the next step for it, so that rollout ends up to 4 s later
+    # (before the router held it, the engine on time could take every request and the next
+    # rollout ran on one device: 300 s more). Both lent: 4 s too. Training that outlasts even the
+    # late rollout: nothing.
     one = engine_view(now=400.0)
     p = load_policy("hysteresis").propose_loan(one)
-    assert p is not None and p.cost_s == pytest.approx(3.0 + 300.0)
-    assert check_loan(one, p, GuardConfig()) is not None
+    assert p is not None and p.cost_s == pytest.approx(3.0 + 4.0)
     both = msgspec.structs.replace(one, idle_engines=("n0:gpu6", "n0:gpu7"))
     q = load_policy("hysteresis").propose_loan(both)
     assert q is not None and q.cost_s == pytest.approx(3.0 + 4.0)
     r = load_policy("hysteresis").propose_loan(engine_view(now=400.0, train_s=700.0))
     assert r is not None and r.cost_s == pytest.approx(3.0)
+    s = load_policy("hysteresis").propose_loan(engine_view(now=400.0, train_s=302.0))
+    assert s is not None and s.cost_s == pytest.approx(3.0 + 2.0), "only what the late rollout outlasts training by"
 
 
 def test_a_step_slower_than_the_last_ones_is_priced_at_its_own_pace():

@@ -105,11 +105,10 @@ def test_same_seed_gives_the_same_json_bit_for_bit():
 
 def test_lending_gains_most_where_steps_vary(lending):
     noisy = lending["noisy"]
-    # Issue 11's target, against the best split of TP-1 engines, was 1.08 (1.088-1.090 until 7
-    # December). Since then an engine lent to training is priced with the next rollout it may
-    # miss (policies/lending.py, `_late_return_s`), which refuses loans that paid here and gains
-    # 3-5% from TP-1 starts on 16 and 64 devices (benchmarks/results/policy_targets.md): 1.0797.
-    assert noisy.loans >= 100 and noisy.speedup_vs_best_static_tp1 >= 1.075
+    # Issue 11's target, against the best split of TP-1 engines: 1.08 (1.0797 while an engine
+    # lent to training was priced as missing the next rollout, 7 December; 1.0904 since the
+    # router holds a late engine's share of the step and the loan is priced with its way home).
+    assert noisy.loans >= 100 and noisy.speedup_vs_best_static_tp1 >= 1.08
     assert noisy.speedup_vs_best_static_tp1 == max(r.speedup_vs_best_static_tp1 for r in lending.values())
 
 
