@@ -24,11 +24,14 @@ The other way: trainers with nothing to train (the first window, where the train
 waits for the first rollout, or after the step's last mini-batch) are lent to the rollout
 while its queue still holds requests; as engines they pull the queued requests. The predicted
 saving is the rollout still ahead, less the loan's lead, times the share the lent devices
-take over. The rollout ahead is the cost model's rollout on the home pool (the devices that
-served the last steps counted) less the time the step has run (where the view does not say
-when the step began, the training just done), or, where the step's own pace from the
-engines' live sample counts says more is ahead (the workload turned: the last steps' model
-does not know it yet), that; the core asks again on progress reports while trainers are free
+take over. The rollout ahead is the step's own pace from the engines' live sample counts
+(elapsed x samples left / samples done) once a sample is done: it sees a workload that turned
+before the step report does, and where it says less than the last steps' model it is the
+model that is wrong for a loan (its time includes the tail's latency floor, which lent devices
+do not shorten: at 1,024 devices every trainer loan the model paid for saved nothing). Before a
+sample is done, the cost model's rollout on the home pool (the devices that served the last
+steps counted) less the time the step has run (where the view does not say when the step
+began, the training just done). The core asks again on progress reports while trainers are free
 and requests queued (at the first sample done and every 1/64 after: `core.loans.paced`;
 `lends_from_progress`), so a loan starts on the first rollout-heavy step, not one step report
 later. Before any step is measured, the live pace, and with no sample done yet the prior
@@ -273,9 +276,10 @@ class Lending:
             ahead = max(left, 0.0)
             source = f"rollout ~{left:.0f} s ahead ({model.model} model)"
             live = self._live_ahead(view, elapsed)
-            if live is not None and live > ahead:
-                # the step in progress is slower than the last ones (the workload turned): its
-                # own pace says so before its step report does
+            if live is not None:
+                # the step's own pace, where it is known, decides: slower than the last steps
+                # (the workload turned), it says so before the step report does; faster, the
+                # model's time is the tail's latency floor, which lent devices do not shorten
                 source = (f"{view.samples_done}/{view.samples_total} samples done in {elapsed:.1f} s: "
                           f"~{live:.1f} s ahead at that pace (the {model.model} model of the last steps "
                           f"says ~{ahead:.1f} s)")

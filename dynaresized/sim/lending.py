@@ -34,6 +34,9 @@ class Lending(SimWorkers):
     tails: bool
     _home_engines: list[str]
     _schedule_w: EngineSchedule | None
+    _queue_empty_w: float  # seconds into the window at which its rollout's queue empties...
+    _queue_last_engine: int  # ...and the engine that pulled its last request
+    paces: bool
     _tail_landed: float | None
     tail_regroups: list[tuple[int, float]]
 
@@ -71,7 +74,10 @@ class Lending(SimWorkers):
         self._schedule_w = None
         if w < model.steps:
             finish = model.engine_finish(w, engines, late) + self._penalty[Pool.ROLLOUT]
-            if self.tracks_progress:
+            if self.paces:
+                self._schedule_w, starts, _, self._queue_empty_w = model.pull_timeline(w, engines, late)
+                self._queue_last_engine = int(self._schedule_w.placement[int(np.argmax(starts))])
+            elif self.tracks_progress:
                 self._schedule_w = model.engine_schedule(w, engines, late)
         else:
             finish = late.copy()  # the last window only trains: every engine is idle at once
@@ -173,6 +179,8 @@ class Lending(SimWorkers):
         penalty = self._penalty[Pool.ROLLOUT]
         self._tail_landed = None
         landed = self._rollout_loan_landed()
+        if landed is None and self.paces and self._schedule_w is not None and w < self.model.steps:
+            landed, since = self._paced_loan(w, start, since, penalty)
         if landed is None:
             self._report_rest(w, start, self._home_engines, self._schedule_w, penalty, since)
             return rollout_s, served, 0
@@ -227,14 +235,39 @@ class Lending(SimWorkers):
         served = rollout_s * home_devices + gpe * float(busy_s.sum())
         return rollout_s, served, len(devices)
 
+    def _paced_loan(self, w: int, start: float, since: float,
+                    offset: float) -> tuple[tuple[float, tuple[str, ...]] | None, float]:
+        """While the trainers wait and the rollout's queue still holds requests, the engines'
+        progress reports (every 1/`PROGRESS_POINTS` of the samples) reach the core, which asks
+        a policy that lends from the step's pace again (`core.loans.paced`); where a loan to the
+        rollout starts on one, (when it landed, its devices), else None; and the seconds into
+        the window reported up to. The queue's emptying is reported as the daemon's router
+        reports it (the engine that pulled the last request says so, with what it still runs):
+        no loan to the rollout is asked after it."""
+        empty = self._queue_empty_w + offset
+        asked = None
+        if empty > since:
+            asked = self._report_progress(w, start, self._home_engines, self._schedule_w, offset, since, empty,
+                                          lend_watch=True)
+        if asked is not None:
+            return self._rollout_loan_landed(), asked
+        until = max(empty, since)
+        if self.state.dry_step < w:
+            e, schedule = self._queue_last_engine, self._schedule_w
+            running = int(((schedule.placement == e) & (schedule.done_s + offset > until)).sum())
+            self._feed(ev.EngineQueueEmpty(at=start + until, worker_id=self._home_engines[e], step=w,
+                                           running=running, tokens_left=0))
+        return None, until
+
     def _report_progress(self, w: int, start: float, workers: list[str], schedule: EngineSchedule | None,
                          offset: float, since: float, until: float, *, snapshot: bool = False,
-                         watch: bool = False) -> float | None:
+                         watch: bool = False, lend_watch: bool = False) -> float | None:
         """The engines report how many of step w's samples each has done, at every
         `1 / PROGRESS_POINTS` of the step's samples done in (since, until] (seconds into the
         window; `offset` shifts the schedule), or once at `until` (`snapshot`). With `watch`,
         stops at the first report on which the core starts sending lent devices home, and
-        returns its time (their ops answered at once: the way home is charged by the window)."""
+        returns its time (their ops answered at once: the way home is charged by the window);
+        with `lend_watch`, at the first on which it starts a loan to the rollout."""
         if schedule is None:
             return None
         done = schedule.done_s + offset
@@ -250,6 +283,8 @@ class Lending(SimWorkers):
             self._mid_window = False
             reported[:] = counts
             fl = self.state.inflight
+            if lend_watch and fl is not None and fl.plan.kind is PlanKind.LOAN and fl.plan.to_pool is Pool.ROLLOUT:
+                return True
             if not (watch and fl is not None and fl.plan.kind is PlanKind.RETURN):
                 return False
             self._ack_until(start + at)

@@ -174,9 +174,13 @@ class DynamicPipeline(Lending, Regroups):
         self._commits = []
         self._penalty = {Pool.ROLLOUT: 0.0, Pool.TRAINING: 0.0}
         self._served_early = set()  # resizes to the rollout whose engines pulled before commit
-        # A policy that reads the rollout's progress (verl's rules) gets the engines' sample
-        # counts (`ProgressReported`); others do not need them, and the run is faster without.
-        self.tracks_progress = hasattr(policy, "observe_progress")
+        # A policy that reads the rollout's progress (verl's rules; ours where it prices a trainer
+        # loan at the step's own pace, `lends_from_progress`) gets the engines' sample counts
+        # (`ProgressReported`); others do not need them, and the run is faster without.
+        self.paces = bool(getattr(policy, "lends_from_progress", False) and getattr(policy, "lends", False)
+                          and getattr(policy, "lends_trainers", False) and model.router == "pull"
+                          and not getattr(policy, "regroups_tails", False))
+        self.tracks_progress = hasattr(policy, "observe_progress") or self.paces
         self._mid_window = False  # a return of lent devices now happens inside a window
         self._early_home = None  # (when, seconds) of such a return
         self._home_engines = []  # the window's home engines, by engine index

@@ -190,8 +190,15 @@ def test_a_step_slower_than_the_last_ones_is_priced_at_its_own_pace():
     assert p is not None and p.saves_s == pytest.approx((100.0 * 768 / 256 - 6.0) * 2 / 4)
     assert "256/1024 samples done in 100.0 s: ~300.0 s ahead at that pace" in p.reason
     assert "linear model of the last steps says ~0.0 s" in p.reason
-    # where the model sees more ahead than the pace does, the model decides (it knows the floor)
-    long = msgspec.structs.replace(seen, recent=(msgspec.structs.replace(step, rollout_s=400.0),))
+    # where the model sees more ahead than the pace does, the pace decides too: the model's time
+    # includes the tail's latency floor, which lent devices do not shorten (the samples still
+    # queued are what they take a share of)
+    long = msgspec.structs.replace(seen, recent=(msgspec.structs.replace(step, rollout_s=600.0),))
     q = load_policy("hysteresis").propose_loan(long)
     assert q is not None and q.saves_s == pytest.approx((300.0 - 6.0) * 2 / 4)
-    assert "rollout ~300 s ahead (linear model)" in q.reason
+    assert "~300.0 s ahead at that pace (the linear model of the last steps says ~500.0 s)" in q.reason
+    # before a sample of the step is done, the model decides
+    early = msgspec.structs.replace(long, samples_done=0)
+    r = load_policy("hysteresis").propose_loan(early)
+    assert r is not None and r.saves_s == pytest.approx((500.0 - 6.0) * 2 / 4)
+    assert "rollout ~500 s ahead (linear model)" in r.reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dynaresized.core import facts as f
@@ -13,7 +14,7 @@ from dynaresized.sim.pipeline import DynamicPipeline, best_static, colocated_tot
 from dynaresized.sim.profile import load_profile
 from dynaresized.sim.run import guards_for, scenario_shape
 from dynaresized.sim.stages import StageModel
-from dynaresized.sim.workload import scenario_trace
+from dynaresized.sim.workload import StepBatch, Trace, scenario_trace
 
 PROFILE = load_profile("qwen3-8b-h20x8")
 
@@ -201,3 +202,34 @@ def test_engines_lent_to_training_count_in_its_device_seconds():
             assert t.train_devices_served == pytest.approx(t.train_devices)
         assert t.train_devices_served <= PROFILE.cluster.gpus
     assert served_more >= 1
+
+
+def turning_trace() -> Trace:
+    """2,048 samples a step (more than the engines' slots: requests stay queued): five steps of
+    100-200 tokens, then five of 6,000-8,000. The cost model of the short steps says the first
+    long rollout is over when its trainers are done; its samples say otherwise."""
+    rng = np.random.default_rng(0)
+    return Trace("turn", tuple(StepBatch(s, np.full(2048, 256, dtype=np.int64),
+                                         rng.integers(*((100, 200) if s < 5 else (6000, 8000)), 2048).astype(np.int64))
+                               for s in range(10)))
+
+
+def test_the_simulated_policy_lends_from_the_steps_pace_as_the_daemon_does():
+    """The engines report their sample counts to a policy that lends from the step's pace
+    (`lend_from_progress`, the default), the engine that pulls the last request reports the
+    queue empty, and trainer loans are priced at the step's own pace: on a workload that turns,
+    the trainers are lent to the long rollouts from the first whose training is long enough to
+    see samples done, where the last steps' model says the rollout is over."""
+    trace = turning_trace()
+
+    def run(paced: bool):
+        policy = load_policy("hysteresis", {"lend_from_progress": paced})
+        return DynamicPipeline(StageModel(PROFILE, trace), policy, guards=guards_for(PROFILE)).run()
+
+    paced, model_only = run(True), run(False)
+    lent = [x for x in paced.facts if isinstance(x, f.LoanStarted) and x.plan.to_pool is Pool.ROLLOUT]
+    live = [x for x in lent if "samples done in" in x.reason and "at that pace" in x.reason]
+    assert len(live) >= 4, [x.reason for x in lent]
+    assert any(isinstance(x, f.EngineQueueEmptyObserved) and x.running > 0 for x in paced.facts)
+    assert not any(isinstance(x, f.EngineQueueEmptyObserved) and x.running > 0 for x in model_only.facts)
+    assert paced.total_time_s < model_only.total_time_s / 1.15
