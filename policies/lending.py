@@ -269,25 +269,20 @@ class Lending:
             ahead = max(last.loan_home_share * rollout - done, 0.0)
             source = (f"taken back at {last.loan_home_share:.0%} of the step's samples, {last.next_done_share:.0%} "
                       f"generated: ~{ahead:.1f} s of rollout ({model.model} model)")
+        elif (live := self._live_ahead(view, elapsed)) is not None:
+            # the step's own pace, where it is known, decides: slower than the last steps (the
+            # workload turned), it says so before the step report does; faster, the model's time
+            # is the tail's latency floor, which lent devices do not shorten
+            ahead = live
+            source = f"{view.samples_done}/{view.samples_total} samples done in {elapsed:.1f} s"
+            if model is not None:
+                source += (f": ~{live:.1f} s ahead at that pace (the {model.model} model of the last steps "
+                           f"says ~{max(model.rollout_on(n) - elapsed, 0.0):.1f} s)")
         elif model is not None and elapsed is not None:
-            # the cost model's rollout less the time the step has run: the queue's part of it
-            # (above the latency floor) is what lent engines can take a share of
+            # before a sample is done: the cost model's rollout less the time the step has run
             left = model.rollout_on(n) - elapsed
             ahead = max(left, 0.0)
             source = f"rollout ~{left:.0f} s ahead ({model.model} model)"
-            live = self._live_ahead(view, elapsed)
-            if live is not None:
-                # the step's own pace, where it is known, decides: slower than the last steps
-                # (the workload turned), it says so before the step report does; faster, the
-                # model's time is the tail's latency floor, which lent devices do not shorten
-                source = (f"{view.samples_done}/{view.samples_total} samples done in {elapsed:.1f} s: "
-                          f"~{live:.1f} s ahead at that pace (the {model.model} model of the last steps "
-                          f"says ~{ahead:.1f} s)")
-                ahead = live
-        elif (live := self._live_ahead(view, elapsed)) is not None:
-            # nothing measured yet: the step's own pace so far (live progress)
-            ahead = live
-            source = f"{view.samples_done}/{view.samples_total} samples done in {elapsed:.1f} s"
         else:
             ahead = self.unmeasured_rollout_s
             source = f"no step measured and no sample done yet: prior unmeasured_rollout_s={ahead:g}"

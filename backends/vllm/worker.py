@@ -266,7 +266,7 @@ class EngineWorker:
             return f"{self.engine.engine_id} already {how} and admitting"
         was = self.engine.state.value
         if plan is PlanKind.RETURN:  # the step's own engine: the router holds its share until it is in
-            self.router.expect(self.engine.engine_id, within_s=max(self.return_hold_s, 0.0))
+            self.router.expect(self.engine.engine_id, within_s=self.return_hold_s)
         try:
             seconds, restored = await self._start_at_current_version()
             await self.router.admit(self.engine.engine_id)

@@ -73,12 +73,14 @@ class Lending(SimWorkers):
         self._home_engines = [engine_id(self.index[d]) for d in rollout_devs[::gpe][:engines]]
         self._schedule_w = None
         if w < model.steps:
-            finish = model.engine_finish(w, engines, late) + self._penalty[Pool.ROLLOUT]
             if self.paces:
                 self._schedule_w, starts, _, self._queue_empty_w = model.pull_timeline(w, engines, late)
                 self._queue_last_engine = int(self._schedule_w.placement[int(np.argmax(starts))])
             elif self.tracks_progress:
                 self._schedule_w = model.engine_schedule(w, engines, late)
+            # the request-by-request schedule's engine finishes are `engine_finish`'s, computed once
+            finish = (self._schedule_w.finish_s if self._schedule_w is not None
+                      else model.engine_finish(w, engines, late)) + self._penalty[Pool.ROLLOUT]
         else:
             finish = late.copy()  # the last window only trains: every engine is idle at once
         rollout_s = float(finish.max()) if w < model.steps else 0.0
