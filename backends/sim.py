@@ -3,18 +3,25 @@
 One process per device, as on a real node: it hosts the device's rollout engine and its
 trainer rank (both processes kept; the device's role changes in place). Each resize operation
 takes the time the simulator's cost model gives it (`VirtualCluster.op_seconds`), divided by
-`speedup`. The trainer on the lowest device also drives the RL loop: every step it sleeps for
-max(rollout, training) + weight sync on the current pools (from the model, divided by
-`speedup`) and reports the step's timings in simulated seconds; inside the step it reports
-every mini-batch, and every device's engine reports when it has nothing left to do, so the
-daemon can lend idle engines to the training step (a lent trainer speeds up the mini-batches
-after it joins; its engine starts the next step late by the way home). The leader publishes
-each step's start on a loopback PUB socket (`--clock-endpoint`) so that every device's engine
+`speedup`. The trainer on the lowest device also drives the RL loop, one-step off as
+`dynaresized simulate` runs it: window w generates step w beside the training of step w - 1
+(window 0 has nothing to train, the last window no rollout), sleeps for the longer of the two
+plus the weight sync (from the model, divided by `speedup`) and reports step w - 1 (its rollout
+from the window before, its training from this one) in simulated seconds. Inside a window the
+trainer reports every mini-batch (mini-batch 0 when its step begins), the engine that pulls the
+step's last request says the queue is empty (with what it still decodes), and every engine says
+when it has nothing left to do, as the vLLM backend's router does; so the daemon lends idle
+engines to the training (a lent trainer speeds up the mini-batches after it joins; its engine
+starts the next rollout late by the way home, the router holding its share) and trainers with
+nothing to train to the rollout (from when they land, their engines pull queued requests; they
+come home before the next training step). The leader publishes each window's start, and the
+engines lent in, on a loopback PUB socket (`--clock-endpoint`) so that every device's engine
 knows when its rollout began, and reads which devices are lent from the daemon's status
-(`--control-endpoint`). Run the daemon with
+(`--control-endpoint`; a refused status request stops the run: a world that cannot see loans
+would only pretend to lend). Run the daemon with
 `daemon.time_scale = speedup` so that its clock is simulated time too: it then sees what it
 would see on a real cluster, only faster. Pools change when a COMMIT op arrives (it carries
-the new membership), at the next step boundary.
+the new membership), at the next window.
 
     python -m dynaresized.backends.sim --endpoint tcp://127.0.0.1:5555 --device node0:gpu3 \
         --scenario longtail-drift --profile qwen3-8b-h20x8 --speedup 3600 \
@@ -87,6 +94,8 @@ class SimDevice:
         self.clock_endpoint = clock_endpoint
         self.control_endpoint = control_endpoint
         self.status_timeout_s = 5.0  # the leader's wait for the daemon's status, every mini-batch
+        self._said_empty = -1  # the last step this device's engine said its queue was empty in
+        self.loan_poll_s = 0.002  # the leader's status poll for trainers lent to the rollout (wall seconds)
         self._ctx = zmq.asyncio.Context.instance()
         self._replies = wire.reply_decoder()
         self.device = device
@@ -187,24 +196,69 @@ class SimDevice:
         if index >= engines:
             return
         late = [msg["late"].get(d, 0.0) for d in rollout[::gpe][:engines]]
-        finish = float(self.cluster.engine_finish(msg["step"], engines, late)[index])
+        lent_in = msg.get("lent_in", [])  # [device, seconds into the step it serves from] per lent engine
+        offsets = late + [ready for _, ready in lent_in]
+        step = msg["step"]
+        finish = float(self.cluster.engine_finish(step, engines + len(lent_in), offsets, home=engines)[index])
+        empty = self.cluster.queue_empty(step, engines + len(lent_in), offsets, home=engines)
+        if empty is not None and empty[1] == index and self._said_empty < step and empty[0] < finish:
+            # this engine pulls the step's last request: its router says the queue is empty,
+            # with what it still decodes (the vLLM router's `on_dry`)
+            await asyncio.sleep(max(msg["start"] + empty[0] / self.speedup - time.time(), 0.0))
+            self._said_empty = step
+            await self.engine.report_queue_empty(step=step, running=empty[2], tokens_left=empty[3])
         await asyncio.sleep(max(msg["start"] + finish / self.speedup - time.time(), 0.0))
-        await self.engine.report_queue_empty(step=msg["step"], running=0)
+        self._said_empty = step
+        await self.engine.report_queue_empty(step=step, running=0)
 
-    async def _lent_to_training(self, control: zmq.asyncio.Socket | None) -> set[str]:
-        """Devices in the training pool now that are not in it for the step: lent ones."""
+    async def _lent_to(self, pool: Pool, control: zmq.asyncio.Socket | None) -> set[str]:
+        """Devices in `pool` now that are not in it for the step: lent ones."""
         if control is None:
             return set()
         while await control.poll(0):  # a reply that came after its wait timed out: stale now
             await control.recv()
-        await control.send(wire.encode(wire.StatusRequest()))
+        await control.send_multipart([b"", wire.encode(wire.StatusRequest())])  # status needs no secret
         if not await control.poll(int(self.status_timeout_s * 1000)):  # a stalled daemon: no loan seen now
             print(f"no status from the daemon at {self.control_endpoint} within {self.status_timeout_s:g}s; "
                   "going on", file=sys.stderr)
             return set()
         reply = self._replies.decode(await control.recv())
-        pools = reply.data.get("devices", {}) if isinstance(reply, wire.ControlReply) and reply.ok else {}
-        return {d for d, pool in pools.items() if pool == Pool.TRAINING.value and d not in self.training}
+        if not (isinstance(reply, wire.ControlReply) and reply.ok):
+            raise RuntimeError(f"the daemon refused the leader's status request: {reply!r}")  # not a world without loans
+        pools = reply.data.get("devices", {})
+        home = self.training if pool is Pool.TRAINING else self.rollout
+        return {d for d, p in pools.items() if p == pool.value and d not in home}
+
+    async def _lent_to_rollout(self, step: int, start: float, rollout: list[str], late: dict[str, float],
+                               rollout_s: float, control: zmq.asyncio.Socket | None,
+                               pub: zmq.asyncio.Socket) -> tuple[float, float, bool]:
+        """After the training's last mini-batch, until the rollout ends: trainers the daemon lends
+        to the rollout pull its queued requests as engines from when they land (the pull
+        router's; the home engines keep their share, `hold_share`). Every device's engine hears
+        when (a clock message with `lent_in`) and says when it runs dry. Returns the rollout's
+        seconds, the device-seconds lent engines served, and whether any were lent."""
+        c = self.cluster
+        gpe = c.profile.rollout.gpus_per_engine
+        engines = len(rollout) // gpe
+        if control is None or c.stages.router != "pull":
+            return rollout_s, 0.0, False
+        home_late = [late.get(d, 0.0) for d in rollout[::gpe][:engines]]
+        lent_in: list[tuple[str, float]] = []
+        served = 0.0
+        while time.time() < start + rollout_s / self.speedup:
+            new = await self._lent_to(Pool.ROLLOUT, control) - {d for d, _ in lent_in}
+            whole = sorted(new, key=c.devices.index)[:len(new) // gpe * gpe]  # whole engines join
+            if whole:
+                ready = (time.time() - start) * self.speedup
+                lent_in += [(d, ready) for d in whole[::gpe]]
+                finish = c.engine_finish(step, engines + len(lent_in), home_late + [r for _, r in lent_in],
+                                         home=engines)
+                rollout_s = float(finish.max())
+                served = sum(max(float(finish[engines + i]) - r, 0.0) * gpe for i, (_, r) in enumerate(lent_in))
+                await pub.send(json.dumps({"step": step, "start": start, "rollout": rollout, "late": late,
+                                           "lent_in": lent_in}).encode())
+            await asyncio.sleep(self.loan_poll_s)
+        return rollout_s, served, bool(lent_in)
 
     async def _drive(self) -> None:
         pub = self._ctx.socket(zmq.PUB)
@@ -219,40 +273,60 @@ class SimDevice:
         await asyncio.sleep(1.0 if self.clock_endpoint else 0.0)  # let every engine subscribe
         c, loan = self.cluster, self.cluster.profile.loan
         mbs = c.profile.training.mini_batches_per_step
+        sync = c.weight_sync_seconds()
         late: dict[str, float] = {}
+        train_late = 0.0  # trainers lent to the rollout in the last window come home this late
+        last = (0.0, 0, 0.0)  # the last window's rollout: seconds, devices, device-seconds served
         try:
-            for step in range(self.steps):
+            # One-step off: window w generates step w and trains step w - 1 (window 0 has nothing
+            # to train, the last window no rollout); step w - 1 is reported at the window's end.
+            for w in range(self.steps + 1):
                 if self._pending is not None:
                     self.training, self.rollout = self._pending
                     self._pending = None
                 rollout = sorted(self.rollout, key=c.devices.index)
                 start = time.time()
-                if self.clock_endpoint:
-                    await pub.send(json.dumps({"step": step, "start": start, "rollout": rollout, "late": late}).encode())
+                rollout_s = 0.0
                 gpe = c.profile.rollout.gpus_per_engine
                 engines = len(rollout) // gpe
-                finish = c.engine_finish(step, engines, [late.get(d, 0.0) for d in rollout[::gpe][:engines]])
-                rollout_s = float(finish.max())
-                n, t, lent = len(self.training), c.profile.training.step_overhead_s, set()
-                for done in range(1, mbs + 1):
-                    t += c.mini_batch_seconds(step, n)
-                    await asyncio.sleep(max(start + t / self.speedup - time.time(), 0.0))
-                    await self.trainer.report_mini_batch(step=step, done=done, total=mbs)
-                    joined = await self._lent_to_training(control) - lent if done < mbs else set()
-                    if joined:  # they joined at this boundary: the next mini-batch has them
-                        lent |= joined
-                        n += len(joined)
-                        t += loan.group_change_s + loan.trainer_first_step_s
-                step_s = max(rollout_s, t) + c.weight_sync_seconds()
-                await asyncio.sleep(max(start + step_s / self.speedup - time.time(), 0.0))
-                timing = StepTiming(step=step, rollout_s=rollout_s, train_s=t, weight_sync_s=c.weight_sync_seconds(),
-                                    rollout_devices=len(self.rollout), train_devices=len(self.training),
-                                    samples=int(c.stages.samples[step]),
-                                    response_tokens=int(c.stages.response_tokens[step]),
-                                    lengths=c.stages.lengths(step))
-                await self.trainer.report_step(timing)
+                if w < self.steps:
+                    if self.clock_endpoint:
+                        await pub.send(json.dumps({"step": w, "start": start, "rollout": rollout,
+                                                   "late": late}).encode())
+                    finish = c.engine_finish(w, engines, [late.get(d, 0.0) for d in rollout[::gpe][:engines]],
+                                             home=engines)
+                    rollout_s = float(finish.max())
+                # the training step begins (window 0: nothing to train until the first rollout is done)
+                await self.trainer.report_mini_batch(step=max(w - 1, 0), done=0, total=mbs if w else 0)
+                n, t, lent = len(self.training), 0.0, set()
+                if w >= 1:
+                    t = c.profile.training.step_overhead_s + train_late
+                    for done in range(1, mbs + 1):
+                        t += c.mini_batch_seconds(w - 1, n)
+                        await asyncio.sleep(max(start + t / self.speedup - time.time(), 0.0))
+                        await self.trainer.report_mini_batch(step=w - 1, done=done, total=mbs)
+                        joined = await self._lent_to(Pool.TRAINING, control) - lent if done < mbs else set()
+                        if joined:  # they joined at this boundary: the next mini-batch has them
+                            lent |= joined
+                            n += len(joined)
+                            t += loan.group_change_s + loan.trainer_first_step_s
+                served, lent_out = rollout_s * len(rollout), False
+                if w < self.steps:
+                    rollout_s, extra, lent_out = await self._lent_to_rollout(w, start, rollout, late, rollout_s,
+                                                                             control, pub)
+                    served = rollout_s * len(rollout) + extra
+                train_late = loan.engine_release_s + loan.trainer_join_s if lent_out else 0.0
+                window_s = max(rollout_s, t) + (sync if w >= 1 else 0.0)
+                await asyncio.sleep(max(start + window_s / self.speedup - time.time(), 0.0))
+                if w >= 1:
+                    step = w - 1
+                    await self.trainer.report_step(StepTiming(
+                        step=step, rollout_s=last[0], train_s=t, weight_sync_s=sync, rollout_devices=last[1],
+                        train_devices=len(self.training), rollout_device_s=last[2], samples=int(c.stages.samples[step]),
+                        response_tokens=int(c.stages.response_tokens[step]), lengths=c.stages.lengths(step)))
+                last = (rollout_s, len(rollout), served)
                 late = {d: loan.trainer_leave_s + loan.engine_wake_s for d in lent}  # the way home
-                print(json.dumps({"step": step, "step_s": step_s, "train": len(self.training),
+                print(json.dumps({"window": w, "window_s": window_s, "train": len(self.training),
                                   "rollout": len(self.rollout), "lent": sorted(lent), "at": time.time()}), flush=True)
         finally:
             pub.close()

@@ -167,6 +167,11 @@ def _outcome_lines(data: dict[str, Any]) -> list[str]:
         if p:
             lines.append(f"prediction  {p['resize_id']}: step {p['predicted_step_s_after']:.1f}s predicted, "
                          f"{p['measured_step_s_after']:.1f}s measured, error {p['error_s']:+.1f}s")
+        checked = [f"{kind}s {a['checked']} checked, mean abs error {a['mae_s']:.1f}s ({a['relative_error']:.0%})"
+                   for kind, a in (outcome.get("accuracy") or {}).items()
+                   if a["checked"] and a["relative_error"] is not None]
+        if checked:
+            lines.append(f"accuracy    {'; '.join(checked)}")
         v = outcome["last_verdict"]
         if v:
             saved = "unknown" if v["saved_s"] is None else f"{v['saved_s']:+.1f}s"

@@ -24,11 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from dynaresized import wire
 from dynaresized.core import facts as f
 from dynaresized.core.idle import percent
 from dynaresized.core.state import ClusterState, mutate
-from dynaresized.domain import OpKind, Pool, Split
+from dynaresized.domain import OpKind, Pool, Split, StepTiming
 from dynaresized.explain import explain
 
 
@@ -61,6 +63,8 @@ def _config(state: Path, cluster: Any, policy: str, speedup: float, steps: int) 
                                                                    OpKind.RESTORE, OpKind.COMMIT))
                   for pool in Pool}
     candidates = [str(c) for c in cluster.profile.candidate_splits()]
+    # what a loan costs on this cluster, as an operator would write it down for theirs
+    loans = "\n".join(f"{k} = {v:.6f}" for k, v in msgspec.structs.asdict(cluster.profile.loan_costs()).items())
     text = f"""
 [daemon]
 state_dir = "{state}"
@@ -89,6 +93,8 @@ steps_total = {steps}
 [costs]
 to_training_s = {per_device[Pool.TRAINING]:.6f}
 to_rollout_s = {per_device[Pool.ROLLOUT]:.6f}
+[loan_costs]
+{loans}
 """
     path = state.parent / "config.toml"
     path.write_text(text)
@@ -174,6 +180,11 @@ def run(args: argparse.Namespace) -> int:
         "router": model.router, "loans": summary["loans"], "devices_lent": summary["devices_lent"],
         "wall_s": round(summary["wall_s"], 1), "state_dir": str(state) if args.keep else None,
         "idle_ratio": {pool: None if t.ratio is None else round(t.ratio, 4) for pool, t in summary["idle"].items()},
+        # the daemon's prediction check: resizes' step time, loans' stage end (`LoanChecked`)
+        "predictions_checked": {k: a.checked for k, a in summary["accuracy"].items()},
+        "prediction_mae_s": {k: None if a.mae_s is None else round(a.mae_s, 2) for k, a in summary["accuracy"].items()},
+        "prediction_relative_error": {k: None if a.relative is None else round(a.relative, 4)
+                                      for k, a in summary["accuracy"].items()},
     }
     say("")
     say(f"done: {summary['steps']} steps, {summary['resizes']} resize(s), final split {summary['final_split']}, "
@@ -194,6 +205,10 @@ def run(args: argparse.Namespace) -> int:
     for pool, t in summary["idle"].items():
         say(f"  idle {pool:<9} {percent(t.ratio):>7} of its device time ({t.idle_s / 3600:.2f} of "
             f"{(t.busy_s + t.idle_s) / 3600:.2f} device-hours; {t.steps} steps accounted, {t.unknown_steps} unknown)")
+    checked = [f"{k}s {a.checked} checked, mean abs error {a.mae_s:.1f}s ({a.relative:.0%} of what was measured)"
+               for k, a in summary["accuracy"].items() if a.mae_s is not None and a.relative is not None]
+    if checked:
+        say(f"  predictions {'; '.join(checked)}")
     say(f"  wall time {summary['wall_s']:.1f}s; the daemon's log: `dynaresized events --state-dir {state}`"
         if args.keep else f"  wall time {summary['wall_s']:.1f}s")
     if args.json:
@@ -225,6 +240,7 @@ def _follow(state: Path, leader: subprocess.Popen[bytes], steps: int, say: Any,
     lent_this_step: dict[Pool, list[str]] = {Pool.TRAINING: [], Pool.ROLLOUT: []}  # by the pool lent to
     cluster = ClusterState()  # the log folded as the daemon folds it: its idle figures
     split = None
+    prev: StepTiming | None = None  # the step reported before
     last_rejection = ""
     try:
         while True:
@@ -235,8 +251,10 @@ def _follow(state: Path, leader: subprocess.Popen[bytes], steps: int, say: Any,
                 cluster = mutate(cluster, fact)
                 if isinstance(fact, f.StepObserved):
                     t = fact.timing
-                    step_s = max(t.rollout_s, t.train_s) + t.weight_sync_s
-                    total += step_s
+                    # one-step off: step k is generated beside step k - 1's training, in window k
+                    window_s = t.rollout_s if prev is None else max(t.rollout_s, prev.train_s) + t.weight_sync_s
+                    total += window_s
+                    prev = t
                     seen_steps += 1
                     # The split the daemon holds as the step is recorded (a resize committed at
                     # the previous boundary shows here), not the one the step started on; a
@@ -249,7 +267,7 @@ def _follow(state: Path, leader: subprocess.Popen[bytes], steps: int, say: Any,
                                   rollout=split.rollout + sum(p.is_moving and p.home is Pool.ROLLOUT
                                                               for p in cluster.devices.values()))
                     say(f"step {t.step:4d}  {_bar(split, moving):<22} rollout {t.rollout_s:7.1f}s  "
-                        f"train {t.train_s:7.1f}s  step {step_s:7.1f}s{_lent(lent_this_step)}")
+                        f"train {t.train_s:7.1f}s  window {window_s:7.1f}s{_lent(lent_this_step)}")
                     lent_this_step = {Pool.TRAINING: [], Pool.ROLLOUT: []}
                 elif isinstance(fact, f.LoanStarted):
                     if not any(lent_this_step.values()) and (loans < 3 or seen_steps % 20 == 0):
@@ -272,7 +290,10 @@ def _follow(state: Path, leader: subprocess.Popen[bytes], steps: int, say: Any,
             time.sleep(0.1)
     finally:
         recorder.close()
+    if prev is not None:
+        total += prev.train_s + prev.weight_sync_s  # the last window trains the last step
     idle = {p.value: cluster.idle.pool(p) for p in Pool}
     return {"steps": seen_steps, "total_time_s": total, "resizes": resizes, "loans": loans, "devices_lent": lent,
             "final_split": str(split) if split else "", "wall_s": time.monotonic() - started,
-            "idle": idle, "payback_factor": cluster.history.payback_factor}
+            "idle": idle, "payback_factor": cluster.history.payback_factor,
+            "accuracy": {"resize": cluster.resize_accuracy, "loan": cluster.loan_accuracy}}

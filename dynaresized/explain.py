@@ -103,6 +103,11 @@ def explain(fact: f.Fact) -> str:
             return f"{fact.worker_id}: mini-batch {fact.done}/{fact.total} of training step {fact.step} done"
         case f.LoanStarted():
             return f"loan {fact.plan.resize_id} started (by {fact.source}): {fact.reason}"
+        case f.LoanChecked():
+            late = "later" if fact.error_s >= 0 else "sooner"
+            return (f"loan {fact.resize_id} prediction: the {fact.to_pool.value} finished step {fact.step} "
+                    f"{fact.measured_s:.1f}s after the loan, {fact.predicted_s:.1f}s predicted "
+                    f"({abs(fact.error_s):.1f}s {late}; it was to save ~{fact.saves_s:.0f}s)")
         case f.LoanLanded():
             return f"loan {fact.resize_id} landed in {fact.duration_s:.2f}s: the lent devices serve the other pool until the step boundary"
         case f.LoanReturnStarted():

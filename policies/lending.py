@@ -195,8 +195,10 @@ class Lending:
         devices = ", ".join(idle)
         why = (f"lent {devices} to training at mini-batch {view.mini_batch_done}/{view.mini_batch_total}: "
                f"rollout queue empty, {k} engine(s) idle, {bound}saves ~{saves:.0f} s (cost ~{cost:.0f} s)")
+        # training with the loan: the mini-batches it catches on more devices, after the group change
+        ends_in = training_left - faster + view.costs.to_training_s
         return LoanProposal(devices=idle, to_pool=Pool.TRAINING.value, reason=why, saves_s=saves,
-                            cost_s=cost)
+                            cost_s=cost, ends_in_s=ends_in)
 
     @staticmethod
     def _started(view: LoanView) -> float | None:
@@ -260,8 +262,10 @@ class Lending:
         k = len(free)
         costs = view.costs_to(Pool.ROLLOUT)
         last = view.recent[-1] if view.recent else None
+        until_home = False  # the job takes the lent devices back before the rollout ends
         if model is not None and last is not None and last.step == view.rollout_step - 1 and (
                 last.loan_home_share is not None):
+            until_home = True
             # the job takes the lent devices back once a share of the step's samples is
             # generated: they serve until the home pool's rollout reaches it
             rollout = model.rollout_on(n)
@@ -292,4 +296,7 @@ class Lending:
                 else f"training step done ({view.mini_batch_done}/{view.mini_batch_total})")
         why = (f"lent {', '.join(free)} to the rollout: {what}, rollout queue not empty, {source}, "
                f"saves ~{saves:.0f} s (cost ~{cost:.0f} s)")
-        return LoanProposal(devices=free, to_pool=Pool.ROLLOUT.value, reason=why, saves_s=saves, cost_s=cost)
+        # the rollout with the loan ends sooner by the saving; taken back at a share of the
+        # samples, `ahead` is until then, not the rollout's end: no prediction of its end
+        return LoanProposal(devices=free, to_pool=Pool.ROLLOUT.value, reason=why, saves_s=saves, cost_s=cost,
+                            ends_in_s=-1.0 if until_home else ahead - saves)

@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from dynaresized.core import facts as f
 from dynaresized.core.facts import decode_fact
 from dynaresized.demo import _follow
@@ -75,7 +77,19 @@ def test_demo_moves_devices_to_the_slow_stage_and_beats_the_static_split() -> No
         sample = excerpt(lines)
         assert sample[0].startswith("dynaresized demo: ") and sample[1].startswith("step    0  ")
         assert " resize r1 started: " in sample[3] and " resize r1 committed " in sample[4]
-        assert sample[6].startswith("done: 30 steps") and "best static configuration" in sample[-1]
+        assert sample[6].startswith("done: 30 steps") and "best static configuration" in sample[-2]
+        assert sample[-1].startswith("  predictions resizes 1 checked, mean abs error ")
+        # each loan's prediction is checked against the timings (the leader, which acts on the
+        # loans, stops the run if the daemon refuses its status requests); the engine that pulls
+        # a step's last request says the queue is empty before it runs dry
+        checked = [x for x in facts if isinstance(x, f.LoanChecked)]
+        assert checked and summary["predictions_checked"]["loan"] == len(checked)
+        assert summary["prediction_mae_s"]["loan"] == pytest.approx(
+            sum(abs(x.error_s) for x in checked) / len(checked), abs=0.01)
+        assert any(isinstance(x, f.EngineQueueEmptyObserved) and x.running > 0 for x in facts)
+        # one-step off: window 0 has nothing to train
+        first = next(x for x in facts if isinstance(x, f.MiniBatchObserved))
+        assert (first.step, first.done, first.total) == (0, 0, 0)
     finally:
         shutil.rmtree(state.parent, ignore_errors=True)
 
@@ -97,7 +111,7 @@ def test_the_demo_reads_the_log_on_after_the_leader_exits_until_every_step_is_in
     finally:
         late.join()
         writer.recorder.close()
-    assert summary["steps"] == 3 and summary["total_time_s"] == 6.0
+    assert summary["steps"] == 3 and summary["total_time_s"] == 7.0  # windows 2, 2, 2, then the last training 1
     # a leader that died early is waited for no longer than settle_s
     began = time.monotonic()
     assert _follow(tmp_path, leader, 5, lambda line: None, open_recorder, decode_fact, settle_s=0.3)["steps"] == 3

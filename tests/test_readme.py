@@ -23,7 +23,7 @@ DEMO_LINES = [
     r"  daemon: tcp://\S+ \(control tcp://\S+\), event log \S+/events\.sqlite",
     r"  \d+ device processes started \(engine \+ trainer worker each\); training\.\.\.",
     r"",
-    rf"step +\d+  T■* R□*( ~\d+)? +rollout +[\d.]+s  train +[\d.]+s  step +[\d.]+s({_LENT})?",
+    rf"step +\d+  T■* R□*( ~\d+)? +rollout +[\d.]+s  train +[\d.]+s  window +[\d.]+s({_LENT})?",
     r"  >> \S.*",
     r"  \.\. \S.*",
     r"done: \d+ steps, \d+ resize\(s\), final split \d+:\d+, \d+ loan\(s\) of idle devices inside steps "
@@ -35,6 +35,8 @@ DEMO_LINES = [
     r"\([\d.]+x(; below 1: the demo's engines are one device each, `dynaresized plan` says where to start)?\)",
     r"  idle (rollout |training) +([\d.]+%|unknown) of its device time \([\d.]+ of [\d.]+ device-hours; "
     r"\d+ steps accounted, \d+ unknown\)",
+    r"  predictions (resizes|loans) \d+ checked, mean abs error [\d.]+s \(\d+% of what was measured\)"
+    r"(; loans \d+ checked, mean abs error [\d.]+s \(\d+% of what was measured\))?",
     r"  wall time [\d.]+s.*",
 ]
 

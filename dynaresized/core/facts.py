@@ -317,6 +317,26 @@ class LoanStarted(Fact, frozen=True, tag="loan_started"):
     op_deadline: float
     saves_s: float = 0.0  # the policy's predicted saving in the rest of the step
     cost_s: float = 0.0  # the loan's predicted cost on the critical path
+    check_step: int = -1
+    """The step whose lent-to stage the prediction is of (the rollout step in progress for a loan
+    to the rollout, the training step for one to training; -1: the policy predicted nothing)."""
+    ends_in_s: float = 0.0  # the policy's predicted seconds until that stage finishes the step, with the loan
+    stage_elapsed_s: float = 0.0  # of a loan to the rollout: seconds the rollout had run at `at`
+
+
+class LoanChecked(Fact, frozen=True, tag="loan_checked"):
+    """A loan's prediction against what was measured once its stage finished the step: the seconds
+    from the loan's start until the lent-to stage was done, as the policy predicted them
+    (`LoanStarted.ends_in_s`) and as measured (a loan to training: its step's last mini-batch; to
+    the rollout: the step report's `rollout_s` less the rollout's time before the loan)."""
+
+    resize_id: str
+    to_pool: Pool
+    step: int
+    predicted_s: float
+    measured_s: float
+    error_s: float  # measured - predicted: positive when the stage finished later than predicted
+    saves_s: float = 0.0  # the saving the loan was started for
 
 
 class LoanLanded(Fact, frozen=True, tag="loan_landed"):
@@ -419,6 +439,7 @@ AnyFact = (
     | EngineQueueEmptyObserved
     | MiniBatchObserved
     | LoanStarted
+    | LoanChecked
     | LoanLanded
     | LoanReturnStarted
     | LoanReturned

@@ -42,6 +42,7 @@ def loan_view(core: CoreLike, state: ClusterState, now: float) -> LoanView:
         mini_batch_done=mb.done if mb is not None else 0,
         mini_batch_total=mb.total if mb is not None else 0,
         mini_batch_s=mb.last_s if mb is not None else 0.0,
+        mini_batch_at=mb.at if mb is not None else -1.0,
         queue_empty=state.dry_step >= rollout_step,
         costs=loan_costs(core, state, Pool.TRAINING),
         rollout_costs=loan_costs(core, state, Pool.ROLLOUT),
@@ -139,8 +140,38 @@ def consider_loan(core: CoreLike, tx: Tx, at: float, quiet: bool = False) -> Non
         return
     tx.emit(f.LoanStarted(at=at, plan=plan, source=core.policy.name, reason=proposal.reason,
                           op_deadline=at + core.config.op_timeout_s, saves_s=proposal.saves_s,
-                          cost_s=proposal.cost_s))
+                          cost_s=proposal.cost_s, **_prediction(tx.state, at, proposal)))
     advance(core, tx, at, fresh=True)
+
+
+def _prediction(state: ClusterState, at: float, proposal: LoanProposal) -> dict[str, float | int]:
+    """What `LoanStarted` records of the policy's prediction, for `check_loans`: the step whose
+    lent-to stage it is of, and (to the rollout) how long that rollout had run; nothing where the
+    policy predicted nothing or the step's start is unknown."""
+    if proposal.ends_in_s < 0:
+        return {}
+    if Pool(proposal.to_pool) is Pool.ROLLOUT:
+        started = step_started_at(state)
+        if started < 0:
+            return {}
+        return {"check_step": rollout_in_progress(state), "ends_in_s": proposal.ends_in_s,
+                "stage_elapsed_s": max(at - started, 0.0)}
+    mb = state.mini_batch
+    if mb is None or mb.total == 0:
+        return {}
+    return {"check_step": mb.step, "ends_in_s": proposal.ends_in_s}
+
+
+def check_loans(tx: Tx, at: float, step: int, to_pool: Pool, stage_s: float = 0.0) -> None:
+    """The stage `to_pool` finished step `step`: each loan to it in that step measured against its
+    prediction (`LoanChecked`). To training, at the step's last mini-batch (`at`); to the rollout,
+    at the step report, whose `rollout_s` is `stage_s`."""
+    for c in tx.state.loan_checks:
+        if c.step != step or c.to_pool is not to_pool:
+            continue
+        measured = at - c.at if to_pool is Pool.TRAINING else max(stage_s - c.stage_elapsed_s, 0.0)
+        tx.emit(f.LoanChecked(at=at, resize_id=c.resize_id, to_pool=to_pool, step=step, predicted_s=c.ends_in_s,
+                              measured_s=measured, error_s=measured - c.ends_in_s, saves_s=c.saves_s))
 
 
 def plan_loan(state: ClusterState, devices: tuple[DeviceId, ...], to_pool: Pool, kind: PlanKind) -> ResizePlan | str:
@@ -180,6 +211,8 @@ def on_mini_batch_done(core: CoreLike, tx: Tx, e: ev.MiniBatchDone) -> None:
     if mb is None or (mb.step, mb.done, mb.total) != (e.step, e.done, e.total):
         # A repeat of the last mini-batch would only restart its pace: no fact
         tx.emit(f.MiniBatchObserved(at=e.at, worker_id=e.worker_id, step=e.step, done=e.done, total=e.total))
+        if e.done == e.total:
+            check_loans(tx, e.at, e.step, Pool.TRAINING)
     s = tx.state
     lent_out = [d for d in s.lent_devices() if s.devices[d].pool is Pool.ROLLOUT]
     if e.done < e.total and lent_out and s.phase is Phase.STEADY and s.inflight is None and not tail_open(s):

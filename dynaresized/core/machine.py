@@ -166,6 +166,7 @@ def _observe_step(core: CoreLike, tx: Tx, e: ev.StepReported) -> None:
         if share is not None and not 0 <= share <= 1:
             raise Refused("bad_value", f"{name}={share!r} must be a share of the next step's samples, from 0 to 1")
     tx.emit(f.StepObserved(at=e.at, worker_id=e.worker_id, timing=t))
+    loans.check_loans(tx, e.at, t.step, Pool.ROLLOUT, t.rollout_s)
     resizes.check_outcome(core, tx, e.at)
 
 

@@ -246,6 +246,9 @@ class LoanView(msgspec.Struct, frozen=True):
     """When the step in progress began (the last step report; -1: no step reported yet): with
     `recent`, how far into its predicted rollout the step is."""
     tail_binds: bool = True  # as `ObservedView.tail_binds`
+    mini_batch_at: float = -1.0
+    """When the trainer reported its last mini-batch done (-1: unknown): the mini-batch running now
+    began then, and is that far along."""
 
     def costs_to(self, pool: Pool) -> LoanCosts:
         """The loan costs a loan to `pool` is estimated with."""
@@ -260,3 +263,7 @@ class LoanProposal(msgspec.Struct, frozen=True):
     reason: str
     saves_s: float  # predicted seconds saved in the rest of the step
     cost_s: float  # predicted seconds the loan adds to the critical path
+    ends_in_s: float = -1.0
+    """Predicted seconds from now until the stage the devices are lent to finishes the step's
+    work, with the loan (< 0: no prediction). The core checks it against what the step measures
+    (`LoanChecked`)."""

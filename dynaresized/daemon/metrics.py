@@ -61,6 +61,10 @@ class Metrics:
         self.prediction_error_seconds = Histogram(
             "dynaresized_prediction_error_seconds", "Measured minus predicted step time after resizes (absolute)",
             buckets=(0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800, 3600), registry=r)
+        self.loan_prediction_error_seconds = Histogram(
+            "dynaresized_loan_prediction_error_seconds",
+            "Measured minus predicted seconds from a loan's start until its stage finished the step (absolute)",
+            buckets=(0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800, 3600), registry=r)
         self.verdicts = Counter("dynaresized_resize_verdicts_total", "Committed resizes judged over their payback window",
                                 ["verdict"], registry=r)
         self.payback_factor = Gauge("dynaresized_payback_factor",
@@ -120,6 +124,8 @@ class Metrics:
             elif isinstance(fact, f.PredictionChecked):
                 self.prediction_error.set(fact.error_s / fact.predicted_step_s_after)
                 self.prediction_error_seconds.observe(abs(fact.error_s))
+            elif isinstance(fact, f.LoanChecked):
+                self.loan_prediction_error_seconds.observe(abs(fact.error_s))
             elif isinstance(fact, f.ResizeJudged):
                 self.verdicts.labels(fact.verdict.value).inc()
                 self.payback_factor.set(fact.payback_factor)

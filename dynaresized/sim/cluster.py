@@ -18,6 +18,7 @@ process and get the same answer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -96,11 +97,29 @@ class VirtualCluster:
         """Seconds one op of a loan (to_pool TRAINING) or of its way home takes."""
         return self.profile.loan_op_seconds(kind, to_pool, naive=self.naive)
 
-    def engine_finish(self, step: int, engines: int, late_s: Sequence[float] | None = None) -> np.ndarray:
+    def engine_finish(self, step: int, engines: int, late_s: Sequence[float] | None = None,
+                      home: int | None = None) -> np.ndarray:
         """When each engine of the rollout pool has nothing left to do in `step` (seconds after
-        the step starts, our pull router); `late_s[e]`: engine e starts that late."""
+        the step starts, our pull router); `late_s[e]`: engine e starts that late; engines past
+        the first `home` are lent in (the router holds no share for them)."""
         self._check_step(step)
-        return self.stages.engine_finish(step, engines, None if late_s is None else np.asarray(late_s, float))
+        return self.stages.engine_finish(step, engines, None if late_s is None else np.asarray(late_s, float),
+                                         home=home)
+
+    def queue_empty(self, step: int, engines: int, late_s: Sequence[float],
+                    home: int | None = None) -> tuple[float, int, int, int] | None:
+        """When `step`'s queue of requests empties (seconds after the step starts, pull router),
+        the engine that pulls its last request, how many requests that engine runs then, and the
+        most tokens one of them still has to decode: what that engine's router reports (the vLLM
+        backend's `on_dry`). None with a router that places requests at submission."""
+        self._check_step(step)
+        if self.stages.router != "pull":
+            return None
+        schedule, start_s, pace, empty_at = self.stages.pull_timeline(step, engines, np.asarray(late_s, float), home)
+        engine = int(schedule.placement[int(np.argmax(start_s))])
+        running = (schedule.placement == engine) & (start_s <= empty_at) & (schedule.done_s > empty_at)
+        left = float(((schedule.done_s[running] - empty_at) / pace[engine]).max()) if running.any() else 0.0
+        return empty_at, engine, int(running.sum()), math.ceil(left)
 
     def mini_batch_seconds(self, step: int, train_devices: int) -> float:
         """One mini-batch (optimizer step) of training step `step` on `train_devices` devices."""

@@ -147,17 +147,10 @@ class DynamicPipeline(Lending, Regroups):
         )
         self.lending = bool(getattr(policy, "lends", False))
         if self.lending:
-            loan = profile.loan
-            to_training = (loan.group_change_s + loan.trainer_first_step_s if not naive
-                           else sum(profile.loan_op_seconds(k, Pool.TRAINING, naive=True) for k in FORWARD_ORDER))
-            back = (loan.trainer_leave_s + loan.engine_wake_s if not naive
-                    else sum(profile.loan_op_seconds(k, Pool.ROLLOUT, naive=True) for k in FORWARD_ORDER))
-            lead = sum(profile.loan_op_seconds(k, Pool.TRAINING, naive=naive) for k in FORWARD_ORDER)
             # The profile's own loan costs, exact: the core does not re-learn them from the
             # loans' op seconds (`learn_loan_costs`; the daemon does, from real loans).
-            config = msgspec.structs.replace(config, loan_costs=LoanCosts(
-                to_training_s=to_training, to_rollout_s=to_training, return_s=back, lead_s=lead),
-                learn_loan_costs=False)
+            config = msgspec.structs.replace(config, loan_costs=profile.loan_costs(naive=naive),
+                                             learn_loan_costs=False)
         # Tail regroups (`propose_tail`): request by request, with the pull router only.
         self.tails = bool(getattr(policy, "regroups_tails", False)) and model.router == "pull" and not naive
         if self.tails:

@@ -15,7 +15,8 @@ from pathlib import Path
 import msgspec
 
 from dynaresized.core.guards import GuardConfig
-from dynaresized.domain import OpKind, PipelineSpec, Pool, Split
+from dynaresized.core.policy import LoanCosts
+from dynaresized.domain import FORWARD_ORDER, OpKind, PipelineSpec, Pool, Split
 
 
 class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -287,6 +288,19 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if to_pool is Pool.TRAINING:
             return {OpKind.RELEASE: c.engine_release_s, OpKind.JOIN: c.trainer_join_s}.get(kind, 0.0)
         return {OpKind.RELEASE: c.trainer_leave_s, OpKind.JOIN: c.engine_wake_s}.get(kind, 0.0)
+
+    def loan_costs(self, *, naive: bool = False) -> LoanCosts:
+        """What a loan on this cluster costs, as the core's `LoanCosts` (the simulator's core,
+        and the demo's daemon, `[loan_costs]`): to training, the group change and the joiner's
+        first mini-batch; the way home, the trainer leaving and the engine waking; the lead,
+        the loan's ops. Naive: every op tears down and builds afresh."""
+        loan = self.loan
+        to_training = (loan.group_change_s + loan.trainer_first_step_s if not naive
+                       else sum(self.loan_op_seconds(k, Pool.TRAINING, naive=True) for k in FORWARD_ORDER))
+        back = (loan.trainer_leave_s + loan.engine_wake_s if not naive
+                else sum(self.loan_op_seconds(k, Pool.ROLLOUT, naive=True) for k in FORWARD_ORDER))
+        lead = sum(self.loan_op_seconds(k, Pool.TRAINING, naive=naive) for k in FORWARD_ORDER)
+        return LoanCosts(to_training_s=to_training, to_rollout_s=to_training, return_s=back, lead_s=lead)
 
     def with_tp(self, devices: int) -> Profile:
         """The same profile with rollout engines of `devices` devices (`RolloutSpec.at_tp`)."""

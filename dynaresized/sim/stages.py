@@ -632,15 +632,15 @@ class StageModel:
         last_pulled = float((done_int - lengths).max())
         return EngineSchedule(placement=placement, done_s=done_s, finish_s=start + busy), span, last_pulled
 
-    def pull_timeline(self, i: int, engines: int, late_s: np.ndarray) -> tuple[EngineSchedule, np.ndarray, np.ndarray,
-                                                                                float]:
+    def pull_timeline(self, i: int, engines: int, late_s: np.ndarray,
+                      home: int | None = None) -> tuple[EngineSchedule, np.ndarray, np.ndarray, float]:
         """Step i's pull-routed rollout request by request (`engine_schedule`), with each
         request's start (seconds after the step starts), each engine's pace (seconds per
         iteration over its busy time, as `done_s` is interpolated), and when the step's queue
         empties, in the seconds a late engine's offset is counted in (a full batch's iteration:
         an engine lent in before then still pulls a request): what a tail regroup needs to know
-        of the requests an engine still runs at a moment."""
-        schedule, span, last_pulled = self._pull_schedule(i, engines, late_s)
+        of the requests an engine still runs at a moment. `home` as `engine_finish`'s."""
+        schedule, span, last_pulled = self._pull_schedule(i, engines, late_s, home)
         pace = (schedule.finish_s - late_s) / span
         start_s = schedule.done_s - self.trace.steps[i].response_tokens.astype(np.float64) * pace[schedule.placement]
         return schedule, start_s, pace, (last_pulled + 1.0) * self._full_iter_s(i)

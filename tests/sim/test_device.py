@@ -11,6 +11,7 @@ import zmq.asyncio
 
 from dynaresized import wire
 from dynaresized.backends.sim import SimDevice
+from dynaresized.domain import Pool
 from dynaresized.sim.cluster import VirtualCluster
 
 
@@ -32,14 +33,14 @@ async def test_a_status_that_comes_late_is_skipped_not_fatal_and_not_taken_for_t
     control.connect(endpoint)
     lent_device = sim.rollout[0]
     try:
-        asked = asyncio.ensure_future(sim._lent_to_training(control))
-        ident, _ = await router.recv_multipart()  # the daemon got it and stalls past the wait
+        asked = asyncio.ensure_future(sim._lent_to(Pool.TRAINING, control))
+        ident, secret, _ = await router.recv_multipart()  # the daemon got it (two frames, as control requests are) and stalls
         assert await asked == set()
         # the late answer (nothing lent) arrives, then the next question's (one device lent)
         await router.send_multipart([ident, status_reply({})])
         assert await control.poll(5000), "the late answer reached the leader's socket"  # not taken
-        asked = asyncio.ensure_future(sim._lent_to_training(control))
-        ident, _ = await router.recv_multipart()
+        asked = asyncio.ensure_future(sim._lent_to(Pool.TRAINING, control))
+        ident, secret, _ = await router.recv_multipart()
         await router.send_multipart([ident, status_reply({lent_device: "training"})])
         assert await asked == {lent_device}
     finally:

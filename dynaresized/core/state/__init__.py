@@ -21,8 +21,10 @@ from dynaresized.core.state.cluster import (
     LOAN_TIMES_KEPT,
     PHASE_OF_OP,
     RECENT_WINDOW,
+    Accuracy,
     ClusterState,
     InFlight,
+    LoanCheck,
     LoanTime,
     MiniBatch,
     Outcome,
@@ -42,7 +44,8 @@ from dynaresized.core.state.cluster import (
 from dynaresized.core.state.memo import derived, grown
 
 __all__ = [
-    "HISTORY_WINDOW", "LOAN_TIMES_KEPT", "PHASE_OF_OP", "RECENT_WINDOW", "ClusterState", "InFlight", "LoanTime",
+    "HISTORY_WINDOW", "LOAN_TIMES_KEPT", "PHASE_OF_OP", "RECENT_WINDOW", "Accuracy", "ClusterState", "InFlight",
+    "LoanCheck", "LoanTime",
     "MiniBatch", "Outcome", "Phase", "Progress", "StepProgress", "Unconverged", "decode_state", "derived",
     "encode_state", "fold", "grown", "mutate", "overlaid", "progressed", "seen_at", "with_step_progress",
     # the modules of the families, whose import registers their handlers

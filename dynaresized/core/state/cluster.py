@@ -105,6 +105,40 @@ class Outcome(msgspec.Struct, frozen=True):
     after_tokens: tuple[int, ...] = ()  # response tokens of those steps (0: not reported)
 
 
+class LoanCheck(msgspec.Struct, frozen=True, array_like=True):
+    """A loan whose prediction waits for the stage it serves to finish its step (`LoanStarted`)."""
+
+    resize_id: str
+    to_pool: Pool
+    step: int
+    at: float  # when it started
+    ends_in_s: float
+    stage_elapsed_s: float
+    saves_s: float
+
+
+class Accuracy(msgspec.Struct, frozen=True):
+    """Predictions checked against what was measured: how many, their absolute errors and what
+    was measured, summed (`PredictionChecked` for resizes, `LoanChecked` for loans)."""
+
+    checked: int = 0
+    abs_error_s: float = 0.0
+    measured_s: float = 0.0
+
+    def add(self, error_s: float, measured_s: float) -> Accuracy:
+        return Accuracy(self.checked + 1, self.abs_error_s + abs(error_s), self.measured_s + measured_s)
+
+    @property
+    def mae_s(self) -> float | None:
+        """Mean absolute error in seconds (None: nothing checked)."""
+        return self.abs_error_s / self.checked if self.checked else None
+
+    @property
+    def relative(self) -> float | None:
+        """Absolute errors over what was measured (None: nothing measured)."""
+        return self.abs_error_s / self.measured_s if self.measured_s > 0 else None
+
+
 class Progress(msgspec.Struct, frozen=True, array_like=True):
     step: int
     done: int
@@ -225,6 +259,9 @@ class ClusterState(msgspec.Struct, frozen=True):
     last_sent: float = 0.0  # soft: when the pending op was last sent
     last_audit: float = 0.0  # soft: when every live worker was last asked for its state
     last_tick: float = 0.0  # soft: when the core last saw a tick (a long gap: the daemon stalled)
+    loan_checks: tuple[LoanCheck, ...] = ()  # loans whose prediction waits for their stage to finish
+    resize_accuracy: Accuracy = Accuracy()
+    loan_accuracy: Accuracy = Accuracy()
 
     # -- derived views -------------------------------------------------------------
     def pool_devices(self, pool: Pool) -> tuple[DeviceId, ...]:

@@ -1,6 +1,6 @@
 """The fold of loans: engines run dry and mini-batches (what a loan may take), loans, their way
 home and their measured times. Folds EngineQueueEmptyObserved, MiniBatchObserved, LoanStarted,
-LoanLanded, LoanReturnStarted, LoanReturned."""
+LoanLanded, LoanReturnStarted, LoanReturned, LoanChecked."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dynaresized.core.state.cluster import (
     PHASE_OF_OP,
     ClusterState,
     InFlight,
+    LoanCheck,
     LoanTime,
     MiniBatch,
     Phase,
@@ -48,7 +49,17 @@ def _(s: ClusterState, e: f.MiniBatchObserved) -> ClusterState:
 @on(f.LoanStarted)
 def _(s: ClusterState, e: f.LoanStarted) -> ClusterState:
     s = _start_sequence(s, e, home=e.plan.from_pool)
-    return replace(s, dry=undry(s, e.plan.devices), loans_started=s.loans_started + 1)
+    checks = s.loan_checks
+    if e.check_step >= 0:
+        checks = checks + (LoanCheck(e.plan.resize_id, e.plan.to_pool, e.check_step, e.at, e.ends_in_s,
+                                     e.stage_elapsed_s, e.saves_s),)
+    return replace(s, dry=undry(s, e.plan.devices), loans_started=s.loans_started + 1, loan_checks=checks)
+
+
+@on(f.LoanChecked)
+def _(s: ClusterState, e: f.LoanChecked) -> ClusterState:
+    return replace(s, loan_checks=tuple(c for c in s.loan_checks if c.resize_id != e.resize_id),
+                   loan_accuracy=s.loan_accuracy.add(e.error_s, e.measured_s))
 
 
 @on(f.LoanLanded)

@@ -169,7 +169,8 @@ def _(s: ClusterState, e: f.PredictionChecked) -> ClusterState:
     outcome = s.outcome
     if outcome is not None and outcome.resize_id == e.resize_id:
         outcome = replace(outcome, checked=True)
-    return replace(s, outcome=outcome, last_prediction=e)
+    return replace(s, outcome=outcome, last_prediction=e,
+                   resize_accuracy=s.resize_accuracy.add(e.error_s, e.measured_step_s_after))
 
 
 @on(f.ResizeJudged)

@@ -9,7 +9,7 @@ from msgspec.structs import replace
 from dynaresized.core import facts as f
 from dynaresized.core.idle import step_period_s
 from dynaresized.core.state.cluster import HISTORY_WINDOW, RECENT_WINDOW, ClusterState, Phase, Progress, on, progressed
-from dynaresized.domain import Split, placed
+from dynaresized.domain import Pool, Split, placed
 
 
 @on(f.ClusterConfigured)
@@ -38,7 +38,11 @@ def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
     # Engines that ran dry before a step boundary did so in the step that ended: not lendable
     # now; nor are trainers whose mini-batches were of that step (the next one begins).
     mb = s.mini_batch if s.mini_batch is not None and s.mini_batch.step > e.timing.step else None
-    return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history,
+    # A loan's prediction is checked on its stage's end: a loan to training on its step's last
+    # mini-batch, which comes before this report or never; one to the rollout on this report
+    # (`core.loans.check_loans`). Any older is left unchecked.
+    checks = tuple(c for c in s.loan_checks if c.step > t.step or (c.step == t.step and c.to_pool is Pool.ROLLOUT))
+    return replace(s, last_step=e.timing.step, recent=recent, step_history=step_history, loan_checks=checks,
                    idle=s.idle.add(e.timing, s.devices), outcome=outcome, dry=(), tails=(), mini_batch=mb,
                    step_reporter=e.worker_id, tail_due=bool(s.tail_undo), last_step_at=e.at)
 
