@@ -176,12 +176,14 @@ class Lending:
             return None  # training done, or its pace not measured yet
         k = len(view.idle_engines)
         n = view.training_devices
+        # how far the mini-batch running now is (it began at the last report), as far as its pace says
+        into = min(max(view.now - view.mini_batch_at, 0.0), view.mini_batch_s) if view.mini_batch_at >= 0 else 0.0
         # the first boundary the loan can make: after the mini-batch now running, and after
         # its release and join are done
-        caught = max(left - 1 - math.floor(view.costs.lead_s / view.mini_batch_s), 0)
+        caught = max(left - max(math.ceil((into + view.costs.lead_s) / view.mini_batch_s), 1), 0)
         faster = caught * view.mini_batch_s * k / (n + k)  # training ends this much sooner
         model = measure(view.recent[-RECENT_STEPS:], view.split, floor=view.tail_binds)
-        training_left = left * view.mini_batch_s
+        training_left = left * view.mini_batch_s - into
         rollout_left = self._rollout_left(view, model)
         if rollout_left is None:
             saves, bound = faster, ""

@@ -38,6 +38,23 @@ def test_saving_counts_the_mini_batches_the_loan_still_catches():
     assert slow_join.saves_s == pytest.approx(10 * 5.0 * 1 / 5)
 
 
+def test_a_loan_decided_inside_a_mini_batch_counts_how_far_it_is():
+    # mini-batch 4 of 16 was reported 15 s ago (20 s each): the one running is 15 s along, so
+    # training has 12 x 20 - 15 = 225 s left, and the loan (6 s lead) catches the 10 mini-batches
+    # after the next-but-one boundary (15 + 6 > 20); the prediction of training's end says so
+    policy = load_policy("hysteresis")
+    p = policy.propose_loan(msgspec.structs.replace(view(done=4, total=16, pace_s=20.0), mini_batch_at=85.0))
+    assert p is not None and p.saves_s == pytest.approx(10 * 20.0 * 1 / 5)
+    assert p.ends_in_s == pytest.approx(225.0 - 10 * 20.0 / 5 + COSTS.to_training_s)
+    # reported just now: nothing of it is done; as before
+    q = policy.propose_loan(msgspec.structs.replace(view(done=4, total=16, pace_s=20.0), mini_batch_at=100.0))
+    assert q.saves_s == pytest.approx(11 * 20.0 * 1 / 5)
+    assert q.ends_in_s == pytest.approx(240.0 - 11 * 20.0 / 5 + COSTS.to_training_s)
+    # the running one is overdue: as far as the pace says, it is done any moment
+    r = policy.propose_loan(msgspec.structs.replace(view(done=4, total=16, pace_s=20.0), mini_batch_at=50.0))
+    assert r.saves_s == pytest.approx(10 * 20.0 * 1 / 5) and r.ends_in_s == pytest.approx(220.0 - 40.0 + 3.0)
+
+
 def test_no_loan_without_idle_engines_measured_pace_or_training_left():
     policy = load_policy("hysteresis")
     assert policy.propose_loan(view(idle=())) is None
