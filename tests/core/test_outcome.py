@@ -275,3 +275,26 @@ def test_status_says_which_cost_model_the_policy_predicts_with_and_why() -> None
         d.send(ev.StepReported(at=d.at(), worker_id=trainer(0), timing=StepTiming(
             step=2, rollout_s=100.0, train_s=20.0, lengths=ResponseLengths(quantiles=(10, 5, 90, 400)))))
     assert d.state.last_step == 1
+
+
+def test_a_step_that_straddles_the_commit_does_not_measure_the_new_split() -> None:
+    """One-step off: step k's rollout ran a window before its training, so the first step after a
+    commit can report its rollout on the old split and its training on the new one. It measured
+    neither; only steps wholly on the new split are checked against the prediction."""
+    policy = Scripted(Split(6, 2), Split(4, 4), before_s=78.0, after_s=40.0)
+    d = boot(make_core(GUARDS, policy), train=6, rollout=2)
+
+    def on(step: int, rollout_s: float, train: int, rollout: int) -> list[f.Fact]:
+        facts, _ = d.send(ev.StepReported(at=d.at(), worker_id=trainer(0), timing=StepTiming(
+            step=step, rollout_s=rollout_s, train_s=20.0, train_devices=train, rollout_devices=rollout)))
+        return facts
+
+    assert of(on(0, 78.0, 6, 2), f.ResizeStarted)
+    d.finish()
+    assert d.state.split == Split(4, 4)
+    on(1, 78.0, 6, 2)  # wholly on the old split
+    on(2, 78.0, 4, 2)  # rollout on the old split, training on the new: straddles
+    assert d.state.outcome is not None and d.state.outcome.after == ()
+    assert not of(on(3, 41.0, 4, 4), f.PredictionChecked)
+    [checked] = of(on(4, 43.0, 4, 4), f.PredictionChecked)
+    assert checked.measured_step_s_after == pytest.approx(42.0)  # the two steps on 4:4, not the straddling 78 s

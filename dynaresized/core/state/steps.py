@@ -9,7 +9,7 @@ from msgspec.structs import replace
 from dynaresized.core import facts as f
 from dynaresized.core.idle import step_period_s
 from dynaresized.core.state.cluster import HISTORY_WINDOW, RECENT_WINDOW, ClusterState, Phase, Progress, on, progressed
-from dynaresized.domain import Pool, Split, placed
+from dynaresized.domain import Pool, placed
 
 
 @on(f.ClusterConfigured)
@@ -29,9 +29,11 @@ def _(s: ClusterState, e: f.StepObserved) -> ClusterState:
     outcome = s.outcome
     period = step_period_s(e.timing)
     t = e.timing
-    # In a pipeline the first step reported after a commit may still have run on the old
-    # split (its rollout started before): a step that says so does not measure the new one.
-    ran_before = outcome is not None and outcome.before == Split(train=t.train_devices, rollout=t.rollout_devices)
+    # In a pipeline the first steps reported after a commit may still have run on the old
+    # split, wholly or in one stage (one-step off: step k's rollout ran a window before its
+    # training, so a step can straddle the commit): a step that says so does not measure the new one.
+    before = outcome.before if outcome is not None else None
+    ran_before = before is not None and (t.train_devices == before.train or t.rollout_devices == before.rollout)
     if outcome is not None and outcome.committed and period is not None and not ran_before:
         outcome = replace(outcome, after=outcome.after + (period,),
                           after_tokens=outcome.after_tokens + (e.timing.response_tokens,))
