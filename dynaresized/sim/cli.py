@@ -483,6 +483,9 @@ def summary(r: SimReport) -> str:
     if r.prediction_errors:
         lines.append("  prediction_errors        " + ", ".join(f"{e:+.0%}" for e in r.prediction_errors)
                      + " (measured vs predicted step time after each resize)")
+    if r.loans_checked and r.prediction_mae_s.get("loan") is not None:
+        lines.append(f"  loan predictions         {r.loans_checked} checked, mean abs error "
+                     f"{r.prediction_mae_s['loan']:.1f}s (when the stage they serve finishes the step)")
     if r.verdicts:
         lines.append("  verdicts                 " + ", ".join(f"{k} {v}" for k, v in r.verdicts.items()))
     return "\n".join(lines) + "\n"

@@ -117,6 +117,11 @@ class SimReport(msgspec.Struct, frozen=True):
     timings (docs/idle.md); None where no step had a figure."""
     prediction_errors: list[float] = []
     """(measured - predicted) / predicted step time after each resize its policy predicted."""
+    prediction_mae_s: dict[str, float | None] = {}
+    """The daemon's prediction check, as `status`'s `accuracy`: the mean absolute error in
+    seconds of the resizes' predicted step time and of the loans' predicted end of the stage they
+    serve (`PredictionChecked`, `LoanChecked`); None where nothing was checked."""
+    loans_checked: int = 0
     verdicts: dict[str, int] = {}
     """Committed resizes judged over their payback window, by verdict (paid_back, worse...)."""
     router: str = "pull"
@@ -483,6 +488,9 @@ def simulate(
         idle_ratio={p.value: None if (r := run.state.idle.pool(p).ratio) is None else _r(r, 4) for p in Pool},
         prediction_errors=[_r(x.error_s / x.predicted_step_s_after, 4) for x in run.facts
                            if isinstance(x, f.PredictionChecked)],
+        prediction_mae_s={"resize": None if (m := run.state.resize_accuracy.mae_s) is None else _r(m),
+                          "loan": None if (m := run.state.loan_accuracy.mae_s) is None else _r(m)},
+        loans_checked=run.state.loan_accuracy.checked,
         verdicts=dict(sorted(Counter(x.verdict.value for x in run.facts if isinstance(x, f.ResizeJudged)).items())),
         router=model.router,
         best_static_round_robin=BestStatic(base.best_split_round_robin.train, base.best_split_round_robin.rollout,

@@ -37,6 +37,19 @@ def test_a_heavy_tail_miss_is_logged_and_judged_worse() -> None:
     assert verdict.payback_factor > 1.0 and result.run.state.history.payback_factor > 1.0
     assert report.verdicts == {"worse": 1}
     assert report.prediction_errors == [round(miss.error_s / miss.predicted_step_s_after, 4)]
+    assert report.prediction_mae_s == {"resize": round(abs(miss.error_s), 3), "loan": None}
+    assert report.loans_checked == 0
+
+
+def test_the_simulated_daemon_checks_its_loans_predictions_as_the_real_one_does() -> None:
+    trace = scenario_trace("longtail-drift", scenario_shape(PROFILE), seed=0, steps=20)
+    result = simulate(trace, PROFILE, "hysteresis", verl_rules=False)
+    checked = [x for x in result.run.facts if isinstance(x, f.LoanChecked)]
+    started = {x.plan.resize_id: x for x in result.run.facts if isinstance(x, f.LoanStarted)}
+    assert checked and result.report.loans_checked == len(checked)
+    assert result.report.prediction_mae_s["loan"] == round(sum(abs(x.error_s) for x in checked) / len(checked), 3)
+    for x in checked:  # each against its own loan's prediction, after it started
+        assert x.predicted_s == started[x.resize_id].ends_in_s and x.measured_s >= 0 and x.at >= started[x.resize_id].at
 
 
 def test_a_resize_that_pays_on_a_drifting_workload_is_judged_paid_back() -> None:
