@@ -4,24 +4,19 @@ real engines (minutes each): `python benchmarks/grpo_slots.py --repeat N`."""
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
-from pathlib import Path
 
 import pytest
+
+from tests.benchmark_module import load
 
 pytest.importorskip("torch")  # the benchmark imports the example, which imports torch
 pytestmark = pytest.mark.torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("grpo_slots", ROOT / "benchmarks" / "grpo_slots.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return load("grpo_slots")
 
 
 def test_speedups_are_paired_per_repeat_with_the_median_and_every_run(bench):

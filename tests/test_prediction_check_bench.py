@@ -3,21 +3,16 @@ that checked something, with a short real run of the demo."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.benchmark_module import load
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("prediction_check", ROOT / "benchmarks" / "prediction_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return load("prediction_check")
 
 
 def test_the_median_skips_runs_that_checked_nothing(bench):
