@@ -199,8 +199,8 @@ class SimDevice:
         lent_in = msg.get("lent_in", [])  # [device, seconds into the step it serves from] per lent engine
         offsets = late + [ready for _, ready in lent_in]
         step = msg["step"]
-        finish = float(self.cluster.engine_finish(step, engines + len(lent_in), offsets, home=engines)[index])
-        empty = self.cluster.queue_empty(step, engines + len(lent_in), offsets, home=engines)
+        finishes, empty = self.cluster.rollout_reports(step, engines + len(lent_in), offsets, home=engines)
+        finish = float(finishes[index])
         if empty is not None and empty[1] == index and self._said_empty < step and empty[0] < finish:
             # this engine pulls the step's last request: its router says the queue is empty,
             # with what it still decodes (the vLLM router's `on_dry`)

@@ -167,9 +167,9 @@ def _outcome_lines(data: dict[str, Any]) -> list[str]:
         if p:
             lines.append(f"prediction  {p['resize_id']}: step {p['predicted_step_s_after']:.1f}s predicted, "
                          f"{p['measured_step_s_after']:.1f}s measured, error {p['error_s']:+.1f}s")
-        checked = [f"{kind}s {a['checked']} checked, mean abs error {a['mae_s']:.1f}s ({a['relative_error']:.0%})"
-                   for kind, a in (outcome.get("accuracy") or {}).items()
-                   if a["checked"] and a["relative_error"] is not None]
+        from dynaresized.explain import accuracy
+
+        checked = [words for kind, a in (outcome.get("accuracy") or {}).items() if (words := accuracy(kind, a))]
         if checked:
             lines.append(f"accuracy    {'; '.join(checked)}")
         v = outcome["last_verdict"]

@@ -31,7 +31,7 @@ from dynaresized.core import facts as f
 from dynaresized.core.idle import percent
 from dynaresized.core.state import ClusterState, mutate
 from dynaresized.domain import OpKind, Pool, Split, StepTiming
-from dynaresized.explain import explain
+from dynaresized.explain import accuracy, explain
 
 
 def add_parser(sub: Any) -> None:
@@ -181,10 +181,9 @@ def run(args: argparse.Namespace) -> int:
         "wall_s": round(summary["wall_s"], 1), "state_dir": str(state) if args.keep else None,
         "idle_ratio": {pool: None if t.ratio is None else round(t.ratio, 4) for pool, t in summary["idle"].items()},
         # the daemon's prediction check: resizes' step time, loans' stage end (`LoanChecked`)
-        "predictions_checked": {k: a.checked for k, a in summary["accuracy"].items()},
-        "prediction_mae_s": {k: None if a.mae_s is None else round(a.mae_s, 2) for k, a in summary["accuracy"].items()},
-        "prediction_relative_error": {k: None if a.relative is None else round(a.relative, 4)
-                                      for k, a in summary["accuracy"].items()},
+        "predictions_checked": {k: a["checked"] for k, a in summary["accuracy"].items()},
+        "prediction_mae_s": {k: _rounded(a["mae_s"], 2) for k, a in summary["accuracy"].items()},
+        "prediction_relative_error": {k: _rounded(a["relative_error"], 4) for k, a in summary["accuracy"].items()},
     }
     say("")
     say(f"done: {summary['steps']} steps, {summary['resizes']} resize(s), final split {summary['final_split']}, "
@@ -205,8 +204,7 @@ def run(args: argparse.Namespace) -> int:
     for pool, t in summary["idle"].items():
         say(f"  idle {pool:<9} {percent(t.ratio):>7} of its device time ({t.idle_s / 3600:.2f} of "
             f"{(t.busy_s + t.idle_s) / 3600:.2f} device-hours; {t.steps} steps accounted, {t.unknown_steps} unknown)")
-    checked = [f"{k}s {a.checked} checked, mean abs error {a.mae_s:.1f}s ({a.relative:.0%} of what was measured)"
-               for k, a in summary["accuracy"].items() if a.mae_s is not None and a.relative is not None]
+    checked = [words for k, a in summary["accuracy"].items() if (words := accuracy(k, a))]
     if checked:
         say(f"  predictions {'; '.join(checked)}")
     say(f"  wall time {summary['wall_s']:.1f}s; the daemon's log: `dynaresized events --state-dir {state}`"
@@ -220,6 +218,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     return 0
+
+
+def _rounded(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
 
 
 def _lent(lent: dict[Pool, list[str]]) -> str:
@@ -296,4 +298,4 @@ def _follow(state: Path, leader: subprocess.Popen[bytes], steps: int, say: Any,
     return {"steps": seen_steps, "total_time_s": total, "resizes": resizes, "loans": loans, "devices_lent": lent,
             "final_split": str(split) if split else "", "wall_s": time.monotonic() - started,
             "idle": idle, "payback_factor": cluster.history.payback_factor,
-            "accuracy": {"resize": cluster.resize_accuracy, "loan": cluster.loan_accuracy}}
+            "accuracy": {"resize": cluster.resize_accuracy.summary(), "loan": cluster.loan_accuracy.summary()}}

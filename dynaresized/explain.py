@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from dynaresized.core import facts as f
 from dynaresized.core.idle import idle_ratio, percent
 from dynaresized.domain import PlanKind, Pool
@@ -138,3 +141,12 @@ def _verdict(fact: f.ResizeJudged) -> str:
     if fact.verdict is f.Verdict.NOT_PAID_BACK:
         return f"did not pay back {over}: saved {fact.saved_s:.1f}s, cost {cost}"
     return f"paid back {over}: saved {fact.saved_s:.1f}s, cost {cost}"
+
+
+def accuracy(kind: str, a: Mapping[str, Any]) -> str | None:
+    """`kind`'s ("resize", "loan") predictions checked so far (`Accuracy.summary`, `status`'s
+    `accuracy`) in words, or None where none was checked against a measured time."""
+    if not a["checked"] or a["mae_s"] is None or a["relative_error"] is None:
+        return None
+    return (f"{kind}s {a['checked']} checked, mean abs error {a['mae_s']:.1f}s "
+            f"({a['relative_error']:.0%} of what was measured)")

@@ -100,15 +100,9 @@ def outcome_status(state: ClusterState) -> dict[str, Any]:
             "payback_steps": o.payback_steps, "predicted_step_s_after": o.predicted_step_s_after,
             "measured_step_s": o.measured_step_s},
         "last_prediction": msgspec.to_builtins(state.last_prediction),
-        "accuracy": {"resize": _accuracy(state.resize_accuracy), "loan": _accuracy(state.loan_accuracy)},
+        "accuracy": {"resize": state.resize_accuracy.summary(), "loan": state.loan_accuracy.summary()},
         "last_verdict": msgspec.to_builtins(state.last_verdict),
     }
-
-
-def _accuracy(a: Any) -> dict[str, Any]:
-    """Predictions checked so far: how many, their mean absolute error in seconds and relative to
-    what was measured (None: nothing checked)."""
-    return {"checked": a.checked, "mae_s": a.mae_s, "relative_error": a.relative}
 
 
 def _worker_status(state: ClusterState, w: Any) -> dict[str, Any]:

@@ -106,20 +106,22 @@ class VirtualCluster:
         return self.stages.engine_finish(step, engines, None if late_s is None else np.asarray(late_s, float),
                                          home=home)
 
-    def queue_empty(self, step: int, engines: int, late_s: Sequence[float],
-                    home: int | None = None) -> tuple[float, int, int, int] | None:
-        """When `step`'s queue of requests empties (seconds after the step starts, pull router),
-        the engine that pulls its last request, how many requests that engine runs then, and the
-        most tokens one of them still has to decode: what that engine's router reports (the vLLM
-        backend's `on_dry`). None with a router that places requests at submission."""
+    def rollout_reports(self, step: int, engines: int, late_s: Sequence[float],
+                        home: int | None = None) -> tuple[np.ndarray, tuple[float, int, int, int] | None]:
+        """What the engines of `step`'s rollout report, from one schedule: when each has nothing
+        left to do (`engine_finish`), and when the step's queue of requests empties (seconds after
+        the step starts), the engine that pulls its last request, how many requests that engine
+        runs then and the most tokens one of them still has to decode: what that engine's router
+        reports (the vLLM backend's `on_dry`; None with a router that places requests at
+        submission)."""
         self._check_step(step)
         if self.stages.router != "pull":
-            return None
+            return self.engine_finish(step, engines, late_s, home), None
         schedule, start_s, pace, empty_at = self.stages.pull_timeline(step, engines, np.asarray(late_s, float), home)
         engine = int(schedule.placement[int(np.argmax(start_s))])
         running = (schedule.placement == engine) & (start_s <= empty_at) & (schedule.done_s > empty_at)
         left = float(((schedule.done_s[running] - empty_at) / pace[engine]).max()) if running.any() else 0.0
-        return empty_at, engine, int(running.sum()), math.ceil(left)
+        return schedule.finish_s, (empty_at, engine, int(running.sum()), math.ceil(left))
 
     def mini_batch_seconds(self, step: int, train_devices: int) -> float:
         """One mini-batch (optimizer step) of training step `step` on `train_devices` devices."""

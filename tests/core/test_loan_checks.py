@@ -9,6 +9,8 @@ import pytest
 
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
+from dynaresized.cli import render_status
+from dynaresized.daemon.service import status_of
 from dynaresized.daemon.status import outcome_status
 from dynaresized.domain import Pool, StepTiming
 
@@ -39,6 +41,8 @@ def test_a_loan_to_training_is_checked_at_its_steps_last_mini_batch():
     assert a.relative == pytest.approx(abs(checked.error_s) / checked.measured_s)
     assert d.state.loan_checks == ()
     assert outcome_status(d.state)["accuracy"]["loan"] == {"checked": 1, "mae_s": a.mae_s, "relative_error": a.relative}
+    assert (f"accuracy    loans 1 checked, mean abs error {a.mae_s:.1f}s ({a.relative:.0%} of what was measured)"
+            in render_status(status_of(d.state)).splitlines())
     assert d.replayed().durable() == d.state.durable()
 
 

@@ -138,6 +138,10 @@ class Accuracy(msgspec.Struct, frozen=True):
         """Absolute errors over what was measured (None: nothing measured)."""
         return self.abs_error_s / self.measured_s if self.measured_s > 0 else None
 
+    def summary(self) -> dict[str, int | float | None]:
+        """As plain data (`status`'s `accuracy`, the demo's and the simulator's figures)."""
+        return {"checked": self.checked, "mae_s": self.mae_s, "relative_error": self.relative}
+
 
 class Progress(msgspec.Struct, frozen=True, array_like=True):
     step: int
