@@ -196,7 +196,7 @@ class Lending:
         idle = tuple(sorted(view.idle_engines))
         devices = ", ".join(idle)
         why = (f"lent {devices} to training at mini-batch {view.mini_batch_done}/{view.mini_batch_total}: "
-               f"rollout queue empty, {k} engine(s) idle, {bound}saves ~{saves:.0f} s (cost ~{cost:.0f} s)")
+               f"rollout queue empty, {k} idle device(s), {bound}saves ~{saves:.0f} s (cost ~{cost:.0f} s)")
         # training with the loan: the mini-batches it catches on more devices, after the group change
         ends_in = training_left - faster + view.costs.to_training_s
         return LoanProposal(devices=idle, to_pool=Pool.TRAINING.value, reason=why, saves_s=saves,

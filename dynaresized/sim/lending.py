@@ -54,11 +54,10 @@ class Lending(SimWorkers):
         if self.tracks_progress and w < model.steps:
             # The step's requests are queued: each engine says it has done none of them yet.
             total = int(model.samples[w])
-            gpe = profile.rollout.gpus_per_engine
             home = sorted((d for d, p in self.state.devices.items() if (p.home or p.pool) is Pool.ROLLOUT),
                           key=self.index.__getitem__)
-            for d in home[::gpe][:model.engines(len(home))]:
-                self._feed(ev.ProgressReported(at=start, worker_id=engine_id(self.index[d]), step=w, done=0,
+            for group in self._engine_groups(home):
+                self._feed(ev.ProgressReported(at=start, worker_id=engine_id(self.index[group[0]]), step=w, done=0,
                                                total=total))
         # The trainer says its step begins (window 0: that it has nothing to train yet); its
         # devices lent to the rollout in window 0 come home first, and the step pays their way.
@@ -67,10 +66,10 @@ class Lending(SimWorkers):
         self._ack_until(start)
         rollout_devs = sorted(self.state.pool_devices(Pool.ROLLOUT), key=self.index.__getitem__)
         engines = model.engines(len(rollout_devs))
-        late = np.array([self._late.get(d, 0.0) for d in rollout_devs[:engines]])
+        groups = dict(enumerate(self._engine_groups(rollout_devs)))
+        late = np.array([max(self._late.get(d, 0.0) for d in groups[e]) for e in range(engines)])
         self._late.clear()
-        gpe = profile.rollout.gpus_per_engine
-        self._home_engines = [engine_id(self.index[d]) for d in rollout_devs[::gpe][:engines]]
+        self._home_engines = [engine_id(self.index[groups[e][0]]) for e in range(engines)]
         self._schedule_w = None
         if w < model.steps:
             if self.paces:
@@ -89,7 +88,6 @@ class Lending(SimWorkers):
             rollout_s, served, lent = self._lend_to_rollout(w, start, rollout_s, len(rollout_devs), late, 0.0)
             return rollout_s, 0.0, lent, served, 0.0
         idle_at = sorted((float(finish[e]), e) for e in range(engines))
-        groups = {e: rollout_devs[e * gpe:(e + 1) * gpe] for e in range(engines)}
         self._tail_pending.clear()
         tail = (TailTimeline(self, w, start, finish, groups, late, idle_at)
                 if self.tails and w < model.steps and engines >= 1 else None)

@@ -178,11 +178,34 @@ class Regroups(SimWorkers):
 
     def _form_arrived_engines(self, at: float) -> None:
         """Devices a resize brought to the rollout pool start engines of the profile's size (the
-        resize's restore starts them so): the core learns them once nothing is in flight."""
+        resize's restore starts them so), with any device of the pool left out of an engine so
+        far (a start whose rollout pool is not whole engines): the core learns them once nothing
+        is in flight, so that its engines are the `StageModel`'s (devices // size of them)."""
         if self._arrived and self.state.inflight is None:
-            arrived, self._arrived = self._arrived, []
-            for devices in arrived:
-                self._form_engines(devices, at, "engines started on devices a resize brought to the rollout")
+            self._arrived = []
+            gpe = self.model.profile.rollout.gpus_per_engine
+            s = self.state
+            single = sorted((d for d, p in s.devices.items()
+                             if p.pool is Pool.ROLLOUT and p.home is None and len(s.engine_of(d)) < gpe),
+                            key=self.index.__getitem__)
+            self._form_engines(tuple(single[:len(single) // gpe * gpe]), at,
+                               "engines started on devices a resize brought to the rollout")
+
+    def _engine_groups(self, devices: list[str]) -> list[tuple[str, ...]]:
+        """The rollout engines `devices` (the pool's, in device order) form, as many as the
+        `StageModel` prices (devices // the profile's size), each its leader first: the core's
+        engines of that size, in their leaders' order, then the rest in device order (the core
+        forms arrived devices into engines only once nothing is in flight)."""
+        gpe = self.model.profile.rollout.gpus_per_engine
+        count = self.model.engines(len(devices))
+        if gpe == 1:
+            return [(d,) for d in devices[:count]]
+        inside = set(devices)
+        engines = {g for d in devices if len(g := self.state.engine_of(d)) == gpe and inside.issuperset(g)}
+        rest = [d for d in devices if not any(d in g for g in engines)]
+        groups = sorted(engines, key=lambda g: self.index[g[0]])
+        groups += [tuple(rest[i:i + gpe]) for i in range(0, len(rest) // gpe * gpe, gpe)]
+        return sorted(groups[:count], key=lambda g: self.index[g[0]])
 
     def _regroup(self, w: int, now: float) -> None:
         """At the boundary after rollout `w`, ask the layout advisor; when it names another

@@ -32,7 +32,7 @@ def test_saving_counts_the_mini_batches_the_loan_still_catches():
     assert p is not None and p.devices == ("n0:gpu7",) and p.to_pool == "training"
     assert p.saves_s == pytest.approx(11 * 20.0 * 1 / 5)
     assert p.cost_s == pytest.approx(3.0 + 4.0 / 4)
-    assert p.reason == ("lent n0:gpu7 to training at mini-batch 4/16: rollout queue empty, 1 engine(s) idle, "
+    assert p.reason == ("lent n0:gpu7 to training at mini-batch 4/16: rollout queue empty, 1 idle device(s), "
                         "saves ~44 s (cost ~4 s)")
     slow_join = policy.propose_loan(view(done=4, total=16, pace_s=5.0))  # the 6 s lead costs one more
     assert slow_join.saves_s == pytest.approx(10 * 5.0 * 1 / 5)

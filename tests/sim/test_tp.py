@@ -149,3 +149,22 @@ def test_resizes_of_a_cluster_of_wide_engines_move_and_start_whole_engines():
     assert all(len(run.state.engine_of(d)) == 8 for d in rollout)  # the core knows every engine whole
     formed = [x for x in run.facts if isinstance(x, f.RegroupStarted) and x.at > 0]
     assert formed and all(x.source == "profile" for x in formed)
+
+
+def test_a_start_that_is_not_whole_engines_keeps_the_simulator_s_engines_the_core_s():
+    # 16 devices of TP-2 engines from 9:7: the rollout pool's seventh device served in no engine.
+    # A resize then brought one more; the simulator grouped the pool by device order
+    # (gpu7+gpu8, ...) while the core had formed gpu9+gpu10, ... at the start, and a loan lent
+    # an engine the simulator still ran ("lent busy devices"). The arrivals now form an engine
+    # with the device left out, and the simulator takes its engines from the core.
+    profile = PROFILE.with_gpus(16).with_layout(2, Split(9, 7))
+    trace = scenario_trace("longtail-drift", scenario_shape(profile), seed=0, steps=60)
+    pipeline = DynamicPipeline(StageModel(profile, trace), load_policy("hysteresis"), guards=guards_for(profile))
+    run = pipeline.run()
+    moves = [x.plan for x in run.facts if isinstance(x, f.ResizeStarted)]
+    assert any(p.to_pool is Pool.ROLLOUT for p in moves)
+    assert sum(isinstance(x, f.LoanLanded) for x in run.facts) > 0
+    rollout = sorted(run.state.pool_devices(Pool.ROLLOUT), key=pipeline.index.__getitem__)
+    groups = pipeline._engine_groups(rollout)
+    assert len(groups) == len(rollout) // 2
+    assert all(run.state.engine_of(g[0]) == g for g in groups)  # the core's engines, each whole
