@@ -1,8 +1,19 @@
 """`hysteresis`: DynaResize-style. Move devices toward the slower stage, to the allowed split
 with the best predicted step time; the core's guards (threshold, run of signals, dwell,
-cooldown, payback) decide whether the proposal goes ahead."""
+cooldown, payback) decide whether the proposal goes ahead.
+
+`decide_from_progress=true` (off by default) decides from the step in progress as well: one-step
+off, at a boundary the next step's rollout is done, its time known from the engines' progress
+reports (`ObservedView.rollout_done_s`) a window before its step report. The policy then pairs
+that rollout with the training that ran beside it (the last step's) as the newest step of its
+window, for the move and its doubts; the guards and the payback verdict keep reading measured
+steps. Measured in the simulator (docs/results.md), it does not pay: a workload that turns is
+seen one window sooner, and a noisy one moves on one window's noise.
+"""
 
 from __future__ import annotations
+
+import msgspec
 
 from dynaresized.core.costmodel import Measure, measure
 from dynaresized.core.policy import ObservedView, Proposal, stage_split_estimate
@@ -43,8 +54,9 @@ class HysteresisPolicy(Lending):
     def __init__(self, window: int = 3, max_move: int | None = None, lending: bool = True,
                  lend_trainers: bool = True, lend_engines: bool = True, tail_regroup: bool = False,
                  unmeasured_rollout_s: float = 300.0, lend_from_progress: bool = True,
-                 agree: bool = True) -> None:
+                 agree: bool = True, decide_from_progress: bool = False) -> None:
         self.agrees = bool(agree)
+        self.decides_from_progress = bool(decide_from_progress)
         self.lends = bool(lending)
         self.lends_from_progress = bool(lend_from_progress)
         self.unmeasured_rollout_s = checked_prior(unmeasured_rollout_s)
@@ -74,10 +86,24 @@ class HysteresisPolicy(Lending):
                    and m.step_on(target, lend_after_s=lend) >= m.step_on(view.split, lend_after_s=lend)]
         return ", ".join(str(s) for s in against)
 
+    @staticmethod
+    def with_rollout_done(view: ObservedView) -> ObservedView:
+        """`view` whose newest step is the rollout the engines reported done since the last step
+        report, beside the last step's training (they ran in the same window); `view` itself
+        where none was reported. Its devices: the rollout pool's (lent trainers not counted)."""
+        if view.rollout_done_s <= 0 or view.rollout_done_step <= view.step or not view.recent:
+            return view
+        last = view.recent[-1]
+        fresh = msgspec.structs.replace(last, step=view.rollout_done_step, rollout_s=view.rollout_done_s,
+                                        rollout_devices=view.split.rollout, rollout_device_s=0.0)
+        return msgspec.structs.replace(view, recent=(*view.recent, fresh))
+
     def __call__(self, view: ObservedView) -> Proposal | None:
         if not view.recent:
             self.last_reason = "no step observed on this split yet"
             return None
+        if self.decides_from_progress:
+            view = self.with_rollout_done(view)
         model = window_measure(view, self.window)
         assert model is not None
         lend = self.lend_lead_s(view, self.window)

@@ -229,6 +229,13 @@ def on_progress(core: CoreLike, tx: Tx, e: ev.ProgressReported) -> None:
         raise Refused("bad_value", f"progress done={e.done} total={e.total} tokens={e.tokens} is impossible")
     before = tx.state
     tx.state = progressed(tx.state, e.worker_id, Progress(e.step, e.done, e.total, e.tokens))  # soft: no fact
+    done, total = tx.state.samples(e.step)
+    if (total and done >= total and e.step > tx.state.last_step and e.step == rollout_in_progress(tx.state)
+            and (began := step_started_at(tx.state)) >= 0
+            and (tx.state.rollout_done is None or tx.state.rollout_done[0] < e.step)):
+        # the rollout step in progress is done: what a policy that decides from it reads at the
+        # next boundary (`ObservedView.rollout_done_s`)
+        tx.state = msgspec.structs.replace(tx.state, rollout_done=(e.step, e.at - began))
     # A lending policy that sends its loans home on the rollout's progress (verl's rules go home
     # once enough samples are done) is asked after every report.
     s = tx.state

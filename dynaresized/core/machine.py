@@ -127,6 +127,9 @@ class Core:
         remaining = None
         if self.config.steps_total is not None:
             remaining = max(self.config.steps_total - state.last_step - 1, 0)
+        # the next rollout step, done before its step report (one-step off: at every boundary)
+        fresh = state.rollout_done
+        done = fresh if fresh is not None and fresh[0] > state.last_step else (-1, -1.0)
         return ObservedView(
             now=now,
             step=state.last_step,
@@ -138,6 +141,8 @@ class Core:
             history=state.step_history,
             rollout_loan_costs=loans.loan_costs(self, state, Pool.ROLLOUT),
             tail_binds=costmodel.tail_binds(self.config.pipeline),
+            rollout_done_step=done[0],
+            rollout_done_s=done[1],
         )
 
 

@@ -49,6 +49,12 @@ class ObservedView(msgspec.Struct, frozen=True):
     tail_binds: bool = True
     """A step waits for its longest response (False: the job's pipeline carries an unfinished
     response over, `costmodel.tail_binds`): whether the cost model uses the latency floor."""
+    rollout_done_step: int = -1
+    rollout_done_s: float = -1.0
+    """The rollout step after `step` that the engines' progress reports say is done, and its
+    seconds (one-step off, at a step boundary the next step's rollout has finished, and its step
+    report comes a window later; -1: none reported). A policy may decide from it
+    (`hysteresis`'s `decide_from_progress`)."""
 
 
 class Proposal(msgspec.Struct, frozen=True):

@@ -276,3 +276,38 @@ def test_the_jobs_pipeline_reaches_the_policys_views() -> None:
         d = boot(core, 2, 2)
         assert core.view(d.state, 1.0).tail_binds is binds
         assert loan_view(core, d.state, 1.0).tail_binds is binds
+
+
+def test_the_next_rollout_done_reaches_the_view_and_the_option_decides_from_it() -> None:
+    """One-step off, at a boundary the next step's rollout is done a window before its step
+    report: the engines' progress says when (`ObservedView.rollout_done_s`), and `hysteresis`
+    with `decide_from_progress` counts it as its newest step, beside the last step's training."""
+    from dynaresized.core.loans import step_started_at
+    from tests.core.cluster import engine
+
+    d = boot(make_core(policy="hysteresis"), 2, 2)
+    d.send(ev.StepReported(at=d.at(100.0), worker_id=trainer(0), timing=StepTiming(
+        step=0, rollout_s=100.0, train_s=100.0, rollout_devices=2, train_devices=2)))
+    began = step_started_at(d.state)
+    d.send(ev.MiniBatchDone(at=d.at(), worker_id=trainer(0), step=1, done=0, total=4))  # training 1 begins
+    assert d.core.view(d.state, d.at()).rollout_done_step == -1  # rollout 2 not done yet
+    d.send(ev.ProgressReported(at=d.at(150.0), worker_id=engine(2), step=2, done=8, total=16))
+    assert d.state.rollout_done is None  # half of its samples
+    last = d.at(150.0)
+    d.send(ev.ProgressReported(at=last, worker_id=engine(3), step=2, done=8, total=16))
+    seen = d.core.view(d.state, d.at())
+    assert seen.rollout_done_step == 2 and seen.rollout_done_s == pytest.approx(last - began)
+    assert d.state.durable().rollout_done is None  # soft state, as the reports are
+    # the policy: rollout 2 took 600 s beside training 1's 100 s; the step reports said 100/100
+    split = Split(2, 2)
+    balanced = ObservedView(now=seen.now, step=1, split=split, candidates=(), costs=ResizeCosts(),
+                            recent=(timing(0, 100.0, 100.0, split), timing(1, 100.0, 100.0, split)),
+                            rollout_done_step=2, rollout_done_s=600.0)
+    assert HysteresisPolicy()(balanced) is None  # off by default: the measured steps are even
+    p = HysteresisPolicy(decide_from_progress=True)(balanced)
+    assert p is not None and p.target == Split(1, 3) and "at step 2" in p.reason
+    # a rollout reported done of a step already reported, or none: the view as it is
+    import msgspec
+
+    stale = msgspec.structs.replace(balanced, rollout_done_step=1)
+    assert HysteresisPolicy.with_rollout_done(stale) is stale

@@ -217,6 +217,9 @@ class ClusterState(msgspec.Struct, frozen=True):
     progress: dict[WorkerId, Progress] = {}
     progress_recent: dict[WorkerId, Progress] = {}
     step_progress: dict[int, StepProgress] = {}
+    rollout_done: tuple[int, float] | None = None
+    """(step, seconds) of the last rollout step whose samples were all reported done, from when
+    it began (`loans.step_started_at`) until its last sample: soft state, as the reports are."""
     history: History = History()
     idle: IdleLedger = IdleLedger()
     outcome: Outcome | None = None  # the last committed (or in-flight) resize, until judged
@@ -394,7 +397,7 @@ class ClusterState(msgspec.Struct, frozen=True):
     def durable(self) -> ClusterState:
         """Without the soft state: when workers were last heard from, and the engines' progress."""
         return replace(self, seen_base={}, seen_recent={}, last_sent=0.0, last_audit=0.0, last_tick=0.0,
-                       progress={}, progress_recent={}, step_progress={})
+                       progress={}, progress_recent={}, step_progress={}, rollout_done=None)
 
 
 # -- the fold ---------------------------------------------------------------------------
