@@ -87,6 +87,14 @@ class Measure(msgspec.Struct, frozen=True):
             rollout = self.rollout_with_loans(split.rollout, split.train, train + lend_after_s)
         return max(rollout, train) + self.sync_s
 
+    def in_flight_s(self, split: Split, target: Split) -> float:
+        """Seconds a resize from `split` to `target` adds to the window it is in flight: its
+        devices serve neither pool until it commits at the next boundary, so that window runs
+        on the donor pool without them beside the receiver as it was (inf where the donor would
+        be left with none). Loans are left out both ways."""
+        during = Split(train=min(split.train, target.train), rollout=min(split.rollout, target.rollout))
+        return max(self.step_on(during) - self.step_on(split), 0.0)
+
     def describe(self) -> str:
         if self.model == FLOOR:
             return (f"rollout {self.rollout_s:.1f}s on {self.rollout_devices:g} device(s), latency floor "

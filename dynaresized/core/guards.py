@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from dynaresized.core.costmodel import measure
 from dynaresized.core.policy import LoanProposal, LoanView, ObservedView, Proposal, TailProposal
 from dynaresized.domain import Pool, Split, StepTiming
 
@@ -174,9 +175,25 @@ def check_min_gain(view: ObservedView, p: Proposal, cfg: GuardConfig, h: History
     return None
 
 
+COST_STEPS = 3
+"""Measured steps a resize's cost is predicted from (the hysteresis policy's window)."""
+
+
+def resize_cost_s(view: ObservedView, target: Split) -> float:
+    """What a resize to `target` costs the job, on its critical path: its ops on one device (they
+    run on every moving device at once), and the window it is in flight, when the moving devices
+    serve neither pool (`costmodel.Measure.in_flight_s`, from the last measured steps). Before a
+    step is measured: every moving device's ops in a row (`ResizeCosts.for_move`). The payback
+    guard prices a move with it, and the verdict judges the move against it."""
+    model = measure(view.recent[-COST_STEPS:], view.split, floor=view.tail_binds)
+    if model is None:
+        return view.costs.for_move(view.split, target)
+    return view.costs.per_device(view.split, target) + model.in_flight_s(view.split, target)
+
+
 def check_payback(view: ObservedView, p: Proposal, cfg: GuardConfig, h: History) -> Rejection | None:
     horizon = payback_horizon(view, cfg)
-    cost = view.costs.for_move(view.split, p.target)
+    cost = resize_cost_s(view, p.target)
     gain = p.saving_per_step_s * horizon
     if gain <= cost * cfg.payback_safety * h.payback_factor:
         learned = (f" x {h.payback_factor:g} (raised after resizes that did not pay back)"

@@ -26,9 +26,11 @@ class ResizeCosts(msgspec.Struct, frozen=True):
     to_rollout_s: float = 30.0
 
     def for_move(self, before: Split, after: Split) -> float:
-        moved = abs(after.train - before.train)
-        per_device = self.to_training_s if after.train > before.train else self.to_rollout_s
-        return moved * per_device
+        """Every moving device's seconds in a row: the estimate before any step is measured."""
+        return abs(after.train - before.train) * self.per_device(before, after)
+
+    def per_device(self, before: Split, after: Split) -> float:
+        return self.to_training_s if after.train > before.train else self.to_rollout_s
 
 
 class ObservedView(msgspec.Struct, frozen=True):

@@ -115,7 +115,7 @@ def start_resize(core: CoreLike, tx: Tx, view: ObservedView, plan: ResizePlan, p
         predicted_step_s=proposal.predicted_step_s if predicted else None,
         predicted_step_s_after=proposal.predicted_step_s_after if predicted else None,
         measured_step_s=sum(periods) / len(periods) if periods else None,
-        predicted_cost_s=view.costs.for_move(view.split, proposal.target),
+        predicted_cost_s=guards.resize_cost_s(view, proposal.target),
         payback_steps=max(guards.payback_horizon(view, core.config.guards), 1),
         measured_s_per_token=per_token))
     advance(core, tx, at, fresh=True)

@@ -4,6 +4,8 @@ imbalance does, toward the slower stage."""
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -371,9 +373,10 @@ def test_a_sustained_imbalance_of_any_size_resizes_after_exactly_signal_run_step
 
 
 def test_payback_learned_factor_raises_the_bar() -> None:
-    # cost 2 x 30 s = 60 s, x payback_safety 1.5 = 90 s; 2.5 s/step x 50 steps = 125 s clears
-    # that at factor 1, not at factor 2 (180 s)
-    v, p = view(tuple(ROLLOUT_SLOW)), proposal(Split(4, 4), saving_s=2.5)
+    # measured rollout-bound steps: the move costs one device's ops (30 s; the window in flight
+    # is no slower, training on 4 still outpaced by the rollout), x payback_safety 1.5 = 45 s;
+    # 1.5 s/step x 50 steps = 75 s clears that at factor 1, not at factor 2 (90 s)
+    v, p = view(tuple(ROLLOUT_SLOW)), proposal(Split(4, 4), saving_s=1.5)
     assert g.check_payback(v, p, CFG, NOBODY) is None
     rejected(g.check_payback(v, p, CFG, History(payback_factor=2.0)), "payback", "x 2 (raised")
 
@@ -390,3 +393,19 @@ def test_a_step_the_policy_lets_pass_says_why_in_the_log(policy: str, why: str) 
     assert len(held) == 1 and held[0].step == 0 and held[0].split == Split(2, 2) and why in held[0].reason
     assert held[0].source == policy and not any(isinstance(x, f.ResizeStarted) for x in facts)
     assert d.replayed().durable() == d.state.durable()
+
+
+def test_a_resize_is_priced_by_one_devices_ops_and_the_window_it_is_in_flight() -> None:
+    # before any step is measured: every moving device's ops in a row (2 x 30 s)
+    assert g.resize_cost_s(view(), Split(4, 4)) == pytest.approx(60.0)
+    # measured and rollout-bound (255 s against training's 100 s at 6:2): while two trainers move,
+    # training on 4 takes 150 s, still inside the rollout: one device's ops, 30 s, however many move
+    slow = view(tuple(timing(i, 255.0, 100.0) for i in range(3)))
+    assert g.resize_cost_s(slow, Split(4, 4)) == pytest.approx(30.0)
+    assert g.resize_cost_s(slow, Split(5, 3)) == pytest.approx(30.0)
+    # training-bound (300 s at 6:2, 1,800 device-s): the same move makes its window 450 s, 150 s more
+    busy = view(tuple(timing(i, 100.0, 300.0) for i in range(3)))
+    assert g.resize_cost_s(busy, Split(4, 4)) == pytest.approx(30.0 + 150.0)
+    # a move that leaves the donor pool nothing for its window never pays back
+    assert g.resize_cost_s(slow, Split(0, 8)) == math.inf
+    rejected(g.check_payback(slow, proposal(Split(0, 8), saving_s=1e6), CFG, NOBODY), "payback")

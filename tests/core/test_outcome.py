@@ -9,7 +9,7 @@ import pytest
 from dynaresized.cli import render_status
 from dynaresized.core import events as ev
 from dynaresized.core import facts as f
-from dynaresized.core.guards import GuardConfig
+from dynaresized.core.guards import GuardConfig, resize_cost_s
 from dynaresized.core.policy import ObservedView, Proposal
 from dynaresized.core.state import fold
 from dynaresized.daemon.metrics import Metrics
@@ -58,7 +58,9 @@ def test_a_prediction_miss_is_logged_and_the_resize_judged_worse() -> None:
     assert len(started) == 1
     s = started[0]
     assert (s.predicted_step_s, s.predicted_step_s_after, s.measured_step_s) == (78.0, 33.0, 78.0)
-    assert s.payback_steps == 5 and s.predicted_cost_s == 60.0  # 2 devices x 30 s (no resize measured yet)
+    # one device's ops (30 s: no resize measured yet); training on 4 while two move (30 s) stays
+    # inside the 78 s rollout, so the window in flight costs nothing more
+    assert s.payback_steps == 5 and s.predicted_cost_s == 30.0
     d.finish()
     assert d.state.split == Split(4, 4)
 
@@ -103,8 +105,8 @@ def test_the_raised_payback_rejects_what_it_used_to_accept() -> None:
     class Back(Scripted):
         def __call__(self, view: ObservedView) -> Proposal | None:
             if view.split == Split(4, 4) and view.step >= 5:  # once the first resize is judged
-                # cost 2 x learned per-device cost; pick a saving between 1.5x and 3x of it
-                cost = view.costs.for_move(view.split, Split(6, 2))
+                # the guard's price of the move; pick a saving between 1.5x and 3x of it
+                cost = resize_cost_s(view, Split(6, 2))
                 saving = 2.0 * cost / 5
                 return Proposal(target=Split(6, 2), reason="back", predicted_step_s=100.0 + saving,
                                 predicted_step_s_after=100.0)
