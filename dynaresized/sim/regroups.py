@@ -202,7 +202,8 @@ class Regroups(SimWorkers):
             return [(d,) for d in devices[:count]]
         inside = set(devices)
         engines = {g for d in devices if len(g := self.state.engine_of(d)) == gpe and inside.issuperset(g)}
-        rest = [d for d in devices if not any(d in g for g in engines)]
+        taken = {d for g in engines for d in g}
+        rest = [d for d in devices if d not in taken]
         groups = sorted(engines, key=lambda g: self.index[g[0]])
         groups += [tuple(rest[i:i + gpe]) for i in range(0, len(rest) // gpe * gpe, gpe)]
         return sorted(groups[:count], key=lambda g: self.index[g[0]])
