@@ -178,7 +178,7 @@ class DynamicPipeline(Lending, Regroups):
         self._early_home = None  # (when, seconds) of such a return
         self._home_engines = []  # the window's home engines, by engine index
         self._schedule_w = None  # the window's rollout on them, request by request
-        self._arrived = []  # devices resizes brought to the rollout, engines to form
+        self._arrived = False  # a resize brought devices to the rollout: engines to form
         self._tail_in = set()  # tail regroups (the policy's, inside a step)
         self._tail_pending = []  # tail regroups started, not yet priced: (plan, undo)
         self._tail_out = set()  # their ways back at the step boundary

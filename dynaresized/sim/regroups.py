@@ -182,7 +182,7 @@ class Regroups(SimWorkers):
         far (a start whose rollout pool is not whole engines): the core learns them once nothing
         is in flight, so that its engines are the `StageModel`'s (devices // size of them)."""
         if self._arrived and self.state.inflight is None:
-            self._arrived = []
+            self._arrived = False
             gpe = self.model.profile.rollout.gpus_per_engine
             s = self.state
             single = sorted((d for d, p in s.devices.items()
@@ -204,9 +204,8 @@ class Regroups(SimWorkers):
         engines = {g for d in devices if len(g := self.state.engine_of(d)) == gpe and inside.issuperset(g)}
         taken = {d for g in engines for d in g}
         rest = [d for d in devices if d not in taken]
-        groups = sorted(engines, key=lambda g: self.index[g[0]])
-        groups += [tuple(rest[i:i + gpe]) for i in range(0, len(rest) // gpe * gpe, gpe)]
-        return sorted(groups[:count], key=lambda g: self.index[g[0]])
+        groups = [*engines, *(tuple(rest[i:i + gpe]) for i in range(0, len(rest) // gpe * gpe, gpe))]
+        return sorted(groups, key=lambda g: self.index[g[0]])[:count]
 
     def _regroup(self, w: int, now: float) -> None:
         """At the boundary after rollout `w`, ask the layout advisor; when it names another

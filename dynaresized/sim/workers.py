@@ -60,7 +60,7 @@ class SimWorkers:
     _served_early: set[str]
     _mid_window: bool
     _early_home: tuple[float, float] | None
-    _arrived: list[tuple[str, ...]]
+    _arrived: bool
     _tail_in: set[str]
     _tail_pending: list[tuple[ResizePlan, tuple[tuple[str, ...], ...]]]
     _tail_out: set[str]
@@ -87,7 +87,7 @@ class SimWorkers:
             if isinstance(fact, f.ResizeCommitted) and self.model.profile.rollout.gpus_per_engine > 1:
                 plan = self.facts_plan(fact.resize_id)
                 if plan.kind is PlanKind.RESIZE and plan.to_pool is Pool.ROLLOUT:
-                    self._arrived.append(plan.devices)
+                    self._arrived = True
             if isinstance(fact, f.ResizeCommitted) and not self.naive:
                 plan = self.facts_plan(fact.resize_id)
                 c = costs.to_training if plan.to_pool is Pool.TRAINING else costs.to_rollout

@@ -30,7 +30,7 @@ from dynaresized.domain import Split, StepTiming
 from dynaresized.policies.hysteresis import HysteresisPolicy
 from dynaresized.policies.static import StaticPolicy
 
-from .cluster import boot, make_core, trainer
+from .cluster import boot, engine, make_core, trainer
 
 
 def timing(step: int, rollout_s: float, train_s: float, split: Split) -> StepTiming:
@@ -283,7 +283,6 @@ def test_the_next_rollout_done_reaches_the_view_and_the_option_decides_from_it()
     report: the engines' progress says when (`ObservedView.rollout_done_s`), and `hysteresis`
     with `decide_from_progress` counts it as its newest step, beside the last step's training."""
     from dynaresized.core.loans import step_started_at
-    from tests.core.cluster import engine
 
     d = boot(make_core(policy="hysteresis"), 2, 2)
     d.send(ev.StepReported(at=d.at(100.0), worker_id=trainer(0), timing=StepTiming(
